@@ -1,0 +1,11 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_restore_dtype():
+    """Every test starts from the same RNG state and leaves the global default dtype untouched."""
+    torch.manual_seed(0)
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
