@@ -1,0 +1,465 @@
+"""Will it fit? Memory of one training step, per GPU, stage by stage, estimated on a CPU-only machine.
+
+    python profile_memory.py --model_size 4B --context_length 131072 --attention_type nsa
+    python profile_memory.py --model_size 4B --context_length 131072 --world_size 2 --gradient_checkpointing \
+        --gpu_memory 80
+
+How the estimate works (`estimate`): the model is built by the same code as in training (`model.Transformer` on the
+meta device, `parallel.apply_fsdp`, `to_empty`, `init_weights`, AdamW with foreach=False), but under
+`FakeTensorMode`, so every tensor has its real shape, dtype and storage size and nothing is allocated. FSDP2 runs
+for real on a fake process group (`FakeStore`, collectives are no-ops) over a CPU device mesh of `world_size` ranks,
+so the numbers are those of one rank. `torch.distributed._tools.FSDPMemTracker` (a TorchDispatchMode) counts the
+live bytes of every storage by category; we read it at each stage of one steady-state step (optimizer state already
+present, as in every step after the first): forward (embedding, first block, all blocks), loss, backward, AdamW.
+
+Stand-ins: full attention runs the CPU flash SDPA kernel's fake implementation; like the CUDA flash/cuDNN kernels it
+keeps only the output and the log-sum-exp for backward (no T x T matrix), so its memory is the GPU kernel's. NSA
+(nsa.py) is pure PyTorch and runs as is; its memory is that of the reference path that training runs. Not seen by
+the tracker: the CUDA context (~0.5-1 GiB), NCCL buffers, allocator rounding and fragmentation, and workspaces inside
+single kernels; `--reserve` (GiB) keeps room for them when judging the fit.
+
+`--measure` (CUDA only) runs the same step for real on the GPU, reads `torch.cuda` memory statistics at the same
+stages and prints them beside the estimate (the process group is still the fake one, so `--world_size N` gives the
+memory of one of N ranks on a single GPU).
+
+Categories at each stage: parameters (sharded fp32 master weights, unsharded compute copies, all-gather buffers,
+buffers), gradients (sharded, unsharded, reduce-scatter buffers), optimizer state (AdamW moments), activations
+(tensors made in forward, including the inputs and what is saved for backward), temporaries (tensors made in
+backward: activation gradients, recomputation). All sizes are bytes in the returned dicts and GiB in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from model import PRESETS, ModelConfig, Transformer
+from parallel import apply_fsdp
+
+GiB = 1024**3
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+# FSDPMemTracker's categories, folded into the five above.
+_TRACKER_CATEGORIES = {
+    "Sharded Param": "parameters", "Unsharded Param": "parameters", "All Gather": "parameters", "Buffer": "parameters",
+    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "Reduce Scatter": "gradients",
+    "OptState": "optimizer", "Activation": "activations", "Inputs": "activations", "Temp": "temporaries",
+}
+PHASES = ("forward", "backward", "optimizer step")
+STAND_INS = {
+    "full": "full attention: the CPU flash SDPA kernel (fake) stands in for CUDA flash/cuDNN; both save only the "
+            "output and log-sum-exp for backward (no T x T matrix)",
+    "nsa": "NSA: the pure-PyTorch nsa.py path runs as in training (query chunks recomputed in backward); no stand-in",
+}
+_HARMLESS_WARNINGS = ("DTensor random operators may not have complete support on cpu device mesh",
+                      "FSDP2-wrapped module .* returned a view tensor")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """One training step to profile: the model preset and everything that changes the memory of a step."""
+
+    model_size: str = "4B"
+    context_length: int = 4096  # tokens per sequence
+    attention_type: str = "full"  # "full" | "nsa"
+    batch_size: int = 1  # sequences per rank
+    world_size: int = 1  # FSDP2 ranks; parameters, gradients and optimizer state are sharded over them
+    gradient_checkpointing: bool = False
+    loss: str = "auto"  # "auto" | "standard" | "chunked" (ModelConfig.loss_mode)
+    dtype: str = "bfloat16"  # compute dtype; master weights, gradients and AdamW state stay float32
+
+    def __post_init__(self) -> None:
+        if self.model_size not in PRESETS:
+            raise ValueError(f"unknown model_size {self.model_size!r}; available: {sorted(PRESETS)}")
+        for name in ("context_length", "batch_size", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2 (next-token targets), got {self.context_length}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self.model_config()  # validates attention_type and loss
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_preset(self.model_size, context_length=self.context_length,
+                                       attention_type=self.attention_type, loss_mode=self.loss)
+
+    def describe(self) -> str:
+        return (f"{self.model_size}, {self.batch_size} x {self.context_length} tokens per rank, {self.attention_type} "
+                f"attention, world size {self.world_size}, {self.dtype} compute, checkpointing "
+                f"{'on' if self.gradient_checkpointing else 'off'}")
+
+
+# ---- memory probes: the same interface over the tracker (fake or real tensors) and over torch.cuda statistics ----
+
+class _StageTracker(FSDPMemTracker):
+    """FSDPMemTracker that also reports live bytes by category now and at the highest point of the current phase."""
+
+    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        self._phase_peak = dict.fromkeys(("total", *CATEGORIES), 0)
+
+    def current(self) -> dict[str, int]:
+        totals = dict.fromkeys(("total", *CATEGORIES), 0)
+        for device_snapshot in self._curr_mem_snap.values():
+            for kind, nbytes in device_snapshot.items():
+                if kind == "Total":
+                    totals["total"] += nbytes
+                else:
+                    totals[_TRACKER_CATEGORIES[kind.value]] += nbytes
+        return totals
+
+    def start_phase(self) -> None:
+        self._phase_peak = self.current()
+
+    def phase_peak(self) -> dict[str, int]:
+        return dict(self._phase_peak)
+
+    def _update_peak_stats(self, peak_state: object) -> None:
+        # MemTracker calls this after every operator; we keep the phase's highest snapshot alongside its own peaks.
+        super()._update_peak_stats(peak_state)
+        now = self.current()
+        if now["total"] > self._phase_peak["total"]:
+            self._phase_peak = now
+
+
+class _CudaStats:
+    """torch.cuda.memory_allocated / max_memory_allocated at the same stages (totals only, no categories)."""
+
+    def __enter__(self) -> _CudaStats:
+        torch.cuda.synchronize()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        torch.cuda.synchronize()
+
+    def current(self) -> dict[str, int]:
+        return {"total": torch.cuda.memory_allocated()}
+
+    def start_phase(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def phase_peak(self) -> dict[str, int]:
+        return {"total": torch.cuda.max_memory_allocated()}
+
+
+# ---- the step ---------------------------------------------------------------------------------------------------
+
+@contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A fake process group of `world_size` ranks (this process is rank 0; collectives do nothing), torn down after."""
+    if dist.is_initialized():
+        raise RuntimeError("profile_memory starts its own fake process group; call it outside torch.distributed")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build(config: StepConfig, mesh: DeviceMesh) -> tuple[Transformer, torch.optim.Optimizer]:
+    """The model and optimizer exactly as training builds them: meta device, checkpointing, FSDP2 over `mesh`,
+    to_empty on the mesh's device, init_weights, AdamW(foreach=False). Under FakeTensorMode for an estimate."""
+    with torch.device("meta"):
+        model = Transformer(config.model_config())
+    model.gradient_checkpointing_enable(config.gradient_checkpointing)
+    dtype = DTYPES[config.dtype]
+    apply_fsdp(model, mesh, param_dtype=None if dtype == torch.float32 else dtype)
+    model.to_empty(device=mesh.device_type)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    return model, optimizer
+
+
+def _warm_up(model: Transformer, optimizer: torch.optim.Optimizer, seq_len: int, device: str) -> None:
+    """Bring the model to the state of every step after the first: AdamW moments exist, RoPE tables are built."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.rope(seq_len, 0, torch.device(device))
+
+
+def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_ids: Tensor, labels: Tensor,
+                   probe: _StageTracker | _CudaStats) -> dict[str, dict[str, int]]:
+    """One training step (forward + loss, backward, AdamW step, zero_grad) with `probe` read at each stage.
+
+    Returns {stage: {"total": bytes, category: bytes, ...}} in time order, plus the peak of each phase.
+    """
+    stages = {"parameters": probe.current()}
+
+    def mark(stage: str):  # forward hook recording the first time a module finishes its forward
+        def hook(module: torch.nn.Module, args: object, output: Tensor) -> None:
+            stages.setdefault(stage, probe.current())
+        return hook
+
+    handles = [model.embed_tokens.register_forward_hook(mark("after embedding")),
+               model.layers[0].register_forward_hook(mark("after first layer")),
+               model.norm.register_forward_hook(mark("after forward"))]
+    try:
+        probe.start_phase()
+        loss = model(input_ids, labels=labels).loss  # the logits (standard path) are not kept
+        stages["after loss"] = probe.current()
+        stages["peak during forward"] = probe.phase_peak()
+        probe.start_phase()
+        loss.backward()
+        del loss
+        stages["peak during backward"] = probe.phase_peak()
+        stages["after backward"] = probe.current()
+        probe.start_phase()
+        optimizer.step()
+        stages["after optimizer step"] = probe.current()
+        stages["peak during optimizer step"] = probe.phase_peak()
+        optimizer.zero_grad(set_to_none=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stages
+
+
+def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True) -> dict[str, dict[str, int]]:
+    """Memory of one steady-state training step of `config` at every stage, per rank.
+
+    device "cpu" with fake=True is the estimate; fake=False runs the step for real (tiny models only). On "cuda"
+    with fake=False the memory comes from torch.cuda statistics (totals only), otherwise from FSDPMemTracker.
+    """
+    with warnings.catch_warnings(), fake_process_group(config.world_size):
+        for message in _HARMLESS_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        mesh = init_device_mesh(device, (config.world_size,))  # outside FakeTensorMode: it reads its rank map
+        with FakeTensorMode() if fake else nullcontext():
+            return _profile_on_mesh(config, mesh, fake)
+
+
+def _profile_on_mesh(config: StepConfig, mesh: DeviceMesh, fake: bool) -> dict[str, dict[str, int]]:
+    B, T, device = config.batch_size, config.context_length, mesh.device_type
+    model, optimizer = build(config, mesh)
+    _warm_up(model, optimizer, T, device)
+    input_ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
+    labels = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
+    if device == "cuda" and not fake:
+        probe: _StageTracker | _CudaStats = _CudaStats()
+    else:
+        probe = _StageTracker(model, optimizer)
+        probe.track_inputs((input_ids, labels))
+    with probe:
+        return _training_step(model, optimizer, input_ids, labels, probe)
+
+
+def _summarize(config: StepConfig, stages: dict[str, dict[str, int]], seconds: float, method: str) -> dict:
+    model_config = config.model_config()
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    chunked = model.use_chunked_loss(config.batch_size * config.context_length, DTYPES[config.dtype])
+    phase = max(PHASES, key=lambda p: stages[f"peak during {p}"]["total"])
+    return {
+        "config": dataclasses.asdict(config),
+        "num_parameters": model.num_parameters(),
+        "loss_path": "chunked" if chunked else "standard",
+        "method": method,
+        "stand_in": STAND_INS[config.attention_type],
+        "units": "bytes",
+        "stages": stages,
+        "peak": {"phase": phase, **stages[f"peak during {phase}"]},
+        "seconds": round(seconds, 2),
+    }
+
+
+def estimate(config: StepConfig) -> dict:
+    """Estimated per-rank memory of one training step of `config`, on the CPU with fake tensors.
+
+    Returns a JSON-ready dict: "config", "num_parameters", "loss_path" ("standard" | "chunked"), "method",
+    "stand_in", "stages" {stage: {"total", "parameters", "gradients", "optimizer", "activations", "temporaries"}} in
+    bytes and in time order, "peak" (the highest phase peak, with "phase"), "seconds". Can be called repeatedly.
+    """
+    start = time.perf_counter()
+    stages = profile_step(config, "cpu", fake=True)
+    return _summarize(config, stages, time.perf_counter() - start, "estimate: fake tensors on CPU, FSDPMemTracker")
+
+
+def measure(config: StepConfig) -> dict:
+    """The same step run for real on the current CUDA device, from torch.cuda memory statistics (totals only)."""
+    if not torch.cuda.is_available():
+        raise ValueError("--measure needs a CUDA device; without one, use the estimate alone")
+    start = time.perf_counter()
+    stages = profile_step(config, "cuda", fake=False)
+    return _summarize(config, stages, time.perf_counter() - start, "measured: torch.cuda.memory_allocated")
+
+
+# ---- will it fit? -----------------------------------------------------------------------------------------------
+
+def _cheaper_steps(config: StepConfig, result: dict) -> Iterator[tuple[str, StepConfig]]:
+    """Changes that lower memory, cheapest first, each on top of the previous ones: chunked loss (almost free),
+    checkpointing (~1/3 more compute), more GPUs (shards parameters, gradients and optimizer state), a smaller batch
+    (fewer tokens per step unless accumulated), a shorter context (changes the task)."""
+    if result["loss_path"] == "standard":
+        config = dataclasses.replace(config, loss="chunked")
+        yield "--loss chunked", config
+    if not config.gradient_checkpointing:
+        config = dataclasses.replace(config, gradient_checkpointing=True)
+        yield "--gradient_checkpointing", config
+    for _ in range(6):
+        config = dataclasses.replace(config, world_size=config.world_size * 2)
+        yield f"--world_size {config.world_size}", config
+    while config.batch_size > 1:
+        config = dataclasses.replace(config, batch_size=config.batch_size // 2)
+        yield f"--batch_size {config.batch_size}", config
+    while config.context_length > 1024:
+        config = dataclasses.replace(config, context_length=config.context_length // 2)
+        yield f"--context_length {config.context_length}", config
+
+
+def check_fit(result: dict, gpu_memory_gib: float, reserve_gib: float = 2.0, log=print) -> dict:
+    """Whether the step of `result` fits a GPU of `gpu_memory_gib` GiB, keeping `reserve_gib` for what the tracker
+    does not see. If not, re-run the estimate along `_cheaper_steps` until it fits and report the changes."""
+    budget = (gpu_memory_gib - reserve_gib) * GiB
+    report = {"gpu_memory_gib": gpu_memory_gib, "reserve_gib": reserve_gib, "fits": result["peak"]["total"] <= budget,
+              "margin_gib": (budget - result["peak"]["total"]) / GiB, "changes": [], "fitting_config": None}
+    if report["fits"]:
+        return report
+    config, current = StepConfig(**result["config"]), result
+    for flag, candidate in _cheaper_steps(config, result):
+        if candidate.world_size > current["config"]["world_size"]:
+            # Sharding more only shrinks parameters, gradients and optimizer state: skip when the rest cannot fit.
+            unshardable = current["peak"]["total"] - sum(current["peak"][k] for k in CATEGORIES[:3])
+            if unshardable > budget:
+                report["changes"].append(flag)
+                continue
+        report["changes"].append(flag)
+        current = estimate(candidate)
+        log(f"  trying {' '.join(report['changes'])}: peak {current['peak']['total'] / GiB:.2f} GiB")
+        if current["peak"]["total"] <= budget:
+            report["fitting_config"] = current["config"]
+            report["fitting_peak_gib"] = current["peak"]["total"] / GiB
+            return report
+    return report
+
+
+# ---- output -------------------------------------------------------------------------------------------------------
+
+def format_table(result: dict, measured: dict | None = None) -> str:
+    """Aligned per-stage table in GiB; with `measured`, its totals in an extra column."""
+    columns = ["total", *(["measured"] if measured else []), *CATEGORIES]
+    width = max(len(s) for s in result["stages"]) + 2
+    lines = [f"{'stage':<{width}}" + "".join(f"{c:>13}" for c in columns)]
+    rows = [*result["stages"].items(), (f"peak ({result['peak']['phase']})", result["peak"])]
+    for stage, values in rows:
+        cells = []
+        for column in columns:
+            if column == "measured":
+                value = measured["peak"] if stage.startswith("peak (") else measured["stages"][stage]
+                nbytes = value["total"]
+            else:
+                nbytes = values[column]
+            cells.append(f"{nbytes / GiB:13.2f}")
+        lines.append(f"{stage:<{width}}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def report_text(result: dict, measured: dict | None = None, fit: dict | None = None) -> str:
+    config = StepConfig(**result["config"])
+    lines = [f"Memory per rank (GiB) of one training step: {config.describe()}",
+             f"{result['num_parameters'] / 1e9:.2f}B parameters, {result['loss_path']} loss, AdamW; "
+             f"{result['method']} ({result['seconds']:.0f} s)",
+             f"Stand-in: {result['stand_in']}",
+             "", format_table(result, measured), ""]
+    if fit is not None:
+        peak = result["peak"]["total"] / GiB
+        verdict = "fits" if fit["fits"] else "does NOT fit"
+        lines.append(f"{verdict} on a {fit['gpu_memory_gib']:g} GiB GPU: peak {peak:.2f} GiB + {fit['reserve_gib']:g} "
+                     f"GiB reserve (CUDA context, NCCL, fragmentation); margin {fit['margin_gib']:+.2f} GiB")
+        if not fit["fits"]:
+            if fit["fitting_config"]:
+                lines.append(f"cheapest change that fits: {' '.join(fit['changes'])} (peak "
+                             f"{fit['fitting_peak_gib']:.2f} GiB)")
+            else:
+                lines.append(f"nothing tried fits (tried {' '.join(fit['changes'])})")
+    lines.append("Not included: CUDA context, NCCL buffers, allocator fragmentation, kernel workspaces.")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """Stacked bar chart of the categories at each stage, saved to `path` (needs matplotlib: the `plot` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or the project's `plot` extra)") from e
+    stages = list(result["stages"])
+    fig, ax = plt.subplots(figsize=(10, 5))
+    bottom = [0.0] * len(stages)
+    for category in CATEGORIES:
+        heights = [result["stages"][s][category] / GiB for s in stages]
+        ax.bar(stages, heights, bottom=bottom, label=category)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(StepConfig(**result["config"]).describe(), fontsize=9)
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model_size", default="4B", choices=sorted(PRESETS))
+    p.add_argument("--context_length", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--attention_type", default="full", choices=["full", "nsa"])
+    p.add_argument("--batch_size", type=int, default=1, help="sequences per rank")
+    p.add_argument("--world_size", type=int, default=1, help="FSDP2 ranks; numbers are per rank")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--loss", default="auto", choices=["auto", "standard", "chunked"])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (master weights fp32)")
+    p.add_argument("--gpu_memory", type=float, default=None, help="GiB per GPU: say whether it fits, else what would")
+    p.add_argument("--reserve", type=float, default=2.0, help="GiB of the GPU kept for what the tracker cannot see")
+    p.add_argument("--measure", action="store_true", help="also run the step for real on CUDA and print both")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (bytes)")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.gpu_memory is not None and not 0 <= args.reserve < args.gpu_memory:
+        raise SystemExit(f"--reserve must be in [0, --gpu_memory), got {args.reserve} and {args.gpu_memory}")
+    try:
+        config = StepConfig(args.model_size, args.context_length, args.attention_type, args.batch_size,
+                            args.world_size, args.gradient_checkpointing, args.loss, args.dtype)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
+    if args.measure and not torch.cuda.is_available():
+        raise SystemExit("error: --measure needs a CUDA device")
+    result = estimate(config)
+    measured = measure(config) if args.measure else None
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    fit = check_fit(result, args.gpu_memory, args.reserve, log) if args.gpu_memory is not None else None
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps({**result, "measured": measured, "fit": fit}, indent=2))
+    else:
+        print(report_text(result, measured, fit))
+
+
+if __name__ == "__main__":
+    main()
