@@ -37,7 +37,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -52,10 +53,11 @@ from model import PRESETS, ModelConfig, Transformer
 from parallel import apply_fsdp
 
 GiB = 1024**3
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # as train.py
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
-# FSDPMemTracker's categories, folded into the five above.
+# MemTracker's and FSDPMemTracker's categories, folded into the five above ("Other": the inputs).
 _TRACKER_CATEGORIES = {
+    "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer", "Other": "activations",
     "Sharded Param": "parameters", "Unsharded Param": "parameters", "All Gather": "parameters", "Buffer": "parameters",
     "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "Reduce Scatter": "gradients",
     "OptState": "optimizer", "Activation": "activations", "Inputs": "activations", "Temp": "temporaries",
@@ -106,14 +108,12 @@ class StepConfig:
                 f"{'on' if self.gradient_checkpointing else 'off'}")
 
 
-# ---- memory probes: the same interface over the tracker (fake or real tensors) and over torch.cuda statistics ----
+# ---- memory probes: the same interface over the trackers (fake or real tensors) and over torch.cuda statistics ----
 
-class _StageTracker(FSDPMemTracker):
-    """FSDPMemTracker that also reports live bytes by category now and at the highest point of the current phase."""
+class _PhasePeak:
+    """Mixin for MemTracker / FSDPMemTracker: live bytes by category now and at the highest point of the phase."""
 
-    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(model, optimizer)
-        self._phase_peak = dict.fromkeys(("total", *CATEGORIES), 0)
+    _curr_mem_snap: dict[torch.device, dict[str, int]]
 
     def current(self) -> dict[str, int]:
         totals = dict.fromkeys(("total", *CATEGORIES), 0)
@@ -132,11 +132,29 @@ class _StageTracker(FSDPMemTracker):
         return dict(self._phase_peak)
 
     def _update_peak_stats(self, peak_state: object) -> None:
-        # MemTracker calls this after every operator; we keep the phase's highest snapshot alongside its own peaks.
-        super()._update_peak_stats(peak_state)
+        # MemTracker calls this after every operator. We keep only the phase's highest snapshot: its own per-module
+        # peak bookkeeping (unused here) loops over every module at every operator and costs a quarter of the run.
         now = self.current()
         if now["total"] > self._phase_peak["total"]:
             self._phase_peak = now
+
+
+class _Tracker(_PhasePeak, MemTracker):
+    """One process, no FSDP (train.py with world size 1)."""
+
+    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, inputs: tuple[Tensor, ...]) -> None:
+        super().__init__()
+        self.track_external(model, optimizer, *inputs)
+        self.start_phase()
+
+
+class _FSDPTracker(_PhasePeak, FSDPMemTracker):
+    """FSDP2-sharded model: also tells sharded from unsharded parameters and gradients, and collective buffers."""
+
+    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, inputs: tuple[Tensor, ...]) -> None:
+        super().__init__(model, optimizer)
+        self.track_inputs(inputs)
+        self.start_phase()
 
 
 class _CudaStats:
@@ -159,11 +177,18 @@ class _CudaStats:
         return {"total": torch.cuda.max_memory_allocated()}
 
 
+Probe = _Tracker | _FSDPTracker | _CudaStats
+
+
 # ---- the step ---------------------------------------------------------------------------------------------------
 
 @contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
-    """A fake process group of `world_size` ranks (this process is rank 0; collectives do nothing), torn down after."""
+    """A fake process group of `world_size` ranks (this process is rank 0; collectives do nothing), torn down after.
+    Does nothing for world size 1 (train.py runs one process without a process group)."""
+    if world_size == 1:
+        yield
+        return
     if dist.is_initialized():
         raise RuntimeError("profile_memory starts its own fake process group; call it outside torch.distributed")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
@@ -173,34 +198,51 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build(config: StepConfig, mesh: DeviceMesh) -> tuple[Transformer, torch.optim.Optimizer]:
-    """The model and optimizer exactly as training builds them: meta device, checkpointing, FSDP2 over `mesh`,
-    to_empty on the mesh's device, init_weights, AdamW(foreach=False). Under FakeTensorMode for an estimate."""
-    with torch.device("meta"):
+def build(config: StepConfig, device: str, mesh: DeviceMesh | None) -> tuple[Transformer, torch.optim.Optimizer]:
+    """Model and optimizer as train.py builds them. With a mesh: on the meta device, checkpointing, FSDP2 (bf16
+    compute copies of fp32 master weights), `to_empty` + `init_weights` on `device`. Without: fp32 on `device`
+    (forward then runs under autocast, see `_autocast`). AdamW with train.py's groups but foreach=False (its
+    foreach/fused temporaries are not yet checked against a GPU)."""
+    with torch.device("meta" if mesh is not None else device):
         model = Transformer(config.model_config())
     model.gradient_checkpointing_enable(config.gradient_checkpointing)
-    dtype = DTYPES[config.dtype]
-    apply_fsdp(model, mesh, param_dtype=None if dtype == torch.float32 else dtype)
-    model.to_empty(device=mesh.device_type)
-    model.init_weights()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    return model, optimizer
+    if mesh is not None:
+        dtype = DTYPES[config.dtype]
+        apply_fsdp(model, mesh, param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+        model.to_empty(device=device)
+        model.init_weights()
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return model, torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), foreach=False)
+
+
+def _autocast(config: StepConfig, device: str) -> AbstractContextManager:
+    """train.py's forward context: bf16 autocast in a single process, nothing under FSDP (its policy casts)."""
+    if config.world_size == 1 and config.dtype == "bfloat16":
+        return torch.autocast(device, dtype=torch.bfloat16)
+    return nullcontext()
 
 
 def _warm_up(model: Transformer, optimizer: torch.optim.Optimizer, seq_len: int, device: str) -> None:
-    """Bring the model to the state of every step after the first: AdamW moments exist, RoPE tables are built."""
+    """Bring the model to the state of every step after the first: AdamW moments exist, RoPE tables are built.
+
+    Under FSDP this also fills DTensor's sharding-propagation cache: on a miss, DTensor builds global-size tensors
+    in the active FakeTensorMode to infer output shapes, which the tracker would count as memory (they are not)."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     model.rope(seq_len, 0, torch.device(device))
 
 
 def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_ids: Tensor, labels: Tensor,
-                   probe: _StageTracker | _CudaStats) -> dict[str, dict[str, int]]:
-    """One training step (forward + loss, backward, AdamW step, zero_grad) with `probe` read at each stage.
+                   autocast: AbstractContextManager, probe: Probe) -> dict[str, dict[str, int]]:
+    """One training step as train.py runs it (forward + loss under `autocast`, backward, gradient clipping, AdamW
+    step, zero_grad) with `probe` read at each stage.
 
-    Returns {stage: {"total": bytes, category: bytes, ...}} in time order, plus the peak of each phase.
+    Returns {stage: {"total": bytes, category: bytes, ...}} in time order, with the peak of each phase.
     """
     stages = {"parameters": probe.current()}
 
@@ -214,7 +256,8 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
                model.norm.register_forward_hook(mark("after forward"))]
     try:
         probe.start_phase()
-        loss = model(input_ids, labels=labels).loss  # the logits (standard path) are not kept
+        with autocast:
+            loss = model(input_ids, labels=labels).loss  # the logits (standard path) are not kept
         stages["after loss"] = probe.current()
         stages["peak during forward"] = probe.phase_peak()
         probe.start_phase()
@@ -223,6 +266,7 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
         stages["peak during backward"] = probe.phase_peak()
         stages["after backward"] = probe.current()
         probe.start_phase()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         stages["after optimizer step"] = probe.current()
         stages["peak during optimizer step"] = probe.phase_peak()
@@ -237,29 +281,25 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True) -> 
     """Memory of one steady-state training step of `config` at every stage, per rank.
 
     device "cpu" with fake=True is the estimate; fake=False runs the step for real (tiny models only). On "cuda"
-    with fake=False the memory comes from torch.cuda statistics (totals only), otherwise from FSDPMemTracker.
+    with fake=False the memory comes from torch.cuda statistics (totals only), otherwise from the trackers.
     """
     with warnings.catch_warnings(), fake_process_group(config.world_size):
         for message in _HARMLESS_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
-        mesh = init_device_mesh(device, (config.world_size,))  # outside FakeTensorMode: it reads its rank map
+        # The mesh is made outside FakeTensorMode: it reads its rank map.
+        mesh = init_device_mesh(device, (config.world_size,)) if config.world_size > 1 else None
         with FakeTensorMode() if fake else nullcontext():
-            return _profile_on_mesh(config, mesh, fake)
-
-
-def _profile_on_mesh(config: StepConfig, mesh: DeviceMesh, fake: bool) -> dict[str, dict[str, int]]:
-    B, T, device = config.batch_size, config.context_length, mesh.device_type
-    model, optimizer = build(config, mesh)
-    _warm_up(model, optimizer, T, device)
-    input_ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
-    labels = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
-    if device == "cuda" and not fake:
-        probe: _StageTracker | _CudaStats = _CudaStats()
-    else:
-        probe = _StageTracker(model, optimizer)
-        probe.track_inputs((input_ids, labels))
-    with probe:
-        return _training_step(model, optimizer, input_ids, labels, probe)
+            B, T = config.batch_size, config.context_length
+            model, optimizer = build(config, device, mesh)
+            _warm_up(model, optimizer, T, device)
+            input_ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
+            labels = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
+            if device == "cuda" and not fake:
+                probe: Probe = _CudaStats()
+            else:
+                probe = (_Tracker if mesh is None else _FSDPTracker)(model, optimizer, (input_ids, labels))
+            with probe:
+                return _training_step(model, optimizer, input_ids, labels, _autocast(config, device), probe)
 
 
 def _summarize(config: StepConfig, stages: dict[str, dict[str, int]], seconds: float, method: str) -> dict:
@@ -353,8 +393,14 @@ def check_fit(result: dict, gpu_memory_gib: float, reserve_gib: float = 2.0, log
 
 # ---- output -------------------------------------------------------------------------------------------------------
 
+def _unit(result: dict) -> tuple[str, int]:
+    """GiB, or MiB for toy models whose peak is under 1 GiB."""
+    return ("GiB", GiB) if result["peak"]["total"] >= GiB else ("MiB", 1024**2)
+
+
 def format_table(result: dict, measured: dict | None = None) -> str:
-    """Aligned per-stage table in GiB; with `measured`, its totals in an extra column."""
+    """Aligned per-stage table in GiB (MiB for toy models); with `measured`, its totals in an extra column."""
+    unit_name, unit = _unit(result)
     columns = ["total", *(["measured"] if measured else []), *CATEGORIES]
     width = max(len(s) for s in result["stages"]) + 2
     lines = [f"{'stage':<{width}}" + "".join(f"{c:>13}" for c in columns)]
@@ -367,16 +413,17 @@ def format_table(result: dict, measured: dict | None = None) -> str:
                 nbytes = value["total"]
             else:
                 nbytes = values[column]
-            cells.append(f"{nbytes / GiB:13.2f}")
+            cells.append(f"{nbytes / unit:13.2f}")
         lines.append(f"{stage:<{width}}" + "".join(cells))
     return "\n".join(lines)
 
 
 def report_text(result: dict, measured: dict | None = None, fit: dict | None = None) -> str:
     config = StepConfig(**result["config"])
-    lines = [f"Memory per rank (GiB) of one training step: {config.describe()}",
-             f"{result['num_parameters'] / 1e9:.2f}B parameters, {result['loss_path']} loss, AdamW; "
-             f"{result['method']} ({result['seconds']:.0f} s)",
+    n = result["num_parameters"]
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    lines = [f"Memory per rank ({_unit(result)[0]}) of one training step: {config.describe()}",
+             f"{size} parameters, {result['loss_path']} loss, AdamW; {result['method']} ({result['seconds']:.0f} s)",
              f"Stand-in: {result['stand_in']}",
              "", format_table(result, measured), ""]
     if fit is not None:
