@@ -36,8 +36,9 @@ import json
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from layers import RotaryEmbedding
 from model import PRESETS, ModelConfig, Transformer
 from parallel import apply_fsdp
 
@@ -66,7 +68,7 @@ PHASES = ("forward", "backward", "optimizer step")
 STAND_INS = {
     "full": "full attention: the CPU flash SDPA kernel (fake) stands in for CUDA flash/cuDNN; both save only the "
             "output and log-sum-exp for backward (no T x T matrix)",
-    "nsa": "NSA: the pure-PyTorch nsa.py path runs as in training (query chunks recomputed in backward); no stand-in",
+    "nsa": "NSA: nsa.py's pure-PyTorch path runs unchanged (no stand-in)",
 }
 _HARMLESS_WARNINGS = ("DTensor random operators may not have complete support on cpu device mesh",
                       "FSDP2-wrapped module .* returned a view tensor")
@@ -180,6 +182,125 @@ class _CudaStats:
 Probe = _Tracker | _FSDPTracker | _CudaStats
 
 
+# ---- NSA stand-in ---------------------------------------------------------------------------------------------
+
+class _SparseAttentionDouble(torch.autograd.Function):
+    """Memory double of `nsa.sparse_attention`: the same output and input gradients, the same inputs kept alive
+    for backward, and as plain buffers the bytes the real function keeps for backward (`kept`), holds at its
+    forward peak beyond them (`forward_peak`) and at its backward peak beyond them, its output and the input
+    gradients (`backward_peak`). Everything goes through save_for_backward, so block checkpointing drops and
+    recomputes it as it would the real tensors. Values are not computed."""
+
+    @staticmethod
+    def forward(ctx, spec: tuple[int, int, int, tuple[bool, ...]], *inputs: Tensor) -> Tensor:
+        kept, forward_peak, ctx.backward_peak, keeps = spec
+        q = inputs[0]  # (B, H, T, D)
+        ctx.shapes = [(t.shape, t.dtype) for t in inputs]
+        ctx.save_for_backward(q.new_empty(kept, dtype=torch.uint8),
+                              *(t for t, keep in zip(inputs, keeps, strict=True) if keep))
+        q.new_empty(forward_peak, dtype=torch.uint8)  # the working set of one query chunk, freed at once
+        return q.new_empty(q.shape)  # (B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        grads = tuple(torch.zeros(shape, dtype=dtype, device=grad_out.device) if needed else None
+                      for (shape, dtype), needed in zip(ctx.shapes, ctx.needs_input_grad[1:], strict=True))
+        grad_out.new_empty(ctx.backward_peak, dtype=torch.uint8)  # one chunk's recomputation and gradients
+        return (None, *grads)
+
+
+def _sparse_attention_memory(sparse_attention, args: tuple, kwargs: dict, autocast: AbstractContextManager
+                             ) -> tuple[int, int, int, tuple[bool, ...]]:
+    """`_SparseAttentionDouble`'s spec, measured on one forward + backward of `sparse_attention` with inputs
+    shaped like `args` (fresh tensors made outside the tracker: only the function's own allocations count)."""
+    leaves = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).requires_grad_()
+              for a in args if isinstance(a, Tensor)]
+    inputs = iter([leaf.clone() for leaf in leaves])  # non-leaves: alive after the call only if the call keeps them
+    call_args = [next(inputs) if isinstance(a, Tensor) else a for a in args]
+    refs = [weakref.ref(a) for a in call_args if isinstance(a, Tensor)]
+    grad_out = torch.empty(args[0].shape, dtype=args[0].dtype, device=args[0].device)  # (B, H, T, D)
+    tracker = _Calibration()
+    tracker.track_external(*(a for a in call_args if isinstance(a, Tensor)))  # else views would count them
+    with tracker:
+        before = tracker.current()["total"]
+        with autocast:
+            out = sparse_attention(*call_args, **kwargs)
+        kept = tracker.current()["total"] - before - out.numel() * out.element_size()
+        forward_peak = tracker.phase_peak()["total"] - before - kept
+        del call_args, inputs
+        keeps = tuple(ref() is not None for ref in refs)
+        tracker.start_phase()
+        after_forward = tracker.current()["total"]
+        out.backward(grad_out)
+        backward_peak = tracker.phase_peak()["total"] - after_forward
+    grads = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
+    return kept, max(0, forward_peak), max(0, backward_peak - grads), keeps
+
+
+class _Calibration(_PhasePeak, MemTracker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.start_phase()
+
+
+@contextmanager
+def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
+    """Replace `nsa.sparse_attention` (the seam nsa.py names for fused kernels) by `_SparseAttentionDouble` while
+    the step runs, and describe it. The reference path runs hundreds of small operators per query chunk: at 131k
+    tokens, thousands of chunks per step, hours under fake tensors. Its memory is affine in T for a fixed chunk size
+    (see nsa.py), so the double is calibrated on the real function for one layer at T itself (T <= 4 chunks) or at
+    2 and 4 chunks, extrapolated linearly. Projections, compression and gates still run for real."""
+    import nsa
+
+    real = nsa.sparse_attention
+    model_config = config.model_config()
+    B, T, Q = config.batch_size, config.context_length, model_config.nsa_query_chunk
+    points = [T] if T <= 4 * Q else [2 * Q, 4 * Q]
+    measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, DTYPES[config.dtype], device),
+                                         _autocast(config, device)) for t in points]
+    spec = measured[-1]
+    if len(points) == 2:
+        (t1, t2), (m1, m2) = points, measured
+        spec = (*(max(0, round(a + (b - a) * (T - t1) / (t2 - t1))) for a, b in zip(m1[:3], m2[:3], strict=True)),
+                m2[3])
+
+    def stand_in(*args: object, **kwargs: object) -> Tensor:
+        return _SparseAttentionDouble.apply(spec, *(a for a in args if isinstance(a, Tensor)))
+
+    nsa.sparse_attention = stand_in
+    try:
+        yield (f"NSA: nsa.sparse_attention (the three gated branches) is replaced by a memory double calibrated on "
+               f"the real function for one layer at T = {' and '.join(map(str, points))} (fake tensors), "
+               f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}projections, compression and gates run "
+               f"as in training")
+    finally:
+        nsa.sparse_attention = real
+
+
+def _sparse_attention_args(model_config: ModelConfig, B: int, T: int, dtype: torch.dtype, device: str
+                           ) -> tuple[tuple, dict]:
+    """The arguments one NSA layer computing in `dtype` passes to `nsa.sparse_attention` for B x T tokens (captured
+    from its forward)."""
+    import nsa
+
+    captured: list[tuple[tuple, dict]] = []
+
+    def capture(q: Tensor, *args: object, **kwargs: object) -> Tensor:
+        captured.append(((q, *args), kwargs))
+        return torch.zeros_like(q)
+
+    real, nsa.sparse_attention = nsa.sparse_attention, capture
+    try:
+        low_precision = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else nullcontext()
+        with torch.device(device), torch.no_grad(), low_precision:
+            layer = nsa.NativeSparseAttention(model_config)
+            cos, sin = RotaryEmbedding(model_config.head_dim, model_config.rope_theta, T)(T, 0, torch.device(device))
+            layer(torch.empty(B, T, model_config.dim), cos, sin)
+    finally:
+        nsa.sparse_attention = real
+    return captured[0]
+
+
 # ---- the step ---------------------------------------------------------------------------------------------------
 
 @contextmanager
@@ -238,11 +359,12 @@ def _warm_up(model: Transformer, optimizer: torch.optim.Optimizer, seq_len: int,
 
 
 def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_ids: Tensor, labels: Tensor,
-                   autocast: AbstractContextManager, probe: Probe) -> dict[str, dict[str, int]]:
+                   autocast: AbstractContextManager, probe: Probe) -> tuple[dict[str, dict[str, int]], str]:
     """One training step as train.py runs it (forward + loss under `autocast`, backward, gradient clipping, AdamW
     step, zero_grad) with `probe` read at each stage.
 
-    Returns {stage: {"total": bytes, category: bytes, ...}} in time order, with the peak of each phase.
+    Returns ({stage: {"total": bytes, category: bytes, ...}} in time order with the peak of each phase, the loss
+    path taken: "standard" or "chunked").
     """
     stages = {"parameters": probe.current()}
 
@@ -257,7 +379,9 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
     try:
         probe.start_phase()
         with autocast:
-            loss = model(input_ids, labels=labels).loss  # the logits (standard path) are not kept
+            output = model(input_ids, labels=labels)
+        loss, loss_path = output.loss, "standard" if output.logits is not None else "chunked"
+        del output  # the logits of the standard path are not kept
         stages["after loss"] = probe.current()
         stages["peak during forward"] = probe.phase_peak()
         probe.start_phase()
@@ -274,21 +398,26 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
     finally:
         for handle in handles:
             handle.remove()
-    return stages
+    return stages, loss_path
 
 
-def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True) -> dict[str, dict[str, int]]:
-    """Memory of one steady-state training step of `config` at every stage, per rank.
+def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, stand_in: bool = True) -> dict:
+    """Memory of one steady-state training step of `config` at every stage, per rank: {"stages": {stage: {"total",
+    category: bytes}}, "loss_path": "standard" | "chunked", "num_parameters": int, "stand_in": description}.
 
     device "cpu" with fake=True is the estimate; fake=False runs the step for real (tiny models only). On "cuda"
     with fake=False the memory comes from torch.cuda statistics (totals only), otherwise from the trackers.
+    `stand_in` (fake only) replaces NSA's sparse attention by its calibrated memory double (`nsa_stand_in`).
     """
     with warnings.catch_warnings(), fake_process_group(config.world_size):
         for message in _HARMLESS_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
         # The mesh is made outside FakeTensorMode: it reads its rank map.
         mesh = init_device_mesh(device, (config.world_size,)) if config.world_size > 1 else None
-        with FakeTensorMode() if fake else nullcontext():
+        with FakeTensorMode() if fake else nullcontext(), ExitStack() as stack:
+            description = STAND_INS[config.attention_type]
+            if config.attention_type == "nsa" and fake and stand_in:
+                description = stack.enter_context(nsa_stand_in(config, device))
             B, T = config.batch_size, config.context_length
             model, optimizer = build(config, device, mesh)
             _warm_up(model, optimizer, T, device)
@@ -299,21 +428,21 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True) -> 
             else:
                 probe = (_Tracker if mesh is None else _FSDPTracker)(model, optimizer, (input_ids, labels))
             with probe:
-                return _training_step(model, optimizer, input_ids, labels, _autocast(config, device), probe)
+                stages, loss_path = _training_step(model, optimizer, input_ids, labels, _autocast(config, device),
+                                                   probe)
+            return {"stages": stages, "loss_path": loss_path, "num_parameters": model.num_parameters(),
+                    "stand_in": description}
 
 
-def _summarize(config: StepConfig, stages: dict[str, dict[str, int]], seconds: float, method: str) -> dict:
-    model_config = config.model_config()
-    with torch.device("meta"):
-        model = Transformer(model_config)
-    chunked = model.use_chunked_loss(config.batch_size * config.context_length, DTYPES[config.dtype])
+def _summarize(config: StepConfig, profile: dict, seconds: float, method: str) -> dict:
+    stages = profile["stages"]
     phase = max(PHASES, key=lambda p: stages[f"peak during {p}"]["total"])
     return {
         "config": dataclasses.asdict(config),
-        "num_parameters": model.num_parameters(),
-        "loss_path": "chunked" if chunked else "standard",
+        "num_parameters": profile["num_parameters"],
+        "loss_path": profile["loss_path"],
         "method": method,
-        "stand_in": STAND_INS[config.attention_type],
+        "stand_in": profile["stand_in"],
         "units": "bytes",
         "stages": stages,
         "peak": {"phase": phase, **stages[f"peak during {phase}"]},
@@ -329,8 +458,8 @@ def estimate(config: StepConfig) -> dict:
     bytes and in time order, "peak" (the highest phase peak, with "phase"), "seconds". Can be called repeatedly.
     """
     start = time.perf_counter()
-    stages = profile_step(config, "cpu", fake=True)
-    return _summarize(config, stages, time.perf_counter() - start, "estimate: fake tensors on CPU, FSDPMemTracker")
+    profile = profile_step(config, "cpu", fake=True)
+    return _summarize(config, profile, time.perf_counter() - start, "estimate: fake tensors on CPU, MemTracker")
 
 
 def measure(config: StepConfig) -> dict:
@@ -338,8 +467,8 @@ def measure(config: StepConfig) -> dict:
     if not torch.cuda.is_available():
         raise ValueError("--measure needs a CUDA device; without one, use the estimate alone")
     start = time.perf_counter()
-    stages = profile_step(config, "cuda", fake=False)
-    return _summarize(config, stages, time.perf_counter() - start, "measured: torch.cuda.memory_allocated")
+    profile = profile_step(config, "cuda", fake=False)
+    return _summarize(config, profile, time.perf_counter() - start, "measured: torch.cuda.memory_allocated")
 
 
 # ---- will it fit? -----------------------------------------------------------------------------------------------
