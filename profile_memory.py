@@ -256,8 +256,9 @@ def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
     model_config = config.model_config()
     B, T, Q = config.batch_size, config.context_length, model_config.nsa_query_chunk
     points = [T] if T <= 4 * Q else [2 * Q, 4 * Q]
-    measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, DTYPES[config.dtype], device),
-                                         _autocast(config, device)) for t in points]
+    dtype, autocast = DTYPES[config.dtype], _autocast(config, device)
+    measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, dtype, device), autocast)
+                for t in points]
     spec = measured[-1]
     if len(points) == 2:
         (t1, t2), (m1, m2) = points, measured
