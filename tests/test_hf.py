@@ -154,6 +154,60 @@ def test_config_from_hf_legacy_fields():
     assert config_from_hf(config_to_hf(config)) == config
 
 
+# The config.json of published checkpoints (https://huggingface.co/Qwen/Qwen3-0.6B, https://huggingface.co/meta-llama/Llama-3.2-1B).
+QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+                  eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
+                  intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
+                  num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06,
+                  rope_scaling=None, rope_theta=1000000, sliding_window=None, tie_word_embeddings=True,
+                  torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936)
+LLAMA_3_2_1B = dict(architectures=["LlamaForCausalLM"], attention_bias=False, attention_dropout=0.0,
+                    bos_token_id=128000, eos_token_id=128001, head_dim=64, hidden_act="silu", hidden_size=2048,
+                    initializer_range=0.02, intermediate_size=8192, max_position_embeddings=131072, mlp_bias=False,
+                    model_type="llama", num_attention_heads=32, num_hidden_layers=16, num_key_value_heads=8,
+                    pretraining_tp=1, rms_norm_eps=1e-05, rope_theta=500000.0, tie_word_embeddings=True,
+                    torch_dtype="bfloat16", use_cache=True, vocab_size=128256,
+                    rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                  "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+
+
+def test_published_configs():
+    assert config_from_hf(QWEN3_0_6B) == ModelConfig.from_preset("0.6B")
+    config = config_from_hf(LLAMA_3_2_1B)
+    assert config.rope_scaling["factor"] == 32.0 and not config.qk_norm and config.tie_embeddings
+    with torch.device("meta"):
+        assert Transformer(config).num_parameters() == 1_235_814_400  # the published count
+
+
+def test_stored_rope_buffers_are_ignored(tmp_path):
+    """Older Llama checkpoints also stored each layer's rotary_emb.inv_freq; it is derived, so it is skipped."""
+    model = Transformer(ModelConfig.from_preset("tiny", qk_norm=False))
+    export_hf_checkpoint(model, tmp_path / "ckpt")
+    tensors = load_file(tmp_path / "ckpt" / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, tmp_path / "ckpt" / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 512, (1, 16))
+    torch.testing.assert_close(our_logits(load_hf_checkpoint(tmp_path / "ckpt"), ids), our_logits(model, ids),
+                               atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_load_to_cuda_holds_one_copy(tmp_path):
+    """Loaded straight onto the GPU, built on meta: peak memory is the weights once (plus allocator rounding)."""
+    config = ModelConfig.from_preset("tiny", vocab_size=32768, dim=512, ffn_dim=2048, n_heads=8, head_dim=64)
+    model = Transformer(config).to(torch.bfloat16)
+    export_hf_checkpoint(model, tmp_path / "ckpt")
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loaded = load_hf_checkpoint(tmp_path / "ckpt", device="cuda")
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    assert torch.cuda.max_memory_allocated() - before <= weight_bytes + 2**20
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert b.device.type == "cuda" and torch.equal(a, b.cpu()), name
+    assert loaded(torch.zeros(1, 8, dtype=torch.long, device="cuda")).logits.isfinite().all()
+
+
 # ---- clear errors --------------------------------------------------------------------------------------------------
 
 
