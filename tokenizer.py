@@ -25,6 +25,22 @@ import sentencepiece as spm
 
 SPACE_MARK = "\u2581"  # SentencePiece's internal spelling of " "
 NUM_RESERVED = 4 + 1 + 256  # unk/bos/eos/pad + newline + byte pieces: the smallest vocabulary that encodes anything
+SPM_OPTIONS = dict(  # SentencePieceTrainer options besides the input, output, vocab_size and threads
+    model_type="bpe",
+    byte_fallback=True,
+    character_coverage=0.9995,  # rarer characters go to byte pieces instead of taking vocabulary slots
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=False,
+    allow_whitespace_only_pieces=True,  # runs of indentation become single pieces
+    split_digits=True,
+    user_defined_symbols=["\n"],  # training sees lines; newlines in encoded text get one id
+    unk_id=0,
+    bos_id=1,
+    eos_id=2,
+    pad_id=3,
+    minloglevel=2,  # quiet
+)
 
 
 def _training_lines(texts_or_files: Iterable[str | os.PathLike], max_bytes: int) -> Iterator[str]:
@@ -90,27 +106,20 @@ class Tokenizer:
         if vocab_size <= NUM_RESERVED:
             raise ValueError(f"vocab_size={vocab_size} is too small: byte fallback needs more than {NUM_RESERVED} "
                              "ids (4 specials, newline, 256 bytes)")
+        lines = list(_training_lines(texts_or_files, max_train_bytes))
+        if not lines:
+            raise ValueError("no training text: the inputs have no non-empty lines")
         model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(texts_or_files, max_train_bytes),
-            model_writer=model,
-            model_type="bpe",
-            vocab_size=vocab_size,
-            byte_fallback=True,
-            character_coverage=0.9995,  # rarer characters go to byte pieces instead of taking vocabulary slots
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True,  # runs of indentation become single pieces
-            split_digits=True,
-            user_defined_symbols=["\n"],  # training sees lines; newlines in encoded text get one id
-            unk_id=0,
-            bos_id=1,
-            eos_id=2,
-            pad_id=3,
-            num_threads=num_threads or os.cpu_count() or 1,
-            minloglevel=2,
-        )
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(lines),
+                model_writer=model,
+                vocab_size=vocab_size,
+                num_threads=num_threads or os.cpu_count() or 1,
+                **SPM_OPTIONS,
+            )
+        except RuntimeError as e:  # e.g. "Vocabulary size is smaller than required_chars" for a tiny vocabulary
+            raise ValueError(f"SentencePiece could not train a vocabulary of {vocab_size}: {e}") from e
         path = Path(f"{os.fspath(model_prefix)}.model")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
