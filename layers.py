@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension, computed in float32 and cast back to the input dtype."""
+    """Root-mean-square norm over the last dimension, computed in (at least) float32, cast back to the input dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -24,9 +24,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return (x32 * self.weight).to(x.dtype)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -95,11 +95,11 @@ def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict[str, float | int | 
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate `x` (B, H, T, D) by the tables `cos`, `sin` (T, D) (rotate-half convention), in float32.
+    """Rotate `x` (B, H, T, D) by the tables `cos`, `sin` (T, D) (rotate-half convention), in (at least) float32.
 
     Returns a tensor of x's shape and dtype.
     """
-    x32 = x.float()
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     half = x.shape[-1] // 2
     rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # (B, H, T, D)
     return (x32 * cos + rotated * sin).to(x.dtype)

@@ -281,8 +281,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self._tie_weights()
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length,
                                     config.rope_scaling)
         if self.embed_tokens.weight.device.type != "meta":
@@ -293,9 +292,16 @@ class Transformer(nn.Module):
         """The live output projection (V, C): `lm_head.weight`, which is the embedding when tied."""
         return self.lm_head.weight
 
+    def _tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Deterministic (given the torch RNG state) initialisation of every parameter, in module order."""
+        """Deterministic (given the torch RNG state) initialisation of every parameter, in module order.
+        Re-ties the output weight to the embedding, since `to_empty` gives each module its own new parameter."""
+        if self.lm_head.weight is not self.embed_tokens.weight:
+            self._tie_weights()
         std = self.config.init_std
         nn.init.normal_(self.embed_tokens.weight, std=std)
         for block in self.layers:
