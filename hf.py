@@ -224,7 +224,8 @@ def _read_headers(path: Path, files: list[Path]) -> dict[str, tuple[Path, tuple[
 
 
 def _check_keys(found: dict[str, tuple[Path, tuple[int, ...]]], model: Transformer, path: Path) -> None:
-    """ValueError naming every missing, unexpected or wrongly shaped tensor (HF names), before any data is read."""
+    """ValueError counting the missing, unexpected and wrongly shaped tensors and naming (HF names) the first ten
+    of each, before any tensor data is read."""
     expected = {hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
     if model.config.tie_embeddings:
         expected.pop("lm_head.weight")  # absent from tied checkpoints; checked against the embedding if present
@@ -245,8 +246,9 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dty
     """Build a Transformer from the Hugging Face checkpoint directory `path` (Qwen3 or Llama).
 
     The model is built on the meta device and the safetensors tensors are assigned to it directly on `device`, so
-    peak memory is one copy of the weights. `dtype` None keeps the stored dtype (that of the embedding); the RoPE
-    tables stay float32. `config_overrides` are ModelConfig fields applied over config.json (see `config_from_hf`).
+    peak memory is one copy of the weights (plus one tensor in its stored dtype when casting). `dtype` None keeps
+    the stored dtype (that of the embedding); the RoPE tables stay float32. `config_overrides` are ModelConfig
+    fields applied over config.json (see `config_from_hf`).
     Every tensor name and shape is checked against the config before any tensor data is read.
     """
     path = Path(path)

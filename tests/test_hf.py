@@ -2,6 +2,7 @@
 loader and compared logit by logit (float32, atol 1e-5); our exports are read back by both our loader and
 `from_pretrained`. Nothing is downloaded."""
 
+import copy
 import json
 
 import pytest
@@ -29,10 +30,10 @@ FAMILIES = {
 def make_hf_model(family: str) -> torch.nn.Module:
     """A random tiny transformers model; norm weights are randomised too so that a swapped norm would show."""
     model_cls, config_cls, extra = FAMILIES[family]
-    extra = dict(extra)
-    rope = {"rope_type": "default", "rope_theta": extra.pop("rope_theta"), **(extra.pop("rope_scaling", None) or {})}
+    # rope_theta / rope_scaling: the published-config keywords, accepted by transformers 4.x and 5.x alike.
+    # (Deep-copied: transformers adds keys to the rope_scaling dict it is given.)
     config = config_cls(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, max_position_embeddings=256, rope_parameters=rope, **extra)
+                        num_attention_heads=4, max_position_embeddings=256, **copy.deepcopy(extra))
     config._attn_implementation = "eager"
     model = model_cls(config).eval()
     with torch.no_grad():
