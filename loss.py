@@ -205,13 +205,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        # Scaled in place: no second copy of either gradient. A second backward through a retained graph raises
-        # (autograd's saved-tensor version check) instead of returning already-scaled gradients.
+        # Out of place, so backward through a retained graph can run again (gradcheck does); the copies fit under
+        # the forward peak (one (c, V) float32 buffer is larger than grad_hidden + grad_weight for long sequences).
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
-            grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
+            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
         if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_output.to(grad_weight.dtype)).to(ctx.weight_dtype)
+            grad_weight = (grad_weight * grad_output.to(grad_weight.dtype)).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
@@ -250,8 +250,7 @@ def chunked_linear_cross_entropy(
     (one more float32 (c, V) buffer with softcap). Gradients are computed only for inputs that require them, and
     none at all under no_grad. Measured (benchmarks/RESULTS.md, "Chunked loss"; CPU, float32): fwd+bwd time about
     that of the plain path; peak memory at 131,072 x 2560, V 151,936, bf16: see verify_chunked_loss.py.
-    Not supported: double backward, and backward through the same graph twice with retain_graph (the gradients
-    are consumed). No host syncs in the chunk loop.
+    Not supported: double backward (create_graph=True). No host syncs in the chunk loop.
     """
     _check_inputs(hidden, weight, targets)
     if not isinstance(chunk_size, int) or chunk_size <= 0:
