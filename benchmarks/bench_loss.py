@@ -9,9 +9,8 @@ Three measurements, every method on the same inputs (10% of targets ignored):
    there, so its (chunk, V) work buffer is missing from that column (see 3).
 2. time, real tensors, methods interleaved in one process (median of --repeats after a warm-up), reported as a
    ratio to the plain path; token counts where the plain path would exceed --max-real-gib are timed without it.
-3. resident-set high-water mark (ru_maxrss) of one fwd+bwd in a fresh subprocess, minus the RSS after the inputs
-   exist: sees everything, PyTorch's internal buffers included, within allocator noise (it needs a working set
-   larger than the temporaries that built the inputs, hence N=2048).
+3. resident-set high-water mark (Linux VmHWM, reset once the inputs exist) of one fwd+bwd in a fresh subprocess,
+   minus the RSS at that point: sees everything, PyTorch's internal buffers included, within allocator noise.
 
 Notation: N tokens, C hidden size, V vocabulary size.
 """
@@ -19,7 +18,6 @@ Notation: N tokens, C hidden size, V vocabulary size.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import subprocess
 import sys
@@ -67,12 +65,21 @@ def fwd_bwd(fn, hidden, weight, targets) -> None:
     fn(hidden, weight, targets).backward()
 
 
+def proc_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (Linux), e.g. VmRSS (resident now) or VmHWM (its high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise KeyError(field)
+
+
 def rss_worker(args: argparse.Namespace) -> None:
     """Run one fwd+bwd and print the RSS high-water mark above the RSS with the inputs built (bytes)."""
     hidden, weight, targets = make_inputs(args.rss_tokens, args.hidden, args.vocab, getattr(torch, args.dtype))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path("/proc/self/clear_refs").write_text("5")  # restart VmHWM from the current RSS
+    before = proc_status_bytes("VmRSS")
     fwd_bwd(loss_methods(args.chunk_size)[args.rss_worker], hidden, weight, targets)
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # KiB on Linux
+    print(proc_status_bytes("VmHWM") - before)
 
 
 def main() -> None:
