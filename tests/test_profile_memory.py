@@ -1,0 +1,192 @@
+"""profile_memory.py: the fake-tensor estimate against real runs of the same step, full-size 4B / 131k numbers against
+arithmetic, the logits blow-up of the standard loss, the NSA memory double against nsa.py's reference path, the fit
+advice and the command line. Memory in bytes; GiB = 2**30.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import profile_memory as pm
+from memtrack import LiveBytesTracker
+
+GiB = 1024**3
+STAGES = ("parameters", "after embedding", "after first layer", "after forward", "after loss", "peak during forward",
+          "peak during backward", "after backward", "after optimizer step", "peak during optimizer step")
+
+
+def assert_stages_close(estimated: dict, measured: dict, rel: float = 0.02) -> None:
+    assert list(estimated) == list(STAGES) and list(measured) == list(STAGES)
+    for stage in STAGES:
+        est, real = estimated[stage]["total"], measured[stage]["total"]
+        assert abs(est - real) <= rel * real, f"{stage}: estimate {est} vs measured {real}"
+
+
+class LiveBytesProbe:
+    """The probe protocol of profile_memory over memtrack.LiveBytesTracker, an independent live-bytes counter that
+    sees only storages made while it is active; `baseline` adds what existed before (weights, optimizer state)."""
+
+    def __init__(self, baseline: int) -> None:
+        self.tracker, self.baseline = LiveBytesTracker(), baseline
+
+    def __enter__(self) -> "LiveBytesProbe":
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.tracker.__exit__(*args)
+
+    def current(self) -> dict[str, int]:
+        return {"total": self.baseline + self.tracker.live}
+
+    def start_phase(self) -> None:
+        self.tracker.reset_peak()
+
+    def phase_peak(self) -> dict[str, int]:
+        return {"total": self.baseline + self.tracker.peak}
+
+
+def real_step_live_bytes(config: pm.StepConfig) -> dict:
+    """The step of `config` (world size 1: no FSDP, as train.py) run for real on the CPU, measured by memtrack."""
+    model, optimizer = pm.build(config, "cpu", None)
+    pm._warm_up(model, optimizer, config.context_length, "cpu")
+    input_ids = torch.randint(0, model.config.vocab_size, (config.batch_size, config.context_length))
+    labels = torch.randint(0, model.config.vocab_size, (config.batch_size, config.context_length))
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    existing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers(), *state, input_ids, labels)}
+    with LiveBytesProbe(sum(existing.values())) as probe:
+        stages, _ = pm._training_step(model, optimizer, input_ids, labels, pm._autocast(config, "cpu"), probe)
+    return stages
+
+
+@pytest.mark.parametrize("checkpointing, loss, dtype", [(False, "standard", "bfloat16"), (True, "chunked", "float32")])
+def test_estimate_matches_independent_measurement_of_real_step(checkpointing, loss, dtype):
+    config = pm.StepConfig("tiny", 128, batch_size=2, gradient_checkpointing=checkpointing, loss=loss, dtype=dtype)
+    assert_stages_close(pm.estimate(config)["stages"], real_step_live_bytes(config))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp_estimate_matches_real_step_and_sharding_arithmetic(dtype):
+    config = pm.StepConfig("tiny", 128, world_size=2, gradient_checkpointing=True, loss="chunked", dtype=dtype)
+    result = pm.estimate(config)
+    assert_stages_close(result["stages"], pm.profile_step(config, "cpu", fake=False)["stages"])
+    # Per rank: half of the fp32 master weights, of their gradients and of the two AdamW moments (every tiny
+    # parameter has an even first dimension, so FSDP pads nothing), plus one 4-byte step counter per parameter.
+    P = result["num_parameters"]
+    after = result["stages"]["after backward"]
+    rope = 2 * 128 * 16 * 4  # cos and sin tables: 128 positions x head_dim 16, float32
+    assert after["parameters"] == 4 * P // 2 + rope
+    assert after["gradients"] == 4 * P // 2
+    assert after["optimizer"] == 8 * P // 2 + 4 * len(list(pm.build(config, "meta", None)[0].parameters()))
+    assert not dist.is_initialized()  # the fake process group is torn down
+
+
+def test_nsa_double_matches_reference_path():
+    pytest.importorskip("nsa")
+    # 5 query chunks of 64: the double is calibrated at 2 and 4 chunks and extrapolated.
+    config = pm.StepConfig("tiny", 320, attention_type="nsa", world_size=2, loss="standard")
+    double = pm.profile_step(config, stand_in=True)
+    assert "extrapolated" in double["stand_in"]
+    assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])
+
+
+# ---- full size: Qwen3-4B geometry, 131,072 tokens, 2 ranks, checkpointing (about 30 s per estimate) --------------
+
+@pytest.fixture(scope="module")
+def estimates_4b_131k() -> dict[str, dict]:
+    config = pm.StepConfig("4B", 131072, world_size=2, gradient_checkpointing=True)
+    return {loss: pm.estimate(pm.StepConfig(**{**config.__dict__, "loss": loss})) for loss in ("auto", "standard")}
+
+
+def test_4b_131k_numbers_in_derived_range(estimates_4b_131k):
+    result = estimates_4b_131k["auto"]
+    stages, peak = result["stages"], result["peak"]["total"]
+    assert result["loss_path"] == "chunked"  # 131072 x 151936 bf16 logits = 37 GiB > the 10 GiB threshold
+    P = result["num_parameters"]
+    assert P == 4_022_468_096  # Qwen3-4B, tied embeddings
+    # Sharded float32 state per rank: weights 4P/2 = 7.49 GiB, AdamW moments 8P/2 = 14.98 GiB; RoPE tables
+    # 2 x 131072 x 128 x 4 B = 0.125 GiB; token ids and labels 2 x 131072 x 8 B = 2 MiB.
+    state = 12 * P // 2 + 2 * 131072 * 128 * 4 + 2 * 131072 * 8
+    assert abs(stages["parameters"]["total"] - state) < 0.01 * GiB  # 22.60 GiB
+    assert abs(stages["after backward"]["total"] - state - 4 * P // 2) < 0.01 * GiB  # + gradients 7.49 GiB
+    # Checkpointing keeps each block's input, 36 x 131072 x 2560 x 2 B (bf16) = 22.5 GiB, plus the final norm's
+    # float32 intermediates (a few 1.25 GiB tensors).
+    saved = 36 * 131072 * 2560 * 2
+    assert saved <= stages["after forward"]["activations"] <= saved + 8 * GiB  # measured 28.5
+    # Peak (in backward): state + saved inputs = 45.1 GiB, plus one block's recomputation and its gradients: at
+    # least its four FFN intermediates, 4 x 131072 x 9728 x 2 B = 9.5 GiB, at most ~40 GiB (attention and FFN
+    # activations at T = 131072 are 0.6-2.4 GiB each, about twenty of them with their gradients).
+    ffn = 4 * 131072 * 9728 * 2
+    assert state + saved + ffn <= peak <= state + saved + 40 * GiB  # measured 77.9
+    assert result["peak"]["phase"] == "backward"
+
+
+def test_4b_131k_standard_loss_shows_the_logits_blow_up(estimates_4b_131k):
+    chunked, standard = estimates_4b_131k["auto"], estimates_4b_131k["standard"]
+    assert standard["loss_path"] == "standard"
+    logits_fp32 = 131072 * 151936 * 4  # one float32 (N, V) tensor: 74.2 GiB
+    # Standard: the float32 log-probabilities saved for backward stay after the loss, and in backward they coexist
+    # with their gradient. Chunked: one 4096-row chunk of logits at a time (2.3 GiB in float32), nothing kept.
+    loss_kept = {name: r["stages"]["after loss"]["total"] - r["stages"]["after forward"]["total"]
+                 for name, r in (("standard", standard), ("chunked", chunked))}
+    assert loss_kept["standard"] >= logits_fp32
+    assert loss_kept["chunked"] < 4096 * 151936 * 4
+    assert standard["peak"]["total"] - chunked["peak"]["total"] >= 2 * logits_fp32  # measured 274 vs 78 GiB
+    assert chunked["stages"]["peak during forward"]["total"] - chunked["stages"]["after forward"]["total"] < 10 * GiB
+
+
+# ---- will it fit? ----------------------------------------------------------------------------------------------------
+
+def test_fit_verdict_and_cheapest_change():
+    result = pm.estimate(pm.StepConfig("tiny", 128, loss="standard"))
+    peak = result["peak"]["total"]
+    roomy = pm.check_fit(result, gpu_memory_gib=2 * peak / GiB, reserve_gib=0)
+    assert roomy["fits"] and roomy["margin_gib"] == pytest.approx(peak / GiB)
+    tight = pm.check_fit(result, gpu_memory_gib=(peak - 1) / GiB, reserve_gib=0, log=lambda msg: None)
+    assert not tight["fits"] and tight["changes"][0] == "--loss chunked"
+    assert tight["fitting_config"] is not None and tight["fitting_peak_gib"] * GiB <= peak - 1
+    hopeless = pm.check_fit(result, gpu_memory_gib=1e-6, reserve_gib=0, log=lambda msg: None)
+    assert not hopeless["fits"] and hopeless["fitting_config"] is None
+    assert hopeless["changes"][:3] == ["--loss chunked", "--gradient_checkpointing", "--world_size 2"]
+
+
+# ---- command line and errors ---------------------------------------------------------------------------------------
+
+def test_cli_table_json_and_plot(tmp_path, capsys):
+    pm.main(["--model_size", "tiny", "--context_length", "64", "--gpu_memory", "1", "--reserve", "0.5"])
+    text = capsys.readouterr().out
+    for stage in (*STAGES, "peak (backward)"):
+        assert stage in text
+    assert "fits on a 1 GiB GPU" in text and "Stand-in: full attention" in text
+    png = tmp_path / "memory.png"
+    pm.main(["--model_size", "tiny", "--context_length", "64", "--world_size", "2", "--json", "--plot", str(png)])
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["stages"]) == list(STAGES) and out["config"]["world_size"] == 2
+    assert out["peak"]["total"] == max(out["stages"][f"peak during {p}"]["total"] for p in pm.PHASES)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input_is_rejected_before_anything_is_built():
+    for kwargs in (dict(batch_size=0), dict(model_size="5B"), dict(attention_type="sparse"), dict(dtype="fp8"),
+                   dict(context_length=1), dict(loss="fused")):
+        with pytest.raises(ValueError):
+            pm.StepConfig(**kwargs)
+    with pytest.raises(SystemExit):
+        pm.main(["--model_size", "tiny", "--world_size", "0"])
+
+
+def test_refuses_to_run_inside_an_initialised_process_group():
+    with pm.fake_process_group(2), pytest.raises(RuntimeError, match="outside torch.distributed"):
+        pm.estimate(pm.StepConfig("tiny", 64, world_size=2))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--measure needs a CUDA device")
+def test_measured_on_gpu_matches_estimate():
+    config = pm.StepConfig("0.6B", 4096, gradient_checkpointing=True)
+    estimated, measured = pm.estimate(config), pm.measure(config)
+    # The GPU adds what the tracker cannot see (cuBLAS workspaces, 512-byte rounding): allow 5%.
+    assert_stages_close(estimated["stages"], measured["stages"], rel=0.05)
