@@ -4,28 +4,32 @@
     python profile_memory.py --model_size 4B --context_length 131072 --world_size 2 --gradient_checkpointing \
         --gpu_memory 80
 
-How the estimate works (`estimate`): the model is built by the same code as in training (`model.Transformer` on the
-meta device, `parallel.apply_fsdp`, `to_empty`, `init_weights`, AdamW with foreach=False), but under
-`FakeTensorMode`, so every tensor has its real shape, dtype and storage size and nothing is allocated. FSDP2 runs
-for real on a fake process group (`FakeStore`, collectives are no-ops) over a CPU device mesh of `world_size` ranks,
-so the numbers are those of one rank. `torch.distributed._tools.FSDPMemTracker` (a TorchDispatchMode) counts the
-live bytes of every storage by category; we read it at each stage of one steady-state step (optimizer state already
-present, as in every step after the first): forward (embedding, first block, all blocks), loss, backward, AdamW.
+How (`estimate`): the model and optimizer are built as train.py builds them, under `FakeTensorMode`, so every
+tensor has its real shape, dtype and storage size and nothing is allocated. With `--world_size N > 1`: meta device,
+`parallel.apply_fsdp` (bf16 compute copies of fp32 master weights), `to_empty`, `init_weights`, on a fake process
+group (`FakeStore`: collectives do nothing) over a CPU device mesh of N ranks, so the numbers are one rank's. With
+world size 1: fp32 weights, forward under bf16 autocast, no FSDP (train.py's single-process path). AdamW with
+train.py's parameter groups but foreach=False. A live-bytes tracker (torch.distributed._tools MemTracker /
+FSDPMemTracker, a TorchDispatchMode) reads each stage of one steady-state step (optimizer state present, as in every
+step after the first): forward (embedding, first block, all blocks), loss, backward, gradient clipping + AdamW.
 
-Stand-ins: full attention runs the CPU flash SDPA kernel's fake implementation; like the CUDA flash/cuDNN kernels it
-keeps only the output and the log-sum-exp for backward (no T x T matrix), so its memory is the GPU kernel's. NSA
-(nsa.py) is pure PyTorch and runs as is; its memory is that of the reference path that training runs. Not seen by
-the tracker: the CUDA context (~0.5-1 GiB), NCCL buffers, allocator rounding and fragmentation, and workspaces inside
-single kernels; `--reserve` (GiB) keeps room for them when judging the fit.
+Stand-ins, named in the output: full attention runs the CPU flash SDPA kernel's fake implementation, which, like the
+CUDA flash/cuDNN kernels, keeps only the output and log-sum-exp for backward (no T x T matrix). NSA's reference path
+runs hundreds of operators per query chunk (hours at 131k tokens under fake tensors), so `nsa.sparse_attention` is
+replaced by a memory double calibrated on the real function (`nsa_stand_in`). Not seen by the tracker: the CUDA
+context (~0.5-1 GiB), NCCL buffers, allocator rounding and fragmentation, workspaces inside single kernels;
+`--reserve` (GiB) keeps room for them when judging the fit.
 
-`--measure` (CUDA only) runs the same step for real on the GPU, reads `torch.cuda` memory statistics at the same
-stages and prints them beside the estimate (the process group is still the fake one, so `--world_size N` gives the
-memory of one of N ranks on a single GPU).
+`--measure` (CUDA only) runs the same step for real on the GPU, reads torch.cuda memory statistics at the same
+stages and prints them beside the estimate (with the fake process group, `--world_size N` measures one of N ranks on
+a single GPU).
 
-Categories at each stage: parameters (sharded fp32 master weights, unsharded compute copies, all-gather buffers,
-buffers), gradients (sharded, unsharded, reduce-scatter buffers), optimizer state (AdamW moments), activations
-(tensors made in forward, including the inputs and what is saved for backward), temporaries (tensors made in
-backward: activation gradients, recomputation). All sizes are bytes in the returned dicts and GiB in the table.
+Categories: parameters (weights, unsharded compute copies, all-gather buffers, buffers), gradients (with
+reduce-scatter buffers), optimizer (AdamW moments and step temporaries), activations (made in forward, including the
+inputs and what is saved for backward), temporaries (made in backward: activation gradients, recomputation). Sizes
+are bytes in the returned dicts, GiB in the table (MiB for toy models).
+
+Notation: B batch, T tokens per sequence, H query heads, D head dimension, Q NSA query chunk.
 """
 
 from __future__ import annotations
@@ -209,6 +213,14 @@ class _SparseAttentionDouble(torch.autograd.Function):
         return (None, *grads)
 
 
+class _Calibration(_PhasePeak, MemTracker):
+    """A bare tracker for one function call: counts only what is made (or registered) while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start_phase()
+
+
 def _sparse_attention_memory(sparse_attention, args: tuple, kwargs: dict, autocast: AbstractContextManager
                              ) -> tuple[int, int, int, tuple[bool, ...]]:
     """`_SparseAttentionDouble`'s spec, measured on one forward + backward of `sparse_attention` with inputs
@@ -235,12 +247,6 @@ def _sparse_attention_memory(sparse_attention, args: tuple, kwargs: dict, autoca
         backward_peak = tracker.phase_peak()["total"] - after_forward
     grads = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
     return kept, max(0, forward_peak), max(0, backward_peak - grads), keeps
-
-
-class _Calibration(_PhasePeak, MemTracker):
-    def __init__(self) -> None:
-        super().__init__()
-        self.start_phase()
 
 
 @contextmanager
