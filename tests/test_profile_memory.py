@@ -168,6 +168,8 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert list(out["stages"]) == list(STAGES) and out["config"]["world_size"] == 2
     assert out["peak"]["total"] == max(out["stages"][f"peak during {p}"]["total"] for p in pm.PHASES)
     assert png.read_bytes()[:4] == b"\x89PNG"
+    beside = pm.format_table(out, measured=out)  # --measure's layout: measured totals beside the estimate
+    assert beside.splitlines()[0].split()[:3] == ["stage", "total", "measured"]
 
 
 def test_bad_input_is_rejected_before_anything_is_built():
