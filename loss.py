@@ -92,16 +92,19 @@ def standard_linear_cross_entropy(
 ) -> tuple[Tensor, Tensor]:
     """Plain loss: full logits, then cross-entropy; the reference every other path must match.
 
-    hidden: (N, C); weight: (V, C); targets: (N,) already shifted. `normalizer` divides the summed loss
-    (default: the number of non-ignored targets). Returns (loss float32 scalar, logits (N, V) in hidden's dtype,
-    or float32 when soft-capped).
+    hidden: (N, C) or (B, T, C); weight: (V, C); targets: (N,) or (B, T), already shifted. `normalizer` divides
+    the summed loss (default: the number of non-ignored targets). Returns (loss float32 scalar, logits (N, V) or
+    (B, T, V) in hidden's dtype, or float32 when soft-capped). The logits are returned as their own tensor, not a
+    view, so an FSDP2 root module can return them.
     """
-    _check_inputs(hidden, weight, targets)
-    logits = hidden @ weight.t()  # (N, V)
+    flat_targets = targets.flatten()  # (N,)
+    _check_inputs(hidden.flatten(0, -2), weight, flat_targets)
+    logits = hidden @ weight.t()  # (..., V)
     if softcap is not None:
         logits = softcap_logits(logits.float(), softcap)  # capped in float32
-    normalizer = _as_normalizer(normalizer, targets, ignore_index)
-    loss = cross_entropy_sum(logits, targets, ignore_index=ignore_index, z_loss_coef=z_loss_coef) / normalizer
+    normalizer = _as_normalizer(normalizer, flat_targets, ignore_index)
+    loss = cross_entropy_sum(logits.flatten(0, -2), flat_targets, ignore_index=ignore_index,
+                             z_loss_coef=z_loss_coef) / normalizer
     return loss, logits
 
 
