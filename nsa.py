@@ -104,6 +104,11 @@ def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_sel
     return idx, idx <= current
 
 
+def _softmax(logits: Tensor) -> Tensor:
+    """Softmax over the last dim computed in at least float32, returned in the input dtype."""
+    return torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).to(logits.dtype)
+
+
 def _compressed_branch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, block_size: int, stride: int,
                        scale: float) -> tuple[Tensor, Tensor]:
     """Attention of q (B, KV, G, Q, D) over the compressed keys/values (B, KV, Nc, D) visible to each query.
@@ -119,35 +124,36 @@ def _compressed_branch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, block_siz
     row_has_block = visible[:, :1]  # (Q, 1): block 0 is the first to become visible
     logits = (q.reshape(B, KV, G * Q, D) @ k.transpose(-1, -2)).view(B, KV, G, Q, Nc) * scale
     logits = logits.masked_fill(~visible, -math.inf).masked_fill(~row_has_block, 0.0)
-    p = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype) * row_has_block  # (B, KV, G, Q, Nc)
+    p = _softmax(logits) * row_has_block  # (B, KV, G, Q, Nc)
     out = (p.view(B, KV, G * Q, Nc) @ v).view(B, KV, G, Q, D)
     return out, p
 
 
-def _gather_positions(x: Tensor, pos: Tensor) -> Tensor:
-    """x (B, KV, S, D) at positions pos (B, KV, P) -> (B, KV, P, D); works on any strides (cache views)."""
-    B, KV = pos.shape[:2]
-    b = torch.arange(B, device=pos.device)[:, None, None]  # (B, 1, 1)
-    h = torch.arange(KV, device=pos.device)[None, :, None]  # (1, KV, 1)
-    return x[b, h, pos]
-
-
-def _selected_branch(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor, q_pos: Tensor,
-                     select_block_size: int, scale: float) -> Tensor:
-    """Attention of q (B, KV, G, Q, D) over the selected blocks idx (B, KV, Q, n') of k, v (B, KV, S, D), keys at
-    positions [0, S). Slots with valid False and keys after the query are masked. Returns (B, KV, G, Q, D)."""
+def _selected_branch(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, valid: Tensor, q_pos: Tensor,
+                     scale: float) -> Tensor:
+    """Attention of q (B, KV, G, Q, D) over the selected blocks idx (B, KV, Q, n') of k_blocks, v_blocks
+    (B, KV, Nsb, l', D) (contiguous; block j holds positions [j*l', (j+1)*l')). Slots with valid False and keys after
+    the query are masked. Returns (B, KV, G, Q, D)."""
     B, KV, G, Q, D = q.shape
-    S = k.shape[2]
-    pos = idx[..., None] * select_block_size + torch.arange(select_block_size, device=q.device)  # (B, KV, Q, n', l')
+    n_blocks, block = k_blocks.shape[2:4]
+    rows = (torch.arange(B * KV, device=q.device).view(B, KV, 1, 1) * n_blocks + idx).view(-1)  # (B*KV*Q*n',)
+    N = idx.shape[-1] * block
+    k_sel = k_blocks.view(B * KV * n_blocks, block * D).index_select(0, rows).view(B, KV, Q, N, D)
+    v_sel = v_blocks.view(B * KV * n_blocks, block * D).index_select(0, rows).view(B, KV, Q, N, D)
+    pos = idx[..., None] * block + torch.arange(block, device=q.device)  # (B, KV, Q, n', l')
     keep = (valid[..., None] & (pos <= q_pos[:, None, None])).flatten(-2)  # (B, KV, Q, N)
-    pos = pos.clamp(max=S - 1).flatten(-2)  # (B, KV, Q, N); clamped slots lie after the query and are masked
-    N = pos.shape[-1]
-    k_sel = _gather_positions(k, pos.view(B, KV, Q * N)).view(B, KV, Q, N, D)
-    v_sel = _gather_positions(v, pos.view(B, KV, Q * N)).view(B, KV, Q, N, D)
     logits = (q.transpose(2, 3) @ k_sel.transpose(-1, -2)) * scale  # (B, KV, Q, G, N)
     logits = logits.masked_fill(~keep[:, :, :, None, :], -math.inf)  # the query's own key is always kept
-    p = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    p = _softmax(logits)
     return (p @ v_sel).transpose(2, 3)  # (B, KV, G, Q, D)
+
+
+def _as_blocks(x: Tensor, block: int) -> Tensor:
+    """x (B, KV, S, D) -> contiguous (B, KV, ceil(S / block), block, D), zero-padded at the end (a view when x is
+    contiguous and S is a multiple of block, as for the KV cache)."""
+    B, KV, S, D = x.shape
+    x = F.pad(x, (0, 0, 0, -S % block)).contiguous()
+    return x.view(B, KV, x.shape[2] // block, block, D)
 
 
 def _window_branch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
@@ -159,12 +165,13 @@ def _window_branch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
     return out.view(B, KV, G, Q, D)
 
 
-def _attend_chunk(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+def _attend_chunk(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
                   v_win: Tensor, gates: Tensor, q_start: int, win_start: int, config: ModelConfig) -> Tensor:
-    """One query chunk: q (B, H, Q, D) at positions [q_start, q_start + Q), gates (B, H, Q, 3); keys/values as in
-    `sparse_attention`, already cut to what the chunk can see. Returns (B, H, Q, D)."""
+    """One query chunk: q (B, H, Q, D) at positions [q_start, q_start + Q), gates (B, H, Q, 3); selection keys and
+    values as blocks (`_as_blocks`), the others as in `sparse_attention`, cut to what the chunk can see.
+    Returns (B, H, Q, D)."""
     B, H, Q, D = q.shape
-    KV = k_slc.shape[1]
+    KV = k_blocks.shape[1]
     l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
     scale = D**-0.5
     q = q.view(B, KV, H // KV, Q, D)  # (B, KV, G, Q, D)
@@ -175,7 +182,7 @@ def _attend_chunk(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc:
         num_select_blocks = (q_start + Q - 1) // l_sel + 1
         importance = pool_to_selection_blocks(p_cmp.sum(2), l, d, l_sel, num_select_blocks)  # (B, KV, Q, Ns)
         idx, valid = select_blocks(importance, q_pos, l_sel, config.nsa_num_selected)
-    o_slc = _selected_branch(q, k_slc, v_slc, idx, valid, q_pos, l_sel, scale)
+    o_slc = _selected_branch(q, k_blocks, v_blocks, idx, valid, q_pos, scale)
 
     k_pos = torch.arange(win_start, win_start + k_win.shape[2], device=q.device)  # (W,)
     o_win = _window_branch(q, k_win, v_win, q_pos, k_pos, config.nsa_window)
@@ -193,7 +200,8 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
         q: `(B, H, T, D)` rotated queries.
         k_cmp, v_cmp: `(B, KV, Nc, D)` compressed keys/values of blocks 0 .. Nc-1 (all blocks complete by the last
             query; keys rotated at their block's last position).
-        k_slc, v_slc: `(B, KV, S, D)` keys/values at positions [0, S), S >= q_start + T.
+        k_slc, v_slc: `(B, KV, S, D)` keys/values at positions [0, S), S >= q_start + T (positions after the
+            last query are never attended).
         k_win, v_win: `(B, KV, W, D)` keys/values at positions [win_start, win_start + W), covering each query's
             window.
         gates: `(B, H, T, 3)` branch gates (compression, selection, window).
@@ -205,13 +213,15 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
     l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, config.nsa_query_chunk
     recompute = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
+    k_blocks = _as_blocks(k_slc, config.nsa_select_block_size)  # (B, KV, Nsb, l', D)
+    v_blocks = _as_blocks(v_slc, config.nsa_select_block_size)
     outs = []
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         t0, t1 = q_start + c0, q_start + c1  # absolute positions of the chunk's queries
         n_cmp = num_compressed_blocks(t1, l, d)
         w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
-        args = (q[:, :, c0:c1], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_slc[:, :, :t1], v_slc[:, :, :t1],
+        args = (q[:, :, c0:c1], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
                 k_win[:, :, w0:t1 - win_start], v_win[:, :, w0:t1 - win_start], gates[:, :, c0:c1], t0,
                 win_start + w0, config)
         outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False) if recompute else _attend_chunk(*args))
@@ -255,8 +265,8 @@ class NSACache(nn.Module):
     """Decoding state of one NSA layer (non-persistent buffers, never in the state_dict).
 
     raw_k/raw_v (B, KV, l, D): ring of the last l un-normed, un-rotated compression inputs (a block completes
-    within l tokens); cmp_k/cmp_v (B, KV, Nc_max, D): compressed keys/values; slc_k/slc_v (B, KV, S_max, D): the full
-    cache the selection branch reads; win_k/win_v (B, KV, w, D): ring of the last w window keys (only with separate
+    within l tokens); cmp_k/cmp_v (B, KV, Nc_max, D): compressed keys/values; slc_k/slc_v (B, KV, S_cap, D): the full
+    cache the selection branch reads (capacity rounded up to whole selection blocks); win_k/win_v (B, KV, w, D): ring of the last w window keys (only with separate
     K/V; shared K/V read the window from slc_k/slc_v).
     """
 
@@ -266,7 +276,8 @@ class NSACache(nn.Module):
         self.max_seq_len = max_seq_len
         KV, D = config.n_kv_heads, config.head_dim
         n_cmp = num_compressed_blocks(max_seq_len, config.nsa_block_size, config.nsa_stride)
-        lengths = {"raw": config.nsa_block_size, "cmp": n_cmp, "slc": max_seq_len}
+        slc = -(-max_seq_len // config.nsa_select_block_size) * config.nsa_select_block_size  # whole blocks
+        lengths = {"raw": config.nsa_block_size, "cmp": n_cmp, "slc": slc}
         if config.nsa_separate_kv:
             lengths["win"] = min(config.nsa_window, max_seq_len)
         for name, length in lengths.items():
@@ -346,13 +357,14 @@ class NativeSparseAttention(nn.Module):
             cache.cmp_k[:, :, first_new:n_cmp] = new_k  # emitted before any query of this call attends
             cache.cmp_v[:, :, first_new:n_cmp] = new_v
             win_start = max(0, start_pos - cfg.nsa_window + 1)
-            k_slc = _ring_extend(cache.slc_k, start_pos, k_slc, 0)  # (B, KV, end, D)
-            v_slc = _ring_extend(cache.slc_v, start_pos, v_slc, 0)
+            _ring_extend(cache.slc_k, start_pos, k_slc, 0)  # never wraps (capacity >= max_seq_len)
+            _ring_extend(cache.slc_v, start_pos, v_slc, 0)
+            k_slc, v_slc = cache.slc_k, cache.slc_v  # (B, KV, S_cap, D): whole buffer, read as blocks without a copy
             if cfg.nsa_separate_kv:
                 k_win = _ring_extend(cache.win_k, start_pos, k_win, win_start)  # (B, KV, end - win_start, D)
                 v_win = _ring_extend(cache.win_v, start_pos, v_win, win_start)
             else:
-                k_win, v_win = k_slc[:, :, win_start:], v_slc[:, :, win_start:]
+                k_win, v_win = k_slc[:, :, win_start:end], v_slc[:, :, win_start:end]
             out = sparse_attention(q, cache.cmp_k[:, :, :n_cmp], cache.cmp_v[:, :, :n_cmp], k_slc, v_slc, k_win,
                                    v_win, gates, cfg, q_start=start_pos, win_start=win_start)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
