@@ -266,7 +266,8 @@ class NSACache(nn.Module):
 
     raw_k/raw_v (B, KV, l, D): ring of the last l un-normed, un-rotated compression inputs (a block completes
     within l tokens); cmp_k/cmp_v (B, KV, Nc_max, D): compressed keys/values; slc_k/slc_v (B, KV, S_cap, D): the full
-    cache the selection branch reads (capacity rounded up to whole selection blocks); win_k/win_v (B, KV, w, D): ring of the last w window keys (only with separate
+    cache the selection branch reads (capacity rounded up to whole selection
+    blocks); win_k/win_v (B, KV, w, D): ring of the last w window keys (only with separate
     K/V; shared K/V read the window from slc_k/slc_v).
     """
 

@@ -24,8 +24,6 @@ IMPLS = ("sdpa", "nsa", "lucidrains")
 
 def build(impl: str, args: argparse.Namespace):
     """The layer as a function x (1, T, dim) -> (1, T, dim)."""
-    import torch
-
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from layers import RotaryEmbedding
     from model import Attention, ModelConfig
