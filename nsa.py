@@ -21,13 +21,15 @@ the layer's q/k/v/gates) and recomputes one chunk at a time in backward. Nothing
 matrix for all queries is ever allocated. With Nc = floor((T - l) / d) + 1 compressed blocks, the peak of one
 layer's forward+backward, in elements, is
 
-    linear part:  T * B * (c_lin * (H + 2 * nb * KV) * D + (3 + 2) * H)           (q, per-branch k/v, gates, grads)
+    linear part:  T * B * (c_lin * (H + 2 * nb * KV) * D + 5 * H + 2 * C)   (q, per-branch k/v, gates, x, grads)
     chunk part:   B * Q * (c_cmp * H * Nc + c_sel * KV * n * l' * D + c_win * H * (Q + w - 1))
 
-with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (the tracker test in tests/test_nsa.py
-measures them: c_lin <= ~8, c_cmp <= ~6 (scores, probabilities, their fp32 softmax and gradients), c_sel <= ~6
-(gathered keys and values and their gradients); the selection gather K/V (KV * n * l' * D per query) dominates the
-chunk part for head_dim 128). For fixed Q the peak is linear in T.
+with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound
+with c_lin = 8, c_cmp = c_sel = c_win = 6). The selection gather (KV * n * l' * D keys and as many values per query)
+dominates the chunk part for head_dim 128. For fixed Q the peak is linear in T. Measured with FakeTensorMode for one
+4B-geometry layer (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072, forward+backward, weights and
+input excluded: 18.1 GiB at Q=512, 22.0 GiB at Q=1024, 29.8 GiB at Q=2048 (largest single tensor 2 GiB, 2 GiB,
+4 GiB); about 16.7 GiB of it is the linear part, mostly float32 RoPE temporaries of q (2 GiB each).
 
 Fast path: `sparse_attention` (q, per-branch keys/values, gates, positions -> output) is the single seam where a
 fused GPU kernel (Triton selection kernel, flex_attention for compression/window) can replace the reference code;
