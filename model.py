@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from layers import FeedForward, RMSNorm, RotaryEmbedding, apply_rope
 from loss import chunked_linear_cross_entropy, shift_labels, standard_linear_cross_entropy
+from nsa import NativeSparseAttention
 
 GiB = 1024**3
 
@@ -61,7 +62,7 @@ class ModelConfig:
     nsa_num_selected: int = 16  # n: selected blocks per query, including block 0 and the 2 most recent
     nsa_window: int = 512  # w: sliding-window length, counting the query's own token
     nsa_separate_kv: bool = True  # independent K/V projections per branch (paper section 3.3.3)
-    nsa_query_chunk: int = 1024  # queries processed together; bounds the selection branch's working memory
+    nsa_query_chunk: int = 512  # queries processed together; bounds the selection branch's working memory
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -244,12 +245,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        if config.attention_type == "nsa":
-            from nsa import NativeSparseAttention  # TEMP until nsa.py lands on main
-
-            self.attn = NativeSparseAttention(config)
-        else:
-            self.attn = Attention(config)
+        self.attn = NativeSparseAttention(config) if config.attention_type == "nsa" else Attention(config)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = FeedForward(config.dim, config.ffn_dim)
         self.checkpointing = False

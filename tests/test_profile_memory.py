@@ -85,7 +85,6 @@ def test_fsdp_estimate_matches_real_step_and_sharding_arithmetic(dtype):
 
 
 def test_nsa_double_matches_reference_path():
-    pytest.importorskip("nsa")
     # 5 query chunks of 64: the double is calibrated at 2 and 4 chunks and extrapolated.
     config = pm.StepConfig("tiny", 320, attention_type="nsa", world_size=2, loss="standard")
     double = pm.profile_step(config, stand_in=True)

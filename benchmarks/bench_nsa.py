@@ -1,0 +1,136 @@
+"""Forward+backward time and peak memory of one attention layer: our NSA (nsa.py), full causal SDPA (model.Attention)
+and lucidrains' `native-sparse-attention-pytorch` (if installed; benchmark-only, never a dependency), on CPU.
+
+Each (implementation, T) runs in a fresh subprocess: time of one forward+backward (after a warm-up at T=512),
+and peak memory as the growth of the process's peak RSS over its RSS before the measured step (inputs and weights
+excluded). A failure (import error, out of memory, exception) is reported in the table instead of a number.
+
+    python benchmarks/bench_nsa.py                       # T = 2k, 8k, 16k, 32k
+    python benchmarks/bench_nsa.py --seq-lens 2048 8192  # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+IMPLS = ("sdpa", "nsa", "lucidrains")
+
+
+def build(impl: str, args: argparse.Namespace):
+    """The layer as a function x (1, T, dim) -> (1, T, dim)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from layers import RotaryEmbedding
+    from model import Attention, ModelConfig
+
+    cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                      n_layers=1, attention_type="nsa" if impl == "nsa" else "full", context_length=65536,
+                      nsa_query_chunk=args.query_chunk)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, 1024)
+    if impl == "lucidrains":
+        from native_sparse_attention_pytorch import SparseAttention
+
+        layer = SparseAttention(dim=cfg.dim, dim_head=cfg.head_dim, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads,
+                                sliding_window_size=cfg.nsa_window, compress_block_size=cfg.nsa_block_size,
+                                compress_block_sliding_stride=cfg.nsa_stride,
+                                selection_block_size=cfg.nsa_select_block_size,
+                                num_selected_blocks=cfg.nsa_num_selected, causal=True, use_triton_kernel=False)
+        return layer, layer
+    if impl == "nsa":
+        from nsa import NativeSparseAttention
+
+        layer = NativeSparseAttention(cfg)
+    else:
+        layer = Attention(cfg)
+    layer.init_weights()
+
+    def run(x):
+        cos, sin = rope(x.shape[1], 0, x.device)
+        return layer(x, cos, sin)
+
+    return layer, run
+
+
+def measure(impl: str, T: int, args: argparse.Namespace) -> dict:
+    """Runs in the child process: one warm-up at T=512, then one timed forward+backward at T."""
+    import torch
+
+    torch.manual_seed(0)
+    layer, run = build(impl, args)
+    for length in (512, T):
+        x = torch.randn(1, length, args.dim, requires_grad=True)
+        layer.zero_grad(set_to_none=True)
+        rss_before = _rss_bytes()
+        start = time.perf_counter()
+        run(x).square().mean().backward()
+        seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    return {"seconds": seconds, "peak_bytes": max(peak, 0)}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--query-chunk", type=int, default=512)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
+    parser.add_argument("--child", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args)))
+        return
+
+    import torch
+
+    print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
+          f"float32, CPU threads={torch.get_num_threads()}; NSA l=32 d=16 l'=64 n=16 w=512, "
+          f"query chunk {args.query_chunk}")
+    base_cmd = [sys.executable, __file__, "--dim", str(args.dim), "--heads", str(args.heads), "--kv-heads",
+                str(args.kv_heads), "--head-dim", str(args.head_dim), "--query-chunk", str(args.query_chunk)]
+    results: dict[tuple[str, int], dict | str] = {}
+    for T in args.seq_lens:
+        for impl in args.impls:
+            try:
+                proc = subprocess.run(base_cmd + ["--child", impl, str(T)], capture_output=True, text=True,
+                                      timeout=args.timeout)
+                if proc.returncode == 0:
+                    results[impl, T] = json.loads(proc.stdout.strip().splitlines()[-1])
+                else:
+                    lines = (proc.stderr.strip() or f"exit code {proc.returncode}").splitlines()
+                    results[impl, T] = f"failed: {lines[-1][:60]}"
+            except subprocess.TimeoutExpired:
+                results[impl, T] = f"timeout > {args.timeout:.0f} s"
+            print(f"  T={T} {impl}: {results[impl, T]}", file=sys.stderr, flush=True)
+
+    header = "| T | " + " | ".join(f"{i} fwd+bwd s | {i} peak MiB" for i in args.impls)
+    header += " | SDPA time / NSA time |" if {"sdpa", "nsa"} <= set(args.impls) else " |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for T in args.seq_lens:
+        cells = []
+        for impl in args.impls:
+            r = results[impl, T]
+            cells += [f"{r['seconds']:.2f}", f"{r['peak_bytes'] / 2**20:.0f}"] if isinstance(r, dict) else [r, "-"]
+        row = f"| {T} | " + " | ".join(cells)
+        sdpa, ours = results.get(("sdpa", T)), results.get(("nsa", T))
+        if isinstance(sdpa, dict) and isinstance(ours, dict):
+            row += f" | {sdpa['seconds'] / ours['seconds']:.2f}x"
+        print(row + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,460 @@
+"""Tests of nsa.py against independent references: dense causal attention (explicit T x T masks, allowed in tests
+only), a per-query brute-force NSA written from the paper's definitions (overlap-weighted importance instead of
+Eq. 9), hand-made tables, gradcheck, causality at block boundaries, decode == prefill, and memory trackers.
+
+Tolerances: float64 comparisons use atol=1e-12 (different but equivalent reduction orders); causality checks are
+exact (masked keys contribute exp(-inf) = 0 exactly); float32 model-level checks use 1e-5.
+"""
+
+import dataclasses
+import math
+import weakref
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from layers import RotaryEmbedding
+from model import Attention, ModelConfig, Transformer
+from nsa import (
+    NativeSparseAttention,
+    num_compressed_blocks,
+    pool_to_selection_blocks,
+    select_blocks,
+    selection_pool_weights,
+    sparse_attention,
+)
+from nsa import _as_blocks as as_blocks
+from nsa import _selected_branch as selected_branch
+
+F64 = dict(rtol=0, atol=1e-12)
+EXACT = dict(rtol=0, atol=0)
+
+
+def nsa_config(**overrides) -> ModelConfig:
+    """Tiny geometry: l=8, d=4, l'=16, n=4, w=32, chunk 64, H=4, KV=2, D=16, dim 64."""
+    return ModelConfig.from_preset("tiny", attention_type="nsa", **overrides)
+
+
+def make_layer(config: ModelConfig, dtype=torch.float64) -> tuple[NativeSparseAttention, RotaryEmbedding]:
+    layer = NativeSparseAttention(config).to(dtype)
+    layer.init_weights()
+    with torch.no_grad():  # a non-trivial position encoding and norm weights, so wiring mistakes show
+        for p in (layer.k_compress.pos, layer.v_compress.pos):
+            p.normal_()
+        for norm in (layer.q_norm, layer.k_norm):
+            norm.weight.uniform_(0.5, 1.5)
+        layer.gate_proj.weight.normal_()
+    return layer, RotaryEmbedding(config.head_dim, config.rope_theta, 64)
+
+
+def run_layer(layer: NativeSparseAttention, rope: RotaryEmbedding, x: Tensor, start_pos: int | None = None) -> Tensor:
+    cos, sin = rope(x.shape[1], start_pos or 0, x.device)
+    return layer(x, cos, sin, start_pos)
+
+
+def dense_causal(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+    """Naive GQA causal attention q (B, H, T, D), k/v (B, KV, T, D) with an explicit (T, T) mask."""
+    T, G = q.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    i = torch.arange(T)
+    mask = i[None, :] <= i[:, None]
+    if window is not None:
+        mask &= i[None, :] > i[:, None] - window
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    return logits.softmax(-1) @ v
+
+
+def naive_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config: ModelConfig) -> Tensor:
+    """Query-by-query NSA straight from the paper's definitions, positions from 0. Importance of selection block j
+    is sum_i p_cmp[i] * overlap(compressed block i, selection block j) / d, summed over the group's heads."""
+    B, H, T, D = q.shape
+    KV, G = k_slc.shape[1], H // k_slc.shape[1]
+    l, d, ls, n, w = (config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size,
+                      config.nsa_num_selected, config.nsa_window)
+    scale = D**-0.5
+    Ns = (T - 1) // ls + 1
+    overlap = torch.tensor([[len(set(range(i * d, i * d + l)) & set(range(j * ls, (j + 1) * ls))) / d
+                             for j in range(Ns)] for i in range(k_cmp.shape[2])], dtype=q.dtype)
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for t in range(T):
+            cur = t // ls
+            for kv in range(KV):
+                heads = range(kv * G, (kv + 1) * G)
+                nv = sum(1 for i in range(k_cmp.shape[2]) if i * d + l - 1 <= t)
+                importance = torch.zeros(Ns, dtype=q.dtype)
+                o_cmp = {}
+                for h in heads:
+                    if nv == 0:
+                        o_cmp[h] = torch.zeros(D, dtype=q.dtype)
+                        continue
+                    p = (k_cmp[b, kv, :nv] @ q[b, h, t] * scale).softmax(-1)
+                    o_cmp[h] = p @ v_cmp[b, kv, :nv]
+                    importance += p @ overlap[:nv]
+                score = {j: (math.inf if j in (0, cur, cur - 1) else importance[j].item()) for j in range(cur + 1)}
+                chosen = sorted(score, key=score.get, reverse=True)[:n]
+                sel = [s for j in chosen for s in range(j * ls, (j + 1) * ls) if s <= t]
+                win = list(range(max(0, t - w + 1), t + 1))
+                for h in heads:
+                    p_s = (k_slc[b, kv, sel] @ q[b, h, t] * scale).softmax(-1)
+                    p_w = (k_win[b, kv, win] @ q[b, h, t] * scale).softmax(-1)
+                    g = gates[b, h, t]
+                    out[b, h, t] = g[0] * o_cmp[h] + g[1] * (p_s @ v_slc[b, kv, sel]) + g[2] * (p_w @ v_win[b, kv, win])
+    return out
+
+
+def random_inputs(B, H, KV, T, D, config, dtype=torch.float64):
+    n_cmp = num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride)
+    q = torch.randn(B, H, T, D, dtype=dtype)
+    k_cmp, v_cmp = torch.randn(B, KV, n_cmp, D, dtype=dtype), torch.randn(B, KV, n_cmp, D, dtype=dtype)
+    kv = [torch.randn(B, KV, T, D, dtype=dtype) for _ in range(4)]
+    gates = torch.rand(B, H, T, 3, dtype=dtype)
+    return q, k_cmp, v_cmp, *kv, gates
+
+
+# ---- Eq. 9 mapping and top-n: hand-made tables -----------------------------------------------------------------
+
+
+def test_selection_pool_weights_tables():
+    assert selection_pool_weights(32, 16, 64) == (-1, [1, 2, 2, 2, 1])  # blocks 4j-1 .. 4j+3
+    assert selection_pool_weights(64, 16, 64) == (-3, [1, 2, 3, 4, 3, 2, 1])
+    assert selection_pool_weights(16, 16, 16) == (0, [1])  # l = d = l': identity
+    assert selection_pool_weights(8, 4, 16) == (-1, [1, 2, 2, 2, 1])
+
+
+def test_pool_to_selection_blocks_hand_table():
+    p = 10.0 ** torch.arange(12, dtype=torch.float64)  # p[i] = 10^i: every contribution visible in the digits
+    got = pool_to_selection_blocks(p, 32, 16, 64, 3)
+    want = torch.tensor([2 * p[0] + 2 * p[1] + 2 * p[2] + p[3],  # block 0: compressed -1 (absent), 0, 1, 2, 3
+                         p[3] + 2 * p[4] + 2 * p[5] + 2 * p[6] + p[7],
+                         p[7] + 2 * p[8] + 2 * p[9] + 2 * p[10] + p[11]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, **EXACT)
+    # identity geometry, and fewer compressed blocks than the selection blocks need (zero padding)
+    torch.testing.assert_close(pool_to_selection_blocks(p[:3], 16, 16, 16, 5), torch.cat([p[:3], p.new_zeros(2)]))
+
+
+@pytest.mark.parametrize("l,d,ls", [(32, 16, 64), (64, 16, 64), (8, 4, 16), (4, 4, 8), (16, 16, 16)])
+def test_pool_matches_block_overlap(l, d, ls):
+    n_cmp, Ns = 13, 5
+    p = torch.rand(3, n_cmp, dtype=torch.float64)
+    overlap = torch.tensor([[len(set(range(i * d, i * d + l)) & set(range(j * ls, (j + 1) * ls))) / d
+                             for j in range(Ns)] for i in range(n_cmp)], dtype=torch.float64)
+    torch.testing.assert_close(pool_to_selection_blocks(p, l, d, ls, Ns), p @ overlap, **F64)
+
+
+def test_select_blocks_forced_and_future():
+    ls, n = 4, 4
+    q_pos = torch.tensor([0, 5, 13, 30])  # current blocks 0, 1, 3, 7
+    scores = torch.tensor([0.0, 9.0, 1.0, 8.0, 7.0, 0.5, 6.0, 0.1]).expand(1, 1, 4, 8)  # (B, KV, Q, Ns)
+    idx, valid = select_blocks(scores, q_pos, ls, n)
+    chosen = [sorted(i for i, ok in zip(row.tolist(), v.tolist(), strict=True) if ok) for row, v in zip(idx[0, 0],
+                                                                                                     valid[0, 0],
+                                                                                                     strict=True)]
+    assert chosen == [[0], [0, 1], [0, 1, 2, 3], [0, 1, 6, 7]]  # t=30: forced 0, 6, 7, then best of the rest (1)
+
+
+# ---- oracles: each branch alone equals dense causal attention ---------------------------------------------------
+
+
+def _module_vs_full_attention(config: ModelConfig, branch: int, T: int, compressor=None):
+    """NSA with the gates pinned to `branch` against model.Attention sharing that branch's K/V projection."""
+    layer, rope = make_layer(config)
+    if compressor is not None:
+        layer.k_compress, layer.v_compress = compressor, compressor
+    with torch.no_grad():
+        layer.gate_proj.weight.zero_()
+        layer.gate_proj.bias.fill_(-200.0)
+        layer.gate_proj.bias.view(-1, 3)[:, branch] = 200.0  # sigmoid(+-200) is 1 / ~1e-87 in float64
+    full = Attention(config).to(torch.float64)
+    KV, D = config.n_kv_heads, config.head_dim
+    s = branch if config.nsa_separate_kv else 0
+    with torch.no_grad():
+        for name in ("q_proj", "o_proj", "q_norm", "k_norm"):
+            getattr(full, name).load_state_dict(getattr(layer, name).state_dict())
+        full.k_proj.weight.copy_(layer.k_proj.weight.view(-1, KV * D, config.dim)[s])
+        full.v_proj.weight.copy_(layer.v_proj.weight.view(-1, KV * D, config.dim)[s])
+    x = torch.randn(2, T, config.dim, dtype=torch.float64)
+    cos, sin = rope(T, 0, x.device)
+    torch.testing.assert_close(layer(x, cos, sin), full(x, cos, sin), **F64)
+
+
+class SqueezeBlock(nn.Module):
+    """Identity compressor for l = 1: (B, KV, N, 1, D) -> (B, KV, N, D)."""
+
+    def forward(self, blocks: Tensor) -> Tensor:
+        return blocks.squeeze(-2)
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_selection_all_blocks_equals_dense(separate):
+    config = nsa_config(nsa_num_selected=7, nsa_separate_kv=separate, nsa_query_chunk=32)  # 7 blocks of 16 >= T
+    _module_vs_full_attention(config, branch=1, T=100)
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_window_wider_than_sequence_equals_dense(separate):
+    _module_vs_full_attention(nsa_config(nsa_window=100, nsa_separate_kv=separate), branch=2, T=100)
+
+
+def test_compression_identity_l1_equals_dense():
+    config = nsa_config(nsa_block_size=1, nsa_stride=1, nsa_select_block_size=4)
+    _module_vs_full_attention(config, branch=0, T=70, compressor=SqueezeBlock())
+
+
+def test_window_is_w_keys_including_own_token():
+    config = nsa_config(nsa_window=5, nsa_query_chunk=16)
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, _ = random_inputs(1, 4, 2, 40, 8, config)
+    gates = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64).expand(1, 4, 40, 3)
+    out = sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config)
+    torch.testing.assert_close(out, dense_causal(q, k_win, v_win, window=5), **F64)
+
+
+# ---- the whole kernel against the brute-force reference ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("H,KV", [(2, 2), (4, 2), (8, 2), (16, 1)])  # GQA ratios 1, 2, 4, 16
+def test_sparse_attention_matches_naive(H, KV):
+    config = nsa_config(nsa_query_chunk=24)
+    T = 90  # 6 selection blocks > n = 4, so top-n really chooses; 21 compressed blocks
+    inputs = random_inputs(2, H, KV, T, 8, config)
+    torch.testing.assert_close(sparse_attention(*inputs, config), naive_nsa(*inputs, config), **F64)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100])
+def test_chunk_size_does_not_change_results(chunk):
+    config = nsa_config(nsa_query_chunk=chunk)
+    layer, rope = make_layer(config)
+    x = torch.randn(2, 100, config.dim, dtype=torch.float64)
+    ref_layer = NativeSparseAttention(dataclasses.replace(config, nsa_query_chunk=100)).to(torch.float64)
+    ref_layer.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(run_layer(layer, rope, x), run_layer(ref_layer, rope, x), **F64)
+
+
+def test_no_compressed_block_gives_zero_and_finite_gradients():
+    config = nsa_config()
+    layer, rope = make_layer(config)
+    with torch.no_grad():
+        layer.gate_proj.weight.zero_()
+        layer.gate_proj.bias.view(-1, 3).copy_(torch.tensor([200.0, -200.0, -200.0]))  # compression branch only
+    T = config.nsa_block_size + 3  # queries 0 .. l-2 see no complete block
+    x = torch.randn(1, T, config.dim, dtype=torch.float64, requires_grad=True)
+    out = run_layer(layer, rope, x)
+    torch.testing.assert_close(out[:, : config.nsa_block_size - 1], torch.zeros_like(out[:, :7]), **F64)
+    assert out[:, config.nsa_block_size - 1:].abs().min() > 0
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+# ---- causality ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_causality_at_block_boundaries(separate):
+    config = nsa_config(nsa_separate_kv=separate, nsa_query_chunk=24)
+    l, d, ls, w = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_window
+    layer, rope = make_layer(config)
+    T = 5 * ls + 7
+    x = torch.randn(1, T, config.dim, dtype=torch.float64)
+    base = run_layer(layer, rope, x)
+    for t in sorted({0, l - 2, l - 1, l, 3 * d - 1, 5 * d - 1, ls - 1, ls, 2 * ls - 1, 3 * ls - 1, 3 * ls,
+                     w - 1, w, T - 2}):
+        x2 = x.clone()
+        x2[:, t + 1:] = torch.randn_like(x2[:, t + 1:])
+        out = run_layer(layer, rope, x2)
+        torch.testing.assert_close(out[:, : t + 1], base[:, : t + 1], **EXACT, msg=f"leak into position <= {t}")
+        assert (out[:, t + 1:] - base[:, t + 1:]).abs().amax() > 1e-6
+
+
+def test_model_causality_and_generate():
+    config = nsa_config(n_layers=2)
+    model = Transformer(config).to(torch.float64)
+    ids = torch.randint(0, config.vocab_size, (1, 60))
+    base = model(ids).logits
+    for t in (6, 7, 15, 16, 31, 47):
+        ids2 = ids.clone()
+        ids2[:, t + 1:] = (ids2[:, t + 1:] + 1) % config.vocab_size
+        torch.testing.assert_close(model(ids2).logits[:, : t + 1], base[:, : t + 1], **EXACT)
+    out = model.generate(ids[:, :20], max_new_tokens=25, temperature=0)  # KV-cache path: greedy == argmax of prefill
+    with torch.no_grad():
+        logits = model(out[:, :-1]).logits
+    assert torch.equal(logits[:, 19:].argmax(-1), out[:, 20:])
+
+
+# ---- decoding with the cache ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_decode_equals_prefill(separate):
+    config = nsa_config(nsa_separate_kv=separate, nsa_query_chunk=16)
+    layer, rope = make_layer(config)
+    T = 90  # beyond w = 32 (window ring wraps) and several compressed / selection blocks
+    x = torch.randn(2, T, config.dim, dtype=torch.float64)
+    full = run_layer(layer, rope, x)
+    layer.setup_cache(2, T, torch.float64, "cpu")
+    with torch.no_grad():
+        # a 5-token prompt (no complete block yet), a 30-token continuation, then one token at a time
+        steps = [(0, 5), (5, 35)] + [(t, t + 1) for t in range(35, T)]
+        out = torch.cat([run_layer(layer, rope, x[:, a:b], start_pos=a) for a, b in steps], dim=1)
+    torch.testing.assert_close(out, full, **F64)
+    assert "cache" not in str(list(layer.state_dict()))
+    layer.clear_cache()
+    assert layer.cache is None
+
+
+def test_cache_errors():
+    config = nsa_config()
+    layer, rope = make_layer(config)
+    x = torch.randn(1, 4, config.dim, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="setup_cache"):
+        run_layer(layer, rope, x, start_pos=0)
+    layer.setup_cache(1, 6, torch.float64, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        run_layer(layer, rope, x, start_pos=4)
+
+
+# ---- gradients ------------------------------------------------------------------------------------------------------
+
+
+def test_gradcheck_layer_all_blocks_selected():
+    """Whole layer; n >= number of selection blocks, so the top-n set cannot flip under finite differences. No
+    QK-norm: layers.RMSNorm computes in float32, too coarse for finite differences."""
+    config = nsa_config(dim=8, n_heads=4, n_kv_heads=2, head_dim=4, qk_norm=False, nsa_block_size=4,
+                        nsa_stride=2, nsa_select_block_size=8, nsa_num_selected=3, nsa_window=5, nsa_query_chunk=7)
+    layer = NativeSparseAttention(config).to(torch.float64)
+    layer.init_weights()
+    rope = RotaryEmbedding(config.head_dim, config.rope_theta, 64)
+    T = 20  # queries 0..2 see no compressed block
+    cos, sin = rope(T, 0, torch.device("cpu"))
+    x = torch.randn(1, T, config.dim, dtype=torch.float64, requires_grad=True)
+    pos = torch.randn_like(layer.k_compress.pos, requires_grad=True)
+    bias = torch.randn_like(layer.gate_proj.bias, requires_grad=True)
+
+    def f(x, pos, bias):
+        params = {"k_compress.pos": pos, "gate_proj.bias": bias}
+        return torch.func.functional_call(layer, params, (x, cos, sin))
+
+    assert torch.autograd.gradcheck(f, (x, pos, bias), fast_mode=True)
+
+
+def test_gradcheck_selected_branch_fixed_indices():
+    B, KV, G, Q, D, S, ls = 1, 2, 2, 6, 4, 24, 4
+    q = torch.randn(B, KV, G, Q, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, KV, S, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, KV, S, D, dtype=torch.float64, requires_grad=True)
+    q_pos = torch.arange(S - Q, S)
+    idx = torch.stack([torch.randperm(S // ls)[:3] for _ in range(B * KV * Q)]).view(B, KV, Q, 3)
+    idx[..., 0] = q_pos // ls  # the query's own block: at least one key per row
+    valid = torch.rand(B, KV, Q, 3) > 0.3
+    valid[..., 0] = True
+    def f(q, k, v):
+        return selected_branch(q, as_blocks(k, ls), as_blocks(v, ls), idx, valid, q_pos, D**-0.5)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+
+
+# ---- memory ----------------------------------------------------------------------------------------------------------
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of every storage created inside the mode (real or fake tensors); tracks the peak and the largest
+    single allocation. Storages are freed through weakref finalizers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self.keys: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.keys.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.keys:
+                    nbytes = storage.nbytes()
+                    self.keys.add(key)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    self.largest = max(self.largest, nbytes)
+                    weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+
+def peak_bound_bytes(config: ModelConfig, B: int, T: int, elem: int) -> tuple[int, int]:
+    """(peak bound, largest-tensor bound) in bytes from the formula in nsa.py's docstring, constants 8 and 6."""
+    H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(config.nsa_query_chunk, T)
+    n_sets = 3 if config.nsa_separate_kv else 1
+    n_cmp = num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride)
+    linear = T * B * (8 * (H + 2 * n_sets * KV) * D + 5 * H + 2 * config.dim)
+    n_sel = config.nsa_num_selected * config.nsa_select_block_size
+    chunk = B * Q * (6 * H * n_cmp + 6 * KV * n_sel * D + 6 * H * (Q + config.nsa_window - 1))
+    largest = B * Q * max(H * n_cmp, KV * n_sel * D, H * (Q + config.nsa_window - 1)) * 4  # float32 softmax
+    return (linear + chunk) * elem, max(largest, T * B * max(3 * H, 3 * KV * D, config.dim) * elem)
+
+
+def test_memory_tracker_16k():
+    """One layer, forward + backward at T = 16k: peak within the docstring formula, no tensor as large as one
+    head's (T, T/d) score matrix, and the peak grows linearly in T (compared with T = 4k). Paper block geometry
+    (l=32, d=16, l'=64); n=4 and w=128 keep the CPU time low (the chunk term of the formula covers any n, w)."""
+    config = nsa_config(dim=16, n_heads=2, n_kv_heads=1, head_dim=8, nsa_block_size=32, nsa_stride=16,
+                        nsa_select_block_size=64, nsa_num_selected=4, nsa_window=128, nsa_query_chunk=512)
+    layer, rope = make_layer(config, torch.float32)
+    peaks = {}
+    for T in (4096, 16384):
+        x = torch.randn(1, T, config.dim, requires_grad=True)
+        cos, sin = rope(T, 0, x.device)
+        with LiveBytes() as tracker:
+            layer(x, cos, sin).sum().backward()
+        bound, largest = peak_bound_bytes(config, 1, T, 4)
+        assert tracker.peak <= bound, (T, tracker.peak, bound)
+        assert tracker.largest <= largest
+        peaks[T] = tracker.peak
+    assert tracker.largest < 16384 * (16384 // 16) * 4 // 2  # under half of one head's (T, T/d) fp32 scores
+    assert peaks[16384] < 4.5 * peaks[4096], peaks  # 4x the tokens: linear growth plus the (fixed) chunk part
+
+
+def test_memory_fake_4b_geometry_131k():
+    """FakeTensorMode (no real memory): one 4B-geometry layer (dim 2560, 32 q heads, 8 KV heads, head_dim 128) at
+    131,072 tokens in bfloat16, forward + backward, stays within the formula."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = ModelConfig.from_preset("4B", attention_type="nsa", nsa_query_chunk=2048, context_length=131072)
+    T = 131072
+    torch.set_default_dtype(torch.bfloat16)  # parameters in bfloat16 (the conftest fixture restores the default)
+    with FakeTensorMode():
+        layer = NativeSparseAttention(config)
+        x = torch.randn(1, T, config.dim, dtype=torch.bfloat16, requires_grad=True)
+        cos, sin = torch.randn(T, config.head_dim), torch.randn(T, config.head_dim)
+        with LiveBytes() as tracker:
+            layer(x, cos, sin).sum().backward()
+    bound, largest = peak_bound_bytes(config, 1, T, 2)
+    assert tracker.peak <= bound, (tracker.peak, bound)
+    assert tracker.largest <= largest
+    score_matrix = config.n_heads * T * num_compressed_blocks(T, 32, 16) * 2  # (32, T, T/16) bf16: 64 GiB
+    assert tracker.largest <= score_matrix // 8  # the largest is one chunk of gathered selection keys: 4 GiB
+
+
+# ---- training --------------------------------------------------------------------------------------------------------
+
+
+def test_tiny_nsa_model_trains():
+    config = nsa_config(n_layers=2)
+    model = Transformer(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, config.vocab_size, (2, 16)).repeat(1, 6)  # (2, 96): a repeating pattern to learn
+    losses = []
+    for _ in range(30):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert all(math.isfinite(v) for v in losses)
