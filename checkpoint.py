@@ -14,16 +14,20 @@ Face layout (hf.export_hf_checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,6 +51,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group (intended for single-process runs)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
                     train_state: dict) -> Path:
     """Write `out_dir/step-{step}` (collective: every rank calls it) and return its path.
@@ -59,7 +71,8 @@ def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: tor
         shutil.rmtree(tmp)  # left over from a save that was interrupted
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp)
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -113,8 +126,9 @@ def load_checkpoint(path: Path, model: Transformer, optimizer: torch.optim.Optim
             f"{k}={saved[k]!r} (now {current[k]!r})" for k in differ))
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # DCP wraps reader errors in several exception types
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
         raise ValueError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); delete it, or resume "
                          "from an earlier step-N with --resume PATH") from e
     set_model_state_dict(model, state["model"])

@@ -30,6 +30,7 @@ import resource
 import signal
 import time
 import typing
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from checkpoint import export_weights, latest_checkpoint, load_checkpoint, save_checkpoint
-from data import INDEX_NAME, TokenLoader, iter_documents, prepare, stdlib_files
+from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files
 from loss import IGNORE_INDEX, shift_labels
 from model import PRESETS, ModelConfig, Transformer
 from parallel import apply_fsdp, init_sharded_weights
@@ -251,6 +252,8 @@ def init_runtime() -> Runtime:
         device = torch.device("cpu")
     mesh = None
     if world_size > 1:
+        # The loss path returns logits as a view; nothing modifies the model's outputs in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = init_device_mesh(device.type, (world_size,))
     return Runtime(rank, world_size, device, mesh)
@@ -405,14 +408,33 @@ def stop_on_signals() -> Iterator[dict]:
 # ---- training --------------------------------------------------------------------------------------------------
 
 
+def forward_backward(model: Transformer, batches: list[list[torch.Tensor]],
+                     autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """Accumulate into `.grad` the gradient of the global batch's mean token loss, from this rank's micro-batches
+    `batches` (A x [input_ids, labels], each (B, T)); return this rank's part of that loss (a 0-dim tensor; the sum
+    over ranks is the global mean). Each micro-batch's summed loss is divided by the predicted-token count of the
+    whole global batch (one all-reduce); FSDP sums the gradients over ranks (apply_fsdp(sum_gradients=True))."""
+    n_tokens = sum((shift_labels(labels) != IGNORE_INDEX).sum() for _, labels in batches)
+    if dist.is_initialized():
+        dist.all_reduce(n_tokens)
+    n_tokens = n_tokens.clamp(min=1).float()
+    loss_sum = torch.zeros((), device=n_tokens.device)
+    for input_ids, labels in batches:
+        with autocast:
+            loss = model(input_ids, labels, loss_normalizer=n_tokens).loss
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
 def train(cfg: TrainConfig, rt: Runtime) -> dict:
     """Run (or resume) training as configured; returns the last step's metrics."""
     cfg = resolve_config(cfg, rt.device)
     out_dir = Path(cfg.out_dir)
     ensure_default_data(cfg, rt)
+    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
     tokenizer = Tokenizer(tokenizer_path(cfg))
-    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed,
-                         tokenizer=tokenizer)
+    check_tokenizer(loader.index, tokenizer)
     model_config = build_model_config(cfg, tokenizer.vocab_size)
     check_vocab(tokenizer, model_config.vocab_size)
 
@@ -466,18 +488,8 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
             batches = [[t.to(rt.device, non_blocking=True) for t in next(loader)] for _ in range(A)]  # A x 2 x (B, T)
-            # Normaliser: predicted tokens in the whole global batch (all micro-steps, all ranks).
-            n_tokens = sum((shift_labels(labels) != IGNORE_INDEX).sum() for _, labels in batches)
-            if rt.mesh is not None:
-                dist.all_reduce(n_tokens)
-            n_tokens = n_tokens.clamp(min=1).float()
-            loss_sum = torch.zeros((), device=rt.device)
             try:
-                for input_ids, labels in batches:
-                    with autocast:
-                        loss = model(input_ids, labels, loss_normalizer=n_tokens).loss
-                    loss.backward()
-                    loss_sum += loss.detach()
+                loss_sum = forward_backward(model, batches, autocast)
             except torch.OutOfMemoryError as e:
                 raise MemoryBudgetExceeded(f"out of memory at step {step + 1}: {memory_advice(cfg)}") from e
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
@@ -497,12 +509,10 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
                 tqdm.write(f"warning: step {step + 1}: non-finite loss {loss_value} or gradient norm {norm_value}; "
                            f"update skipped ({bad_steps} in a row, limit --max_bad_steps {cfg.max_bad_steps})")
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            with warnings.catch_warnings():  # a skipped update still advances the schedule (no warning about it)
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                scheduler.step()
             step += 1
-            if not finite and bad_steps >= cfg.max_bad_steps:
-                raise TooManyBadSteps(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: "
-                                      f"step {step}); lower --lr (now {cfg.lr}) or --grad_clip, or resume from an "
-                                      "earlier checkpoint")
 
             dt = time.perf_counter() - t0
             mem, mem_peak = memory_gib(rt.device)
@@ -522,6 +532,10 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
                                f"{norm_value:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | mem {mem:.2f} GiB (peak "
                                f"{mem_peak:.2f}){mfu}")
 
+            if bad_steps >= cfg.max_bad_steps:
+                raise TooManyBadSteps(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: "
+                                      f"step {step}); lower --lr (now {cfg.lr}) or --grad_clip, or resume from an "
+                                      "earlier checkpoint")
             over = torch.tensor(float(bool(cfg.max_memory) and over_memory_budget(cfg, rt.device)))
             if rt.mesh is not None and cfg.max_memory:
                 over = over.to(rt.device)
