@@ -26,7 +26,10 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
     (train.py). `model.generate` is registered as a forward method, so every rank can sample from the sharded model.
     Call on a model built on the meta device, then `init_sharded_weights`.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # cast_forward_inputs=False: the float inputs stay as given: the float32 RoPE tables of each block (bf16 would
+    # round cos/sin to 3 digits) and the float32 loss normaliser of the root. Activations are bf16 anyway, since
+    # the embedding weight they come from is.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -87,7 +87,8 @@ class TrainConfig:
     batch_size: int | None = _opt(None, f"B: sequences per rank per micro-step (default: max(1, {BATCH_TOKENS} // T))")
     gradient_accumulation_steps: int = _opt(1, "A: micro-steps per optimizer step")
     max_steps: int = _opt(300, "optimizer steps")
-    lr: float = _opt(3e-3, "peak learning rate (AdamW)")
+    lr: float | None = _opt(None, "peak learning rate of AdamW (default: 3e-3 for demo/tiny, 3e-4 for the larger "
+                                  "presets)")
     warmup_steps: int = _opt(30, "linear warmup steps, then cosine decay to lr * min_lr_ratio at max_steps")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr")
     weight_decay: float = _opt(0.1, "AdamW weight decay of the matrices (norm weights are not decayed)")
@@ -183,7 +184,7 @@ def load_config_file(path: str) -> dict:
         if key not in names:
             raise ValueError(f"{file}: unknown option {key!r}; valid options: {sorted(names)}")
         kind = _field_type(key)
-        ok = value is None and key in ("batch_size", "gradient_checkpointing", "tokenizer", "resume", "max_memory")
+        ok = value is None and type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[key])
         ok = ok or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
         ok = ok or (kind is float and isinstance(value, int) and not isinstance(value, bool))
         if not ok:
@@ -205,7 +206,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """Replace "auto"/None by concrete values. From LONG_CONTEXT tokens on, attention is NSA and blocks are
     recomputed in backward; on CUDA the model is then the 4B preset (whose 151936-token vocabulary makes the
-    model's loss "auto" rule pick the chunked loss at these lengths). Elsewhere the default model is "demo"."""
+    model's loss "auto" rule pick the chunked loss at these lengths). Elsewhere the default model is "demo".
+    The learning rate follows the model size; the batch size fills BATCH_TOKENS per micro-step."""
     long = cfg.context_length >= LONG_CONTEXT
     cuda = device.type == "cuda"
     auto = {
@@ -214,6 +216,8 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
         "dtype": "bfloat16" if cuda else "float32",
     }
     values = {k: v for k, v in auto.items() if getattr(cfg, k) == "auto"}
+    if cfg.lr is None:
+        values["lr"] = 3e-3 if values.get("model_size", cfg.model_size) in ("demo", "tiny") else 3e-4
     if cfg.gradient_checkpointing is None:
         values["gradient_checkpointing"] = long
     if cfg.batch_size is None:

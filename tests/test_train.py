@@ -148,7 +148,8 @@ def test_two_rank_checkpoint_resumes_on_one_rank(fsdp_run: Path, data_dir: Path,
 
 
 def _gradient_parity(data_dir: str) -> None:
-    """In each of 2 ranks: FSDP gradients of one step equal a single-process model's on the whole global batch."""
+    """In each of 2 ranks: FSDP gradients of one step equal a single-process model's on the whole global batch;
+    the bf16 mixed-precision variant keeps float32 RoPE tables and a close loss."""
     rt = train.init_runtime()
     cfg = train.resolve_config(train.TrainConfig(model_size="tiny", context_length=32, batch_size=2), rt.device)
     config = train.build_model_config(cfg, 512)
@@ -165,6 +166,14 @@ def _gradient_parity(data_dir: str) -> None:
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
         # float32 sums over ranks in another order: 1e-5 relative is ~100 ulps
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # bf16 mixed precision: the blocks still get float32 RoPE tables, and the loss stays close to float32's.
+    bf16 = train.build_model(config, dataclasses.replace(cfg, dtype="bfloat16"), rt)
+    seen = []
+    bf16.layers[0].attn.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1].dtype)))
+    loss_bf16 = train.forward_backward(bf16, [list(local)], torch.autocast("cpu", enabled=False))
+    dist.all_reduce(loss_bf16)
+    assert seen == [(torch.bfloat16, torch.float32)]
+    torch.testing.assert_close(loss_bf16, loss, rtol=1e-2, atol=0)  # bf16 activations: ~3 significant digits
     dist.barrier()
     dist.destroy_process_group()
 
@@ -190,16 +199,16 @@ def test_config_precedence(tmp_path: Path) -> None:
 def test_auto_options_resolve_by_device_and_context() -> None:
     cfg = train.TrainConfig(context_length=131072)
     gpu = train.resolve_config(cfg, torch.device("cuda", 0))
-    assert (gpu.model_size, gpu.attention_type, gpu.gradient_checkpointing, gpu.dtype, gpu.batch_size) == (
-        "4B", "nsa", True, "bfloat16", 1)
+    assert (gpu.model_size, gpu.attention_type, gpu.gradient_checkpointing, gpu.dtype, gpu.batch_size, gpu.lr) == (
+        "4B", "nsa", True, "bfloat16", 1, 3e-4)
     model = train.build_model_config(gpu, 8192)
     assert model.vocab_size == 151936 and model.context_length == 131072
     with torch.device("meta"):  # (full attention: only the loss rule matters here)
         full = Transformer(dataclasses.replace(model, attention_type="full"))
     assert full.use_chunked_loss(131072, torch.bfloat16)  # 131072 x 151936 bf16 logits > 10 GiB
     cpu = train.resolve_config(train.TrainConfig(), torch.device("cpu"))
-    assert (cpu.model_size, cpu.attention_type, cpu.gradient_checkpointing, cpu.dtype, cpu.batch_size) == (
-        "demo", "full", False, "float32", 16)
+    assert (cpu.model_size, cpu.attention_type, cpu.gradient_checkpointing, cpu.dtype, cpu.batch_size, cpu.lr) == (
+        "demo", "full", False, "float32", 16, 3e-3)
     assert train.build_model_config(cpu, 8192).vocab_size == 8192  # tiny's 512 raised to the tokenizer's
 
 
