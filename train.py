@@ -52,8 +52,8 @@ from tokenizer import Tokenizer, check_vocab
 GiB = 1024**3
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
 BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per micro-batch
-# "demo": the "tiny" preset widened to a model that visibly learns Python in a few CPU minutes (~1.6M parameters
-# besides the 8192 x 128 embedding).
+# "demo": the "tiny" preset widened to a model that visibly learns Python in a few CPU minutes (0.8M parameters
+# besides the 8192 x 128 tied embedding).
 DEMO_MODEL = dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=384)
 DEFAULT_DATA_DIR = "data/stdlib"
 TOKENIZER_VOCAB = 8192  # vocabulary of the tokenizer trained for the default corpus
@@ -412,6 +412,40 @@ def stop_on_signals() -> Iterator[dict]:
 # ---- training --------------------------------------------------------------------------------------------------
 
 
+def start_run(out_dir: Path, cfg: TrainConfig, model: Transformer, world_size: int, resume_from: Path | None,
+              step: int) -> None:
+    """Rank 0: print the resolved configuration and save it as out_dir/config.json; on resume, drop the metrics
+    lines of steps after the checkpoint (written by the interrupted run)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {"train": dataclasses.asdict(cfg), "model": model.config.to_dict(), "world_size": world_size,
+                "parameters": model.num_parameters()}
+    print(json.dumps(resolved, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(resolved, indent=1))
+    metrics_file = out_dir / "metrics.jsonl"
+    if resume_from:
+        print(f"resumed from {resume_from} (step {step})")
+        if metrics_file.exists():
+            lines = metrics_file.read_text().splitlines()
+            metrics_file.write_text("".join(f"{ln}\n" for ln in lines if json.loads(ln)["step"] <= step))
+    elif cfg.resume == "auto":
+        print(f"no checkpoint in {out_dir}: starting from scratch")
+
+
+def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> None:
+    """Rank 0: append the step's metrics to metrics.jsonl, advance the progress bar, print a line every
+    log_interval steps (and at the first and last)."""
+    with metrics_file.open("a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    step = metrics["step"]
+    bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+    bar.update()
+    if step % cfg.log_interval == 0 or step in (1, cfg.max_steps):
+        mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
+        tqdm.write(f"step {step:>6}/{cfg.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | grad "
+                   f"{metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | mem {metrics['mem_gib']:.2f}"
+                   f" GiB (peak {metrics['mem_peak_gib']:.2f}){mfu}")
+
+
 def forward_backward(model: Transformer, batches: list[list[torch.Tensor]],
                      autocast: contextlib.AbstractContextManager) -> torch.Tensor:
     """Accumulate into `.grad` the gradient of the global batch's mean token loss, from this rank's micro-batches
@@ -466,16 +500,7 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
     main_rank = rt.rank == 0
     metrics_file = out_dir / "metrics.jsonl"
     if main_rank:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        resolved = {"train": dataclasses.asdict(cfg), "model": model_config.to_dict(), "world_size": W,
-                    "parameters": model.num_parameters()}
-        print(json.dumps(resolved, indent=1))
-        (out_dir / "config.json").write_text(json.dumps(resolved, indent=1))
-        if resume_from:
-            print(f"resumed from {resume_from} (step {step})")
-            if metrics_file.exists():  # drop lines of steps after the checkpoint (from the interrupted run)
-                lines = metrics_file.read_text().splitlines()
-                metrics_file.write_text("".join(f"{ln}\n" for ln in lines if json.loads(ln)["step"] <= step))
+        start_run(out_dir, cfg, model, W, resume_from, step)
         print(f"{model.num_parameters() / 1e6:.2f}M parameters, {W} process(es) x {A} micro-steps x {B} x {T} "
               f"= {step_tokens} tokens per step, {flops / 1e9:.3f} GFLOP per token")
 
@@ -502,7 +527,7 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
             stats = torch.stack([loss_sum, torch.tensor(float(signals["stop"]), device=rt.device)])  # (2,)
             if rt.mesh is not None:
                 dist.all_reduce(stats)  # global loss; any rank signalled
-            loss_value, stop, norm_value = [*stats.tolist(), grad_norm.item()]  # the step's one host sync
+            loss_value, stop, norm_value = torch.cat([stats, grad_norm.reshape(1)]).tolist()  # the one host sync
             lr = scheduler.get_last_lr()[0]
             finite = math.isfinite(loss_value) and math.isfinite(norm_value)
             if finite:
@@ -526,15 +551,7 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
             if peak:
                 metrics["mfu"] = flops * step_tokens / dt / W / peak
             if main_rank:
-                with metrics_file.open("a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-                bar.update()
-                if step % cfg.log_interval == 0 or step in (1, cfg.max_steps):
-                    mfu = f" | mfu {metrics['mfu']:.1%}" if peak else ""
-                    tqdm.write(f"step {step:>6}/{cfg.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | grad "
-                               f"{norm_value:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | mem {mem:.2f} GiB (peak "
-                               f"{mem_peak:.2f}){mfu}")
+                log_step(metrics, cfg, metrics_file, bar)
 
             if bad_steps >= cfg.max_bad_steps:
                 raise TooManyBadSteps(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: "
