@@ -163,6 +163,22 @@ class ShardWriter:
         return index
 
 
+def _batches(docs: Iterator[tuple[str, int]], max_bytes: int = 4_000_000) -> Iterator[tuple[list[str], int]]:
+    """Group (text, input bytes) pairs into (non-empty texts, input bytes) batches of about `max_bytes`: large
+    enough to keep SentencePiece's encoding threads busy."""
+    texts: list[str] = []
+    nbytes = 0
+    for text, size in docs:
+        if text:
+            texts.append(text)
+        nbytes += size
+        if nbytes >= max_bytes:
+            yield texts, nbytes
+            texts, nbytes = [], 0
+    if nbytes:
+        yield texts, nbytes
+
+
 def prepare(
     inputs: Sequence[str | os.PathLike] | None,
     tokenizer: Tokenizer,
@@ -193,28 +209,13 @@ def prepare(
             old.unlink()
     writer = ShardWriter(out_dir, tokenizer.vocab_size, shard_tokens)
     num_documents = 0
-    bar = tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="tokenizing",
-               disable=not progress)
-    batch: list[str] = []
-    batch_bytes = 0
-
-    def encode_batch() -> None:
-        nonlocal num_documents, batch_bytes
-        for ids in tokenizer.encode_batch(batch):
-            writer.write(np.array([*ids, tokenizer.eod_id], dtype=writer.dtype))
-        num_documents += len(batch)
-        bar.update(batch_bytes)
-        batch.clear()
-        batch_bytes = 0
-
-    for text, nbytes in _documents_with_sizes(files, text_field):
-        if text:
-            batch.append(text)
-        batch_bytes += nbytes
-        if batch_bytes >= 4_000_000:  # large batches keep SentencePiece's threads busy
-            encode_batch()
-    encode_batch()
-    bar.close()
+    with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="tokenizing",
+              disable=not progress) as bar:
+        for texts, nbytes in _batches(_documents_with_sizes(files, text_field)):
+            for ids in tokenizer.encode_batch(texts):
+                writer.write(np.array([*ids, tokenizer.eod_id], dtype=writer.dtype))
+            num_documents += len(texts)
+            bar.update(nbytes)
     tok_info = {"path": str(tokenizer.path.resolve()), "vocab_size": tokenizer.vocab_size, "sha256": tokenizer.sha256}
     return writer.finish(num_documents=num_documents, eod_id=tokenizer.eod_id, tokenizer=tok_info)
 
@@ -241,6 +242,8 @@ def load_index(data_dir: str | os.PathLike) -> dict:
         if dtype != token_dtype(index["vocab_size"]):
             raise ValueError(f"dtype {dtype} does not match vocab_size {index['vocab_size']}")
         lengths = [int(s["num_tokens"]) for s in index["shards"]]
+        if not all(isinstance(s["file"], str) and "/" not in s["file"] for s in index["shards"]):
+            raise ValueError("shard file names must be plain names inside the data directory")
         if sum(lengths) != index["num_tokens"]:
             raise ValueError(f"shard lengths sum to {sum(lengths)}, not num_tokens={index['num_tokens']}")
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError

@@ -14,6 +14,7 @@ from data import (
     INDEX_NAME,
     ShardWriter,
     TokenLoader,
+    _batches,
     check_tokenizer,
     load_index,
     main,
@@ -164,6 +165,12 @@ def test_prepare_cli(tok, small_corpus, tmp_path, capsys):
           str(tmp_path / "cli_out")])
     assert "5 documents" in capsys.readouterr().out
     assert load_index(tmp_path / "cli_out")["vocab_size"] == 420
+
+
+def test_prepare_batches_keep_order_and_byte_counts():
+    docs = [("a", 5), ("", 3), ("b", 4), ("c", 1), ("", 2)]
+    batches = list(_batches(iter(docs), max_bytes=8))
+    assert batches == [(["a"], 8), (["b", "c"], 7)]  # empty texts dropped, their bytes still counted
 
 
 def test_prepare_bad_inputs(tok, tmp_path):
