@@ -15,7 +15,6 @@ Face layout (hf.export_hf_checkpoint).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import re
 import shutil
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hf import export_hf_checkpoint
 from model import Transformer
 
 STATE_NAME = "train_state.json"
@@ -170,15 +170,7 @@ def export_weights(model: Transformer, out_dir: Path) -> Path | None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(state, tmp, metadata={"format": "pt", "model_config": json.dumps(plain.config.to_dict())})
     tmp.rename(path)
-    export_hf(plain, out_dir / "hf")
+    export_hf_checkpoint(plain, out_dir / "hf", overwrite=True)
     return path
 
 
-def export_hf(model: Transformer, path: Path) -> None:
-    """Hugging Face export (config.json + safetensors) through hf.py."""
-    if importlib.util.find_spec("hf") is None:  # TEMP until hf.py (branch `hf`) lands on main
-        print(f"hf.py not found: skipped the Hugging Face export to {path}")
-        return
-    from hf import export_hf_checkpoint
-
-    export_hf_checkpoint(model, path, overwrite=True)

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import train
 from checkpoint import latest_checkpoint
 from data import TokenLoader, iter_documents, prepare, stdlib_files
+from hf import load_hf_checkpoint
 from model import ModelConfig, Transformer
 from tokenizer import Tokenizer
 
@@ -114,6 +115,9 @@ def test_single_process_run(single_run: Path) -> None:
     missing, unexpected = model.load_state_dict(load_file(single_run / "model.safetensors"), strict=False)
     assert missing == ["lm_head.weight"] and unexpected == []
     assert model.lm_head.weight is model.embed_tokens.weight
+    hf_model = load_hf_checkpoint(single_run / "hf")  # the Hugging Face export holds the same weights
+    assert all(torch.equal(a, b) for a, b in zip(hf_model.state_dict().values(), model.state_dict().values(),
+                                                   strict=True))
 
 
 def test_resume_is_bitwise_exact(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
