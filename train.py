@@ -392,14 +392,15 @@ def over_memory_budget(cfg: TrainConfig, device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[dict]:
-    """SIGTERM / SIGINT set flag["stop"]: the loop finishes the step, saves and exits 0. A second signal stops now."""
+    """SIGTERM / SIGINT set flag["stop"]: the loop finishes the step, saves and returns (exit code 0). Repeated
+    signals change nothing (under torchrun, Ctrl-C reaches a worker twice: from the terminal and from torchrun);
+    SIGKILL or SIGQUIT (Ctrl-\\) stop at once."""
     flag = {"stop": False}
 
     def handler(signum: int, frame: object) -> None:
-        if flag["stop"]:
-            raise KeyboardInterrupt
+        if not flag["stop"]:
+            print(f"\n{signal.Signals(signum).name}: finishing this step, saving a checkpoint, exiting", flush=True)
         flag["stop"] = True
-        print(f"\n{signal.Signals(signum).name}: finishing this step, saving a checkpoint, exiting", flush=True)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
