@@ -151,9 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="JSON or TOML file of TrainConfig fields (command-line options win)")
     for f in dataclasses.fields(TrainConfig):
         kind, default = _field_type(f.name), f.default if f.default is not dataclasses.MISSING else {}
-        kwargs: dict = {"help": f"{f.metadata['help']} (default: {default})"}
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
+        kwargs: dict = {"help": f.metadata["help"] + ("" if default is None else f" (default: {default})")}
+        if kind is bool:  # --name / --no-name
+            kwargs.update(action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         elif kind is dict:
             kwargs.update(type=json.loads, metavar="JSON")
         else:

@@ -1,6 +1,7 @@
 """Training-step throughput of train.py's step (forward_backward + clip + AdamW) for a few variants, side by side.
 
     python benchmarks/bench_train.py [--model_size demo] [--context_length 256] [--batch_size 16] [--rounds 5]
+                                     [--threads N]
 
 Variants (same tokens per step): the default step; gradient checkpointing; 2 accumulation micro-steps of half the
 batch; bf16 autocast. Random token ids (the data pipeline is measured in data.py's benchmark). Rounds interleave
@@ -49,7 +50,10 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rt = train.Runtime(0, 1, torch.device("cpu"), None)
     base = train.resolve_config(train.TrainConfig(model_size=args.model_size, context_length=args.context_length,
                                                   batch_size=args.batch_size), rt.device)
