@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,16 @@ def run_distributed(fn: object, *args: object, world_size: int = 2) -> None:
 
 
 # ---- fixtures ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One torch thread, as in each spawned rank: the cross-layout comparisons below are bitwise only between
+    kernels that split their work the same way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
