@@ -63,8 +63,15 @@ def _worker(rank: int, world_size: int, port: int, fn: object, args: tuple) -> N
 
 
 def run_distributed(fn: object, *args: object, world_size: int = 2) -> None:
-    """Run fn(*args) in `world_size` fresh processes that form a gloo group; a failure in any fails the test."""
-    torch.multiprocessing.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size)
+    """Run fn(*args) in `world_size` fresh processes that form a gloo group; a failure in any fails the test.
+    The free port can be taken by another program before rank 0 binds it: then (only then) try another."""
+    for attempt in range(3):
+        try:
+            torch.multiprocessing.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size)
+            return
+        except torch.multiprocessing.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:  # gloo's TCPStore: "code: -98, name: EADDRINUSE"
+                raise
 
 
 # ---- fixtures ----------------------------------------------------------------------------------------------
