@@ -351,18 +351,20 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, start_pos)
         return self.norm(x)
 
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None, start_pos: int | None = None) -> ModelOutput:
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, start_pos: int | None = None,
+                loss_normalizer: Tensor | float | None = None) -> ModelOutput:
         """input_ids (B, T); labels (B, T) unshifted (the model shifts them; -100 is ignored).
 
-        Returns ModelOutput(loss, logits): loss is the mean next-token cross-entropy over non-ignored targets (None
-        without labels); logits (B, T, V) are None when the chunked loss ran.
+        Returns ModelOutput(loss, logits): loss is the summed next-token cross-entropy over non-ignored targets
+        divided by `loss_normalizer` (default: their count, i.e. the mean; a trainer passes the global count over
+        ranks and accumulation steps), None without labels; logits (B, T, V) are None when the chunked loss ran.
         """
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
         h = self.hidden_states(input_ids, start_pos)
         if labels is None:
             return ModelOutput(None, self.lm_head(h))
-        loss, logits = self.compute_loss(h, labels)
+        loss, logits = self.compute_loss(h, labels, loss_normalizer)
         return ModelOutput(loss, logits)
 
     # ---- loss: every path goes through compute_loss --------------------------------------------------------
@@ -376,27 +378,32 @@ class Transformer(nn.Module):
         logits_bytes = num_tokens * self.config.vocab_size * torch.finfo(dtype).bits // 8
         return logits_bytes > self.config.loss_chunk_threshold_bytes
 
-    def compute_loss(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor | None]:
-        """hidden (B, T, C), labels (B, T) unshifted -> (loss, logits (B, T, V) or None)."""
+    def compute_loss(self, hidden: Tensor, labels: Tensor,
+                     loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, Tensor | None]:
+        """hidden (B, T, C), labels (B, T) unshifted -> (loss, logits (B, T, V) or None). The summed loss is
+        divided by `loss_normalizer` (default: the number of non-ignored targets)."""
         B, T, _ = hidden.shape
         if self.use_chunked_loss(B * T, hidden.dtype):
-            return self._compute_loss_chunked(hidden, labels, self.config.loss_chunk_size)
-        return self._compute_loss_standard(hidden, labels)
+            return self._compute_loss_chunked(hidden, labels, self.config.loss_chunk_size, loss_normalizer)
+        return self._compute_loss_standard(hidden, labels, loss_normalizer)
 
-    def _compute_loss_standard(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def _compute_loss_standard(self, hidden: Tensor, labels: Tensor,
+                               loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
         B, T, C = hidden.shape
         loss, logits = standard_linear_cross_entropy(
             hidden.reshape(B * T, C), self.output_weight, shift_labels(labels).reshape(B * T),
-            z_loss_coef=self.config.z_loss_coef, softcap=self.config.logit_softcap)
+            z_loss_coef=self.config.z_loss_coef, softcap=self.config.logit_softcap, normalizer=loss_normalizer)
         return loss, logits.view(B, T, -1)  # (B, T, V)
 
-    def _compute_loss_chunked(self, hidden: Tensor, labels: Tensor, chunk_size: int = 4096) -> tuple[Tensor, None]:
+    def _compute_loss_chunked(self, hidden: Tensor, labels: Tensor, chunk_size: int = 4096,
+                              loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, None]:
         """Same loss and gradients as the standard path, never holding more than one chunk of logits
         (see loss.chunked_linear_cross_entropy)."""
         B, T, C = hidden.shape
         loss = chunked_linear_cross_entropy(
             hidden.reshape(B * T, C), self.output_weight, shift_labels(labels).reshape(B * T),
-            chunk_size=chunk_size, z_loss_coef=self.config.z_loss_coef, softcap=self.config.logit_softcap)
+            chunk_size=chunk_size, z_loss_coef=self.config.z_loss_coef, softcap=self.config.logit_softcap,
+            normalizer=loss_normalizer)
         return loss, None
 
     # ---- generation ------------------------------------------------------------------------------------------

@@ -1,28 +1,62 @@
 """Parallelism, applied in one visible place: FSDP2 (`fully_shard`) on every block and on the root.
 
-The model code knows nothing about parallelism; `apply_fsdp` is the only function that changes how it runs.
+The model code knows nothing about parallelism; `apply_fsdp` is the only function that changes how it runs, and
+`init_sharded_weights` materialises a model that `apply_fsdp` sharded on the meta device.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from model import Transformer
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = torch.float32) -> Transformer:
+               reduce_dtype: torch.dtype | None = torch.float32, sum_gradients: bool = False) -> Transformer:
     """Shard `model` in place over `mesh` (ZeRO-3: parameters, gradients and optimizer state split across ranks).
 
     One `fully_shard` per block gives one all-gather / reduce-scatter per block; the root group holds the
     embedding, the final norm and the output weight (tied or not), which the loss reads through the root module.
     `param_dtype` is the compute dtype (e.g. bf16) while the sharded master weights stay float32; gradients are
-    reduced in `reduce_dtype`. Call on a model built on the meta device, then `to_empty` + `init_weights`.
+    reduced in `reduce_dtype`. By default FSDP averages gradients over ranks; `sum_gradients=True` makes the
+    reduction a plain sum, which is right when each rank's loss is already divided by the global token count
+    (train.py). `model.generate` is registered as a forward method, so every rank can sample from the sharded model.
+    Call on a model built on the meta device, then `init_sharded_weights`.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # cast_forward_inputs=False: the float inputs stay as given: the float32 RoPE tables of each block (bf16 would
+    # round cos/sin to 3 digits) and the float32 loss normaliser of the root. Activations are bf16 anyway, since
+    # the embedding weight they come from is.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if sum_gradients:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM on every backend (gloo has no PREMUL_SUM)
+    register_fsdp_forward_method(model, "generate")  # all-gather the root's weights (embedding, lm_head) for it
     return model
+
+
+def init_sharded_weights(model: Transformer, device: torch.device, seed: int) -> None:
+    """Materialise `model` (sharded on the meta device by `apply_fsdp`) on `device` and initialise it
+    deterministically from `seed`, consistently across ranks.
+
+    On CUDA, DTensor random ops give each shard its own slice of one Philox stream seeded identically on every
+    rank, so `to_empty` + `init_weights` is rank-consistent without communication. CPU generators have no such
+    offsets: every rank would draw the same numbers for its own shard (duplicated rows). On CPU, every rank
+    therefore initialises the full model from the seed and keeps its shard, which reproduces the single-process
+    initialisation `torch.manual_seed(seed); Transformer(config)` exactly.
+    """
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        model.init_weights()
+        return
+    full = Transformer(model.config)  # built on the CPU and initialised in __init__ from the seeded RNG
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+    model.rope.init_weights()  # to_empty left the (non-persistent) RoPE tables uninitialised

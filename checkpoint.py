@@ -1,0 +1,176 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP), and export of the final weights.
+
+Layout of `out_dir/step-N/` (N = optimizer steps taken):
+    .metadata, __R_r.distcp   model and optimizer state, sharded by rank; DCP reshards on load, so a checkpoint
+                              written by W ranks resumes on any number of ranks (with or without FSDP)
+    train_state.json          step, scheduler, data-loader position, configs, world size (written by rank 0)
+    rng_rank{r}.pt            torch RNG states of rank r (CPU, and CUDA when used)
+Every rank writes into `step-N.tmp/`; once all have finished, rank 0 renames it to `step-N`. A directory named
+`step-N` is therefore complete, and `latest_checkpoint` never considers the `.tmp` leftovers of an interrupted save.
+
+Export (`export_weights`): the full model gathered on rank 0, written as one safetensors file and in the Hugging
+Face layout (hf.export_hf_checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from hf import export_hf_checkpoint
+from model import Transformer
+
+STATE_NAME = "train_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group (intended for single-process runs)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
+                    train_state: dict) -> Path:
+    """Write `out_dir/step-{step}` (collective: every rank calls it) and return its path.
+
+    `train_state` must be JSON-serialisable and identical on every rank (rank 0 writes it).
+    """
+    final = out_dir / f"step-{step}"
+    tmp = out_dir / f"step-{step}.tmp"
+    if _rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # left over from a save that was interrupted
+    _barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
+    if _rank() == 0:
+        (tmp / STATE_NAME).write_text(json.dumps(train_state, indent=1))
+    _barrier()  # every rank has finished writing
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The complete checkpoint `out_dir/step-N` with the largest N, or None. Partial `step-N.tmp` are ignored."""
+    if not out_dir.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in out_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return max(steps)[1] if steps else None
+
+
+def read_train_state(path: Path) -> dict:
+    """The `train_state.json` of checkpoint `path`, with a clear error when the directory is not a checkpoint."""
+    hint = "delete it, or resume from an earlier step-N with --resume PATH"
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    for name in (STATE_NAME, ".metadata"):
+        if not (path / name).is_file():
+            raise ValueError(f"checkpoint {path} is corrupt: {name} is missing; {hint}")
+    try:
+        state = json.loads((path / STATE_NAME).read_text())
+        int(state["step"])
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"checkpoint {path} is corrupt: unreadable {STATE_NAME} ({e!r}); {hint}") from e
+    return state
+
+
+def load_checkpoint(path: Path, model: Transformer, optimizer: torch.optim.Optimizer) -> dict:
+    """Load model, optimizer and this rank's RNG states from checkpoint `path` (collective); return its train state.
+
+    The checkpoint must hold the same architecture (`model.config`); it may come from any world size.
+    """
+    train_state = read_train_state(path)
+    saved = train_state.get("model_config", {})
+    current = model.config.to_dict()
+    differ = sorted(k for k in current if saved.get(k, current[k]) != current[k])
+    if differ:
+        raise ValueError(f"checkpoint {path} holds a different model: " + ", ".join(
+            f"{k}={saved[k]!r} (now {current[k]!r})" for k in differ))
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
+        raise ValueError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); delete it, or resume "
+                         "from an earlier step-N with --resume PATH") from e
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if rng_file.is_file():  # absent when resuming on more ranks than were saved: those keep their seeded state
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return train_state
+
+
+def gather_model(model: Transformer) -> Transformer | None:
+    """The full model as a plain (unsharded) CPU Transformer on rank 0, None on other ranks (collective)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() != 0:
+        return None
+    with torch.device("meta"):
+        plain = Transformer(model.config)
+    plain.load_state_dict(full, assign=True)
+    if model.config.tie_embeddings:  # assign=True replaced the shared Parameter by two tensors
+        plain.lm_head.weight = plain.embed_tokens.weight
+    plain.rope.init_weights()
+    return plain
+
+
+def export_weights(model: Transformer, out_dir: Path) -> Path | None:
+    """Write the final weights to `out_dir/model.safetensors` (our parameter names; the model config in the
+    metadata; lm_head omitted when tied) and `out_dir/hf/` (Hugging Face layout). Collective; returns the
+    safetensors path on rank 0, None elsewhere."""
+    plain = gather_model(model)
+    if plain is None:
+        return None
+    state = {k: v.contiguous() for k, v in plain.state_dict().items()}
+    if plain.config.tie_embeddings:
+        del state["lm_head.weight"]  # safetensors refuses shared storage; it is embed_tokens.weight
+    path = out_dir / "model.safetensors"
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, tmp, metadata={"format": "pt", "model_config": json.dumps(plain.config.to_dict())})
+    tmp.rename(path)
+    export_hf_checkpoint(plain, out_dir / "hf", overwrite=True)
+    return path
+
+

@@ -1,0 +1,336 @@
+"""train.py end to end on the tiny preset (context 32, 4 steps): single process, 2 processes (FSDP2 on gloo, spawned
+with a free port), FSDP vs single-process gradients, bitwise resume (also 2 ranks -> 1 rank), configuration
+precedence, and the clear errors for bad options, missing data, corrupt checkpoints, non-finite steps, the memory
+budget; SIGTERM handling; the analytic FLOP count against FlopCounterMode.
+
+Reference layout for the parity tests: 2 ranks x batch 2 x 1 micro-step sees the same windows as 1 process x batch
+2 x 2 micro-steps (data.TokenLoader hands rank r the r-th block of each global batch), and the global loss is
+rank0 + rank1 = micro0 + micro1 in float32 either way, so the first loss and any loss after a resume are bitwise
+equal; gradients are compared with a tolerance because the rank reduction adds in another order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.utils.flop_counter import FlopCounterMode
+
+import train
+from checkpoint import latest_checkpoint
+from data import TokenLoader, iter_documents, prepare, stdlib_files
+from hf import load_hf_checkpoint
+from model import ModelConfig, Transformer
+from tokenizer import Tokenizer
+
+STEPS = 4
+BASE = ["--model_size", "tiny", "--context_length", "32", "--batch_size", "2", "--max_steps", str(STEPS),
+        "--warmup_steps", "2", "--checkpoint_interval", "2", "--log_interval", "100", "--sample_tokens", "0"]
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(data_dir: Path, out_dir: Path, *extra: str) -> dict:
+    return train.main([*BASE, "--data_dir", str(data_dir), "--out_dir", str(out_dir), *extra])
+
+
+# ---- processes ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: object, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # as torchrun does: two ranks share the two cores
+    fn(*args)
+
+
+def run_distributed(fn: object, *args: object, world_size: int = 2) -> None:
+    """Run fn(*args) in `world_size` fresh processes that form a gloo group; a failure in any fails the test.
+    The free port can be taken by another program before rank 0 binds it: then (only then) try another."""
+    for attempt in range(3):
+        try:
+            torch.multiprocessing.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size)
+            return
+        except torch.multiprocessing.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:  # gloo's TCPStore: "code: -98, name: EADDRINUSE"
+                raise
+
+
+# ---- fixtures ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One torch thread, as in each spawned rank: the cross-layout comparisons below are bitwise only between
+    kernels that split their work the same way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 512-token tokenizer (the tiny preset's vocabulary) and ~30 standard-library files of tokens."""
+    root = tmp_path_factory.mktemp("data")
+    files = stdlib_files()[:30]
+    tokenizer = Tokenizer.train(iter_documents(files), 512, root / "tokenizer", max_train_bytes=300_000)
+    prepare(files, tokenizer, root, progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def single_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """1 process, batch 2 x 2 micro-steps, 4 steps, checkpoints at 2 and 4, an 8-token sample."""
+    out = tmp_path_factory.mktemp("single")
+    run(data_dir, out, "--gradient_accumulation_steps", "2", "--sample_tokens", "8")
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run as `single_run` on 2 ranks x batch 2 (FSDP2, gloo)."""
+    out = tmp_path_factory.mktemp("fsdp")
+    run_distributed(train.main, [*BASE, "--data_dir", str(data_dir), "--out_dir", str(out)])
+    return out
+
+
+# ---- runs --------------------------------------------------------------------------------------------------
+
+
+def test_single_process_run(single_run: Path) -> None:
+    rows = metrics(single_run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert set(r) >= {"loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "mem_peak_gib"}
+        assert 0 < r["loss"] < 10 and r["grad_norm"] > 0 and not r["skipped"]
+    assert rows[0]["lr"] == pytest.approx(3e-3 / 2)  # warmup: step 1 of 2
+    resolved = json.loads((single_run / "config.json").read_text())
+    assert resolved["train"]["attention_type"] == "full" and resolved["train"]["gradient_checkpointing"] is False
+    assert resolved["model"]["vocab_size"] == 512 and resolved["model"]["context_length"] == 32
+    assert latest_checkpoint(single_run).name == f"step-{STEPS}" and (single_run / "step-2").is_dir()
+    # The exported file holds the final weights under the model's names (lm_head is the tied embedding).
+    config = ModelConfig(**resolved["model"])
+    model = Transformer(config)
+    missing, unexpected = model.load_state_dict(load_file(single_run / "model.safetensors"), strict=False)
+    assert missing == ["lm_head.weight"] and unexpected == []
+    assert model.lm_head.weight is model.embed_tokens.weight
+    hf_model = load_hf_checkpoint(single_run / "hf")  # the Hugging Face export holds the same weights
+    assert all(torch.equal(a, b) for a, b in zip(hf_model.state_dict().values(), model.state_dict().values(),
+                                                   strict=True))
+
+
+def test_resume_is_bitwise_exact(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
+    """Resume from step-2 (a `step-9.tmp` left by an interrupted save is ignored): steps 3-4 and the final weights
+    are bitwise those of the uninterrupted run."""
+    shutil.copytree(single_run / "step-2", tmp_path / "step-2")
+    (tmp_path / "step-9.tmp").mkdir()
+    run(data_dir, tmp_path, "--gradient_accumulation_steps", "2", "--resume")
+    for got, want in zip(metrics(tmp_path), metrics(single_run)[2:], strict=True):
+        assert (got["step"], got["loss"], got["grad_norm"], got["lr"]) == (
+            want["step"], want["loss"], want["grad_norm"], want["lr"])
+    resumed, uninterrupted = load_file(tmp_path / "model.safetensors"), load_file(single_run / "model.safetensors")
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_two_process_fsdp_run_matches_single_process(fsdp_run: Path, single_run: Path) -> None:
+    fsdp, single = metrics(fsdp_run), metrics(single_run)
+    assert [r["step"] for r in fsdp] == list(range(1, STEPS + 1))
+    assert fsdp[0]["loss"] == single[0]["loss"]  # same initialisation, same windows: bitwise
+    for a, b in zip(fsdp, single, strict=True):  # later steps: gradients reduced in another order
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert sorted(p.name for p in (fsdp_run / "step-2").glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(fsdp_run: Path, data_dir: Path, tmp_path: Path) -> None:
+    """DCP reshards the 2-rank checkpoint; 1 process x 2 micro-steps continues with bitwise the same loss."""
+    shutil.copytree(fsdp_run / "step-2", tmp_path / "step-2")
+    run(data_dir, tmp_path, "--gradient_accumulation_steps", "2", "--resume", str(tmp_path / "step-2"))
+    assert metrics(tmp_path)[0]["step"] == 3
+    assert metrics(tmp_path)[0]["loss"] == metrics(fsdp_run)[2]["loss"]
+
+
+def _gradient_parity(data_dir: str) -> None:
+    """In each of 2 ranks: FSDP gradients of one step equal a single-process model's on the whole global batch;
+    the bf16 mixed-precision variant keeps float32 RoPE tables and a close loss."""
+    rt = train.init_runtime()
+    cfg = train.resolve_config(train.TrainConfig(model_size="tiny", context_length=32, batch_size=2), rt.device)
+    config = train.build_model_config(cfg, 512)
+    sharded = train.build_model(config, cfg, rt)
+    reference = train.build_model(config, cfg, train.Runtime(0, 1, rt.device, None))
+    for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q), f"{name}: the sharded initialisation differs"
+    local = next(TokenLoader(data_dir, 32, 2, rt.rank, 2))  # this rank's (input_ids, labels), (2, 32) each
+    global_ids, global_labels = next(TokenLoader(data_dir, 32, 4, 0, 1))  # (4, 32): rank 0's rows, then rank 1's
+    loss = train.forward_backward(sharded, [list(local)], torch.autocast("cpu", enabled=False))
+    dist.all_reduce(loss)
+    reference(global_ids, global_labels).loss.backward()  # the plain mean over the global batch
+    torch.testing.assert_close(loss, reference(global_ids, global_labels).loss.detach(), rtol=1e-6, atol=0)
+    for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
+        # float32 sums over ranks in another order: 1e-5 relative is ~100 ulps
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # bf16 mixed precision: the blocks still get float32 RoPE tables, and the loss stays close to float32's.
+    bf16 = train.build_model(config, dataclasses.replace(cfg, dtype="bfloat16"), rt)
+    seen = []
+    bf16.layers[0].attn.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1].dtype)))
+    loss_bf16 = train.forward_backward(bf16, [list(local)], torch.autocast("cpu", enabled=False))
+    dist.all_reduce(loss_bf16)
+    assert seen == [(torch.bfloat16, torch.float32)]
+    torch.testing.assert_close(loss_bf16, loss, rtol=1e-2, atol=0)  # bf16 activations: ~3 significant digits
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_gradients_equal_single_process(data_dir: Path) -> None:
+    run_distributed(_gradient_parity, str(data_dir))
+
+
+# ---- configuration -----------------------------------------------------------------------------------------
+
+
+def test_config_precedence(tmp_path: Path) -> None:
+    file = tmp_path / "run.json"
+    file.write_text(json.dumps({"lr": 0.01, "max_steps": 7, "batch_size": 3, "model_overrides": {"n_layers": 3}}))
+    cfg = train.parse_config(["--config", str(file), "--lr", "0.02", "--no-gradient_checkpointing", "--resume"])
+    assert (cfg.lr, cfg.max_steps, cfg.batch_size, cfg.warmup_steps) == (0.02, 7, 3, 30)  # cli > file > default
+    assert cfg.gradient_checkpointing is False and cfg.resume == "auto" and cfg.model_overrides == {"n_layers": 3}
+    toml = tmp_path / "run.toml"
+    toml.write_text('model_size = "tiny"\nlr = 1\n')
+    assert train.parse_config(["--config", str(toml)]).lr == 1.0
+
+
+def test_auto_options_resolve_by_device_and_context() -> None:
+    cfg = train.TrainConfig(context_length=131072)
+    gpu = train.resolve_config(cfg, torch.device("cuda", 0))
+    assert (gpu.model_size, gpu.attention_type, gpu.gradient_checkpointing, gpu.dtype, gpu.batch_size, gpu.lr) == (
+        "4B", "nsa", True, "bfloat16", 1, 3e-4)
+    model = train.build_model_config(gpu, 8192)
+    assert model.vocab_size == 151936 and model.context_length == 131072
+    with torch.device("meta"):  # (full attention: only the loss rule matters here)
+        full = Transformer(dataclasses.replace(model, attention_type="full"))
+    assert full.use_chunked_loss(131072, torch.bfloat16)  # 131072 x 151936 bf16 logits > 10 GiB
+    cpu = train.resolve_config(train.TrainConfig(), torch.device("cpu"))
+    assert (cpu.model_size, cpu.attention_type, cpu.gradient_checkpointing, cpu.dtype, cpu.batch_size, cpu.lr) == (
+        "demo", "full", False, "float32", 16, 3e-3)
+    assert train.build_model_config(cpu, 8192).vocab_size == 8192  # tiny's 512 raised to the tokenizer's
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--batch_size", "0"], "--batch_size must be >= 1"),
+    (["--model_size", "5B"], "--model_size must be one of"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--model_overrides", '{"n_layer": 2}'], "unknown ModelConfig field"),
+    (["--max_steps", "ten"], "invalid int value"),
+    (["--config", "missing.json"], "does not exist"),
+])
+def test_bad_options_are_usage_errors(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        train.parse_config(args)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ({"batch_sise": 2}, "unknown option 'batch_sise'"),
+    ({"max_steps": "10"}, "'max_steps' must be int"),
+    ({"compile": 1}, "'compile' must be bool"),
+])
+def test_bad_config_files(content: dict, message: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "c.json").write_text(json.dumps(content))
+    with pytest.raises(SystemExit):
+        train.parse_config(["--config", str(tmp_path / "c.json")])
+    assert message in capsys.readouterr().err
+
+
+# ---- errors and stops --------------------------------------------------------------------------------------
+
+
+def test_missing_data_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist; create it with `python data.py prepare"):
+        run(tmp_path / "nowhere", tmp_path / "out")
+
+
+def test_corrupt_checkpoints_are_clear_errors(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        run(data_dir, single_run)  # an existing run needs --resume
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(single_run / "step-2", ckpt)
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match="step-2 could not be read"):
+        run(data_dir, tmp_path, "--resume")
+    (ckpt / ".metadata").unlink()
+    with pytest.raises(ValueError, match=r"step-2 is corrupt: \.metadata is missing"):
+        run(data_dir, tmp_path, "--resume")
+    with pytest.raises(ValueError, match="holds a different model: n_layers=2 \\(now 3\\)"):
+        run(data_dir, tmp_path / "other", "--resume", str(single_run / "step-2"), "--model_overrides",
+            '{"n_layers": 3}')
+
+
+def test_non_finite_steps_are_skipped_then_stop(data_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    compute_loss = Transformer.compute_loss
+
+    def poisoned(self: Transformer, *args: object) -> tuple:
+        calls["n"] += 1
+        loss, logits = compute_loss(self, *args)
+        return loss * (float("nan") if calls["n"] == 1 or calls["n"] > 2 else 1.0), logits
+
+    monkeypatch.setattr(Transformer, "compute_loss", poisoned)
+    with pytest.raises(train.TooManyBadSteps, match="2 consecutive steps had a non-finite loss"):
+        run(data_dir, tmp_path, "--max_bad_steps", "2")
+    assert [r["skipped"] for r in metrics(tmp_path)] == [True, False, True, True]
+    assert metrics(tmp_path)[1]["lr"] == metrics(tmp_path)[0]["lr"] * 2  # the schedule still advanced
+
+
+def test_memory_budget_saves_and_stops(data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(train.MemoryBudgetExceeded, match="exceeds --max_memory 0.01 GiB.*reduce --batch_size"):
+        run(data_dir, tmp_path, "--max_memory", "0.01")
+    assert latest_checkpoint(tmp_path).name == "step-1"
+
+
+def test_sigterm_finishes_the_step_saves_and_returns(data_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    fetch = TokenLoader.__next__
+
+    def signalling(self: TokenLoader) -> tuple:
+        if self.step == 1:  # during step 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return fetch(self)
+
+    monkeypatch.setattr(TokenLoader, "__next__", signalling)
+    previous = signal.getsignal(signal.SIGTERM)
+    result = run(data_dir, tmp_path, "--max_steps", "100", "--checkpoint_interval", "0")
+    assert result["step"] == 2 and latest_checkpoint(tmp_path).name == "step-2"
+    assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
+
+
+def test_flops_per_token_counts_every_matmul() -> None:
+    """The dense part equals FlopCounterMode's count of a forward + backward (CPU SDPA is not counted there)."""
+    config = ModelConfig.from_preset("tiny")
+    model = Transformer(config)
+    T = 16
+    ids = torch.randint(0, config.vocab_size, (1, T))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, ids).loss.backward()
+    attention = 6 * config.n_layers * config.n_heads * config.head_dim * T / 2
+    assert train.flops_per_token(config, T) - attention == counter.get_total_flops() / T
