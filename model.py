@@ -389,11 +389,9 @@ class Transformer(nn.Module):
 
     def _compute_loss_standard(self, hidden: Tensor, labels: Tensor,
                                loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
-        B, T, C = hidden.shape
-        loss, logits = standard_linear_cross_entropy(
-            hidden.reshape(B * T, C), self.output_weight, shift_labels(labels).reshape(B * T),
-            z_loss_coef=self.config.z_loss_coef, softcap=self.config.logit_softcap, normalizer=loss_normalizer)
-        return loss, logits.view(B, T, -1)  # (B, T, V)
+        return standard_linear_cross_entropy(  # logits (B, T, V), their own tensor (an FSDP root returns no view)
+            hidden, self.output_weight, shift_labels(labels), z_loss_coef=self.config.z_loss_coef,
+            softcap=self.config.logit_softcap, normalizer=loss_normalizer)
 
     def _compute_loss_chunked(self, hidden: Tensor, labels: Tensor, chunk_size: int = 4096,
                               loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, None]:
