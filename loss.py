@@ -39,11 +39,11 @@ def softcap_logits(logits: Tensor, softcap: float | None) -> Tensor:
 def cross_entropy_sum(
     logits: Tensor, targets: Tensor, *, ignore_index: int = IGNORE_INDEX, z_loss_coef: float = 0.0
 ) -> Tensor:
-    """Sum over non-ignored rows of cross-entropy (+ z_loss_coef * logsumexp^2), in float32.
+    """Sum over non-ignored rows of cross-entropy (+ z_loss_coef * logsumexp^2), in float32 (float64 stays float64).
 
-    logits: (N, V) already soft-capped, any float dtype. targets: (N,) long. Returns a float32 scalar.
+    logits: (N, V) already soft-capped, any float dtype. targets: (N,) long. Returns a float32 (or float64) scalar.
     """
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     if z_loss_coef:
         lse = torch.logsumexp(logits, dim=-1)  # (N,)

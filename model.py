@@ -41,6 +41,9 @@ class ModelConfig:
     ffn_dim: int = 9728
     norm_eps: float = 1e-6
     rope_theta: float = 1e6
+    # None, or Llama 3.1 frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} (the Hugging Face config.json keys; see layers.RotaryEmbedding).
+    rope_scaling: dict[str, float | int | str] | None = None
     context_length: int = 40960  # longest sequence (prompt + generated tokens) a forward accepts
     tie_embeddings: bool = True
     qk_norm: bool = True  # RMSNorm over each head of q and k before RoPE (Qwen3)
@@ -71,6 +74,8 @@ class ModelConfig:
         for name in ("norm_eps", "rope_theta", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None:
+            validate_rope_scaling(self.rope_scaling)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be divisible by n_kv_heads "
                              f"({self.n_kv_heads}); valid n_kv_heads: "
@@ -111,6 +116,27 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def validate_rope_scaling(scaling: object) -> None:
+    """ValueError unless `scaling` is a well-formed llama3 rope_scaling dict (the only scaling supported)."""
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        raise ValueError(f"ModelConfig.rope_scaling must be None or a dict with rope_type 'llama3' (the only "
+                         f"supported scaling), got {scaling!r}")
+    if sorted(scaling) != sorted(LLAMA3_ROPE_KEYS):
+        raise ValueError(f"ModelConfig.rope_scaling needs exactly the keys {list(LLAMA3_ROPE_KEYS)}, "
+                         f"got {sorted(scaling)}")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_length = scaling["original_max_position_embeddings"]
+    if not (factor >= 1 and 0 < low < high):
+        raise ValueError(f"ModelConfig.rope_scaling needs factor >= 1 and 0 < low_freq_factor < high_freq_factor, "
+                         f"got factor={factor}, low_freq_factor={low}, high_freq_factor={high}")
+    if not isinstance(original_length, int) or isinstance(original_length, bool) or original_length <= 0:
+        raise ValueError(f"ModelConfig.rope_scaling original_max_position_embeddings must be a positive integer, "
+                         f"got {original_length!r}")
 
 
 # Qwen3 geometry (values from the Hugging Face config.json of each model). "tiny" is for tests: small enough for a
@@ -255,9 +281,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length)
+        self._tie_weights()
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length,
+                                    config.rope_scaling)
         if self.embed_tokens.weight.device.type != "meta":
             self.init_weights()
 
@@ -266,9 +292,16 @@ class Transformer(nn.Module):
         """The live output projection (V, C): `lm_head.weight`, which is the embedding when tied."""
         return self.lm_head.weight
 
+    def _tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Deterministic (given the torch RNG state) initialisation of every parameter, in module order."""
+        """Deterministic (given the torch RNG state) initialisation of every parameter, in module order.
+        Re-ties the output weight to the embedding, since `to_empty` gives each module its own new parameter."""
+        if self.lm_head.weight is not self.embed_tokens.weight:
+            self._tie_weights()
         std = self.config.init_std
         nn.init.normal_(self.embed_tokens.weight, std=std)
         for block in self.layers:

@@ -1,0 +1,437 @@
+"""Training data: corpus -> token shards on disk -> deterministic, resumable batches.
+
+Data directory layout (written by `prepare`, read by `TokenLoader`):
+    index.json        {"format": 1, "dtype": "uint16", "vocab_size": V, "num_tokens": N,
+                       "shards": [{"file": "shard_00000.bin", "num_tokens": n0}, ...],
+                       "num_documents": D, "eod_id": e, "tokenizer": {"path": ..., "vocab_size": V, "sha256": ...}}
+    shard_00000.bin   raw native-endian token ids (np.memmap-able); uint16 when V < 65536, else uint32
+The shards, concatenated in index order, form one token stream: every document followed by the
+end-of-document id (`Tokenizer.eod_id`). Documents may straddle shard boundaries.
+
+Notation: T = sequence length (tokens the model sees), B = batch size per rank, W = world size.
+
+Command line:
+    python data.py train-tokenizer [--input PATH ...] --vocab_size 8192 --model_prefix runs/tok
+    python data.py prepare [--input PATH ...] --tokenizer runs/tok.model --out_dir runs/data
+Without --input, the corpus is the running interpreter's standard library source (`stdlib_files`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sysconfig
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tokenizer import Tokenizer
+
+INDEX_NAME = "index.json"
+INDEX_FORMAT = 1
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # files picked up when walking a directory, besides .jsonl
+DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per uint16 shard
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def stdlib_files() -> list[Path]:
+    """The default corpus: the running interpreter's standard-library `*.py` files, sorted, one document each.
+
+    site-packages and test directories are skipped. Needs no download; about 12 MB of code and docstrings on
+    CPython 3.11, with files up to 750 kB (real long-context documents).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP & set(p.relative_to(root).parts[:-1]))
+
+
+def find_input_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Expand `paths` into files: a file is kept as given; a directory is walked (sorted) for `.jsonl` and
+    `TEXT_SUFFIXES` files. Raises FileNotFoundError for a missing path, ValueError if nothing is found."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", *TEXT_SUFFIXES))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {path} does not exist")
+    if not files:
+        raise ValueError(f"no input files found in {[str(p) for p in paths]} (looked for .jsonl and "
+                         f"{', '.join(TEXT_SUFFIXES)})")
+    return files
+
+
+def _documents_with_sizes(files: Sequence[Path], text_field: str) -> Iterator[tuple[str, int]]:
+    """Yield (document text, input bytes consumed). A `.jsonl` file gives one document per line (the string in
+    `text_field`); any other file is one document. Invalid UTF-8 becomes U+FFFD."""
+    for path in files:
+        if path.suffix != ".jsonl":
+            data = path.read_bytes()
+            yield data.decode("utf-8", errors="replace"), len(data)
+            continue
+        with path.open("rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    yield "", len(line)
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}")
+                yield record[text_field], len(line)
+
+
+def iter_documents(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
+    """Document texts of `files` (see `find_input_files`), in order; e.g. to train a tokenizer."""
+    return (text for text, _ in _documents_with_sizes(files, text_field) if text)
+
+
+# ---------------------------------------------------------------- shards on disk
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype for ids in [0, vocab_size): uint16 when vocab_size < 65536, else uint32."""
+    return np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
+
+
+def _write_atomic(path: Path, data: bytes | np.ndarray) -> None:
+    """Write to `path.tmp`, fsync, then rename: a reader never sees a partial file under `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(data if isinstance(data, bytes) else data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Appends token ids to `shard_XXXXX.bin` files of `shard_tokens` ids each; `finish` writes the index.
+
+    The index is written last, so a directory whose write was interrupted has no index and is never loaded.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, vocab_size: int, shard_tokens: int = DEFAULT_SHARD_TOKENS):
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.vocab_size = vocab_size
+        self.dtype = token_dtype(vocab_size)
+        self.shards: list[dict] = []
+        self._buf = np.empty(shard_tokens, dtype=self.dtype)  # pages are only touched as they fill
+        self._fill = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        """Append `ids` (1-D integer array, values in [0, vocab_size)) to the stream."""
+        while len(ids):
+            n = min(len(ids), len(self._buf) - self._fill)
+            self._buf[self._fill : self._fill + n] = ids[:n]
+            self._fill += n
+            ids = ids[n:]
+            if self._fill == len(self._buf):
+                self._flush()
+
+    def _flush(self) -> None:
+        name = f"shard_{len(self.shards):05d}.bin"
+        _write_atomic(self.out_dir / name, self._buf[: self._fill])
+        self.shards.append({"file": name, "num_tokens": self._fill})
+        self._fill = 0
+
+    def finish(self, **metadata) -> dict:
+        """Write the last shard and `index.json` (with `metadata` merged in); return the index."""
+        if self._fill:
+            self._flush()
+        index = {
+            "format": INDEX_FORMAT,
+            "dtype": self.dtype.name,
+            "vocab_size": self.vocab_size,
+            "num_tokens": sum(s["num_tokens"] for s in self.shards),
+            "shards": self.shards,
+            **metadata,
+        }
+        _write_atomic(self.out_dir / INDEX_NAME, json.dumps(index, indent=1).encode())
+        return index
+
+
+def _batches(docs: Iterator[tuple[str, int]], max_bytes: int = 4_000_000) -> Iterator[tuple[list[str], int]]:
+    """Group (text, input bytes) pairs into (non-empty texts, input bytes) batches of about `max_bytes`: large
+    enough to keep SentencePiece's encoding threads busy."""
+    texts: list[str] = []
+    nbytes = 0
+    for text, size in docs:
+        if text:
+            texts.append(text)
+        nbytes += size
+        if nbytes >= max_bytes:
+            yield texts, nbytes
+            texts, nbytes = [], 0
+    if nbytes:
+        yield texts, nbytes
+
+
+def prepare(
+    inputs: Sequence[str | os.PathLike] | None,
+    tokenizer: Tokenizer,
+    out_dir: str | os.PathLike,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    text_field: str = "text",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Tokenize a corpus into shards under `out_dir`; return the index (which includes the summary counts).
+
+    Args:
+        inputs: files/directories (see `find_input_files`); None = `stdlib_files()`.
+        tokenizer: every document is `tokenizer.encode(text) + [tokenizer.eod_id]`; empty documents are skipped.
+        out_dir: created if needed. An existing index is replaced only with `overwrite=True`.
+        shard_tokens: ids per shard file (the last one is shorter).
+        text_field: the field holding the text in `.jsonl` records.
+        progress: show a progress bar over input bytes.
+    """
+    files = stdlib_files() if inputs is None else find_input_files(inputs)
+    out_dir = Path(out_dir)
+    if (out_dir / INDEX_NAME).exists():
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} already holds prepared data ({INDEX_NAME}); pass overwrite=True "
+                                  "(--overwrite) to replace it")
+        (out_dir / INDEX_NAME).unlink()  # first, so an interrupted rewrite leaves no loadable index
+        for old in out_dir.glob("shard_*.bin"):
+            old.unlink()
+    writer = ShardWriter(out_dir, tokenizer.vocab_size, shard_tokens)
+    num_documents = 0
+    with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="tokenizing",
+              disable=not progress) as bar:
+        for texts, nbytes in _batches(_documents_with_sizes(files, text_field)):
+            for ids in tokenizer.encode_batch(texts):
+                writer.write(np.array([*ids, tokenizer.eod_id], dtype=writer.dtype))
+            num_documents += len(texts)
+            bar.update(nbytes)
+    tok_info = {"path": str(tokenizer.path.resolve()), "vocab_size": tokenizer.vocab_size, "sha256": tokenizer.sha256}
+    return writer.finish(num_documents=num_documents, eod_id=tokenizer.eod_id, tokenizer=tok_info)
+
+
+def load_index(data_dir: str | os.PathLike) -> dict:
+    """Read and validate `data_dir/index.json` and the shard files it lists (existence and exact byte size).
+
+    Raises FileNotFoundError for a missing directory, index or shard; ValueError for a corrupt index or a shard
+    whose size disagrees with it.
+    """
+    data_dir = Path(data_dir)
+    hint = f"create it with `python data.py prepare --out_dir {data_dir}`"
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"data directory {data_dir} does not exist; {hint}")
+    path = data_dir / INDEX_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {data_dir} holds no prepared data (or `prepare` was "
+                                f"interrupted); {hint}")
+    try:
+        index = json.loads(path.read_text())
+        if index["format"] != INDEX_FORMAT:
+            raise ValueError(f"format {index['format']} is not {INDEX_FORMAT}")
+        dtype = np.dtype(index["dtype"])
+        if dtype != token_dtype(index["vocab_size"]):
+            raise ValueError(f"dtype {dtype} does not match vocab_size {index['vocab_size']}")
+        lengths = [int(s["num_tokens"]) for s in index["shards"]]
+        if not all(isinstance(s["file"], str) and "/" not in s["file"] for s in index["shards"]):
+            raise ValueError("shard file names must be plain names inside the data directory")
+        if sum(lengths) != index["num_tokens"]:
+            raise ValueError(f"shard lengths sum to {sum(lengths)}, not num_tokens={index['num_tokens']}")
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"corrupt data index {path}: {e!r}; re-run `python data.py prepare`") from e
+    for shard in index["shards"]:
+        file = data_dir / shard["file"]
+        if not file.is_file():
+            raise FileNotFoundError(f"shard {file} listed in {path} is missing")
+        expected = shard["num_tokens"] * dtype.itemsize
+        if file.stat().st_size != expected:
+            raise ValueError(f"shard {file} has {file.stat().st_size} bytes but {path} says {shard['num_tokens']} "
+                             f"{dtype} tokens ({expected} bytes); the directory is corrupt, re-run prepare")
+    return index
+
+
+def check_tokenizer(index: dict, tokenizer: Tokenizer) -> None:
+    """Raise ValueError unless `index` (from `load_index`) was written with `tokenizer` (same model file hash)."""
+    written = index.get("tokenizer")
+    if written is None:
+        raise ValueError("the data index records no tokenizer, so it cannot be checked against "
+                         f"{tokenizer.path}")
+    if written["sha256"] != tokenizer.sha256:
+        raise ValueError(f"data was tokenized with {written['path']} (vocab_size {written['vocab_size']}, sha256 "
+                         f"{written['sha256'][:12]}) but the tokenizer given is {tokenizer.path} (vocab_size "
+                         f"{tokenizer.vocab_size}, sha256 {tokenizer.sha256[:12]}); re-run prepare with it")
+
+
+# ---------------------------------------------------------------- loader
+
+
+class TokenLoader:
+    """Endless iterator of `(input_ids, labels)` batches of windows of the token stream, for one rank.
+
+    Windows: window i is `stream[i*(T-1) : i*(T-1) + T]`, so consecutive windows share one token. The model
+    shifts labels internally (position t predicts labels[t+1]), so a window predicts its tokens 1..T-1, and over
+    an epoch every token of the stream (except the first, and a tail shorter than T-1) is predicted exactly once;
+    no window's last position is lost to the next window. `input_ids` and `labels` hold the same ids (separate
+    tensors), int64, shape (B, T), on the CPU. Windows cross document and shard boundaries (documents are packed,
+    separated by the end-of-document id).
+
+    Order: epoch e visits the windows in the order `np.random.default_rng((seed, e)).permutation(num_windows)`;
+    global step s takes the next W*B of them and rank r gets the r-th B. Ranks are therefore disjoint, the
+    order depends only on (data, T, seed), and the same global batch size gives the same global batches for any
+    W. An epoch has `num_windows // (W*B)` steps (equal on every rank); the remainder is skipped, then the next
+    epoch begins with a fresh permutation.
+
+    Resume: `state_dict()` after any step and `load_state_dict()` into a loader built with the same data, T and
+    seed continue with exactly the batches the original would have produced. W and B may change on resume if
+    the windows consumed so far in the epoch are a multiple of the new W*B.
+
+    Args:
+        data_dir: a directory written by `prepare` (or `ShardWriter`).
+        seq_len: T, tokens per window (the model's context length), >= 2.
+        batch_size: B, windows per rank per step.
+        rank, world_size: this rank and the number of data-parallel ranks.
+        seed: shuffling seed.
+        tokenizer: if given, the data must have been written with it (else ValueError).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        seq_len: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        tokenizer: Tokenizer | None = None,
+    ):
+        if seq_len < 2 or batch_size < 1:
+            raise ValueError(f"need seq_len >= 2 and batch_size >= 1, got seq_len={seq_len}, batch_size={batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.index = load_index(data_dir)
+        if tokenizer is not None:
+            check_tokenizer(self.index, tokenizer)
+        self.vocab_size: int = self.index["vocab_size"]
+        self.seq_len, self.batch_size, self.rank, self.world_size, self.seed = (seq_len, batch_size, rank,
+                                                                                world_size, seed)
+        data_dir = Path(data_dir)
+        dtype = np.dtype(self.index["dtype"])
+        shards = [s for s in self.index["shards"] if s["num_tokens"] > 0]
+        self._shards = [np.memmap(data_dir / s["file"], dtype=dtype, mode="r") for s in shards]
+        self._shard_starts = np.cumsum([0] + [s["num_tokens"] for s in shards])  # (num_shards + 1,)
+        self.num_tokens: int = int(self._shard_starts[-1])
+        self.num_windows = max(self.num_tokens - 1, 0) // (seq_len - 1)
+        self.steps_per_epoch = self.num_windows // (world_size * batch_size)
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{data_dir} has {self.num_tokens} tokens = {self.num_windows} windows of {seq_len}, "
+                             f"fewer than one global batch of world_size*batch_size = {world_size * batch_size}")
+        self.epoch = 0
+        self.step = 0  # steps taken in the current epoch
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def _epoch_order(self) -> np.ndarray:
+        """The window permutation of the current epoch, shared by all ranks. (num_windows,)"""
+        if self._order_epoch != self.epoch:
+            self._order = np.random.default_rng((self.seed, self.epoch)).permutation(self.num_windows)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def _read(self, start: int, out: np.ndarray) -> None:
+        """Copy `stream[start : start + len(out)]` into `out`, across shard boundaries if needed."""
+        pos, n = start, 0
+        while n < len(out):
+            s = int(np.searchsorted(self._shard_starts, pos, side="right")) - 1
+            local = pos - int(self._shard_starts[s])
+            piece = self._shards[s][local : local + len(out) - n]
+            out[n : n + len(piece)] = piece
+            n += len(piece)
+            pos += len(piece)
+
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.step == self.steps_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        first = (self.step * self.world_size + self.rank) * self.batch_size
+        windows = self._epoch_order()[first : first + self.batch_size]  # (B,)
+        tokens = np.empty((self.batch_size, self.seq_len), dtype=np.int64)  # (B, T)
+        for row, w in enumerate(windows):
+            self._read(int(w) * (self.seq_len - 1), tokens[row])
+        self.step += 1
+        input_ids = torch.from_numpy(tokens)  # (B, T)
+        return input_ids, input_ids.clone()
+
+    def state_dict(self) -> dict:
+        """Position after the last batch returned, plus what identifies the window order. Plain ints (JSON-able)."""
+        return {
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "num_tokens": self.num_tokens,
+            "epoch": self.epoch,
+            "windows_consumed": self.step * self.world_size * self.batch_size,  # global, in this epoch
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (see the class docstring for what may differ)."""
+        for key in ("seed", "seq_len", "num_tokens"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"cannot resume: the checkpoint's data loader has {key}={state[key]} but this one "
+                                 f"has {getattr(self, key)}")
+        global_batch = self.world_size * self.batch_size
+        consumed = state["windows_consumed"]
+        if consumed % global_batch or consumed // global_batch > self.steps_per_epoch:
+            raise ValueError(f"cannot resume: {consumed} windows consumed in the epoch is not a whole number of "
+                             f"global batches of {global_batch} within an epoch")
+        self.epoch, self.step = state["epoch"], consumed // global_batch
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    inputs_help = "files or directories (.jsonl, text files); default: the Python standard library source"
+
+    tok = commands.add_parser("train-tokenizer", help="train a SentencePiece BPE tokenizer")
+    tok.add_argument("--input", nargs="+", help=inputs_help)
+    tok.add_argument("--vocab_size", type=int, required=True)
+    tok.add_argument("--model_prefix", required=True, help="writes MODEL_PREFIX.model")
+    tok.add_argument("--max_train_mb", type=float, default=8.0, help="training sample size (first N MB of lines)")
+    tok.add_argument("--text_field", default="text", help="text field of .jsonl records")
+
+    prep = commands.add_parser("prepare", help="tokenize a corpus into shards")
+    prep.add_argument("--input", nargs="+", help=inputs_help)
+    prep.add_argument("--tokenizer", required=True, help="a .model file")
+    prep.add_argument("--out_dir", required=True)
+    prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    prep.add_argument("--text_field", default="text", help="text field of .jsonl records")
+    prep.add_argument("--overwrite", action="store_true", help="replace existing prepared data in out_dir")
+    args = parser.parse_args(argv)
+
+    t0 = time.perf_counter()
+    if args.command == "train-tokenizer":
+        files = stdlib_files() if args.input is None else find_input_files(args.input)
+        tokenizer = Tokenizer.train(iter_documents(files, args.text_field), args.vocab_size, args.model_prefix,
+                                    max_train_bytes=int(args.max_train_mb * 1e6))
+        print(f"wrote {tokenizer.path} (vocab_size {tokenizer.vocab_size}) in {time.perf_counter() - t0:.1f} s")
+        return
+    index = prepare(args.input, Tokenizer(args.tokenizer), args.out_dir, shard_tokens=args.shard_tokens,
+                    text_field=args.text_field, overwrite=args.overwrite)
+    n_docs, n_tokens = index["num_documents"], index["num_tokens"]
+    print(f"wrote {args.out_dir}: {n_docs} documents, {n_tokens} tokens ({n_tokens / max(n_docs, 1):.0f} per "
+          f"document, {index['dtype']}), {len(index['shards'])} shards in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Load and export checkpoints in the Hugging Face layout (`config.json` + `*.safetensors`, optionally sharded with
+`model.safetensors.index.json`) for the Qwen3 and Llama families, without needing `transformers`.
+
+    model = load_hf_checkpoint("path/to/Qwen3-0.6B", dtype=torch.bfloat16)   # -> Transformer
+    export_hf_checkpoint(model, "out/qwen3-finetuned")                       # -> Qwen3ForCausalLM layout
+
+Family mapping: Qwen3 = qk_norm on, Llama = qk_norm off; everything else (GQA, SwiGLU, RMSNorm, rotate-half RoPE,
+optional tied embeddings, Llama 3.1 "llama3" rope scaling) is shared. Parameter names differ only in a few path
+segments (see `_OURS_TO_HF`) and the `model.` prefix.
+
+Notation: V vocabulary size, C model width, H query heads, KV key/value heads, D head dimension, F FFN width.
+
+References: Hugging Face safetensors sharding https://huggingface.co/docs/safetensors, Qwen3
+https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json, Llama 3.2
+https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from model import ModelConfig, Transformer
+
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+# Path segments that differ between our parameter names and the Hugging Face ones (a bijection; all other
+# segments are shared, and HF adds a `model.` prefix to everything except `lm_head`).
+_OURS_TO_HF = {"attn": "self_attn", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_HF_TO_OURS = {hf: ours for ours, hf in _OURS_TO_HF.items()}
+# Derived buffers some older checkpoints stored; recomputed from the config, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ---- names ---------------------------------------------------------------------------------------------------------
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face one, e.g. layers.0.attn.q_proj.weight ->
+    model.layers.0.self_attn.q_proj.weight."""
+    hf = ".".join(_OURS_TO_HF.get(part, part) for part in name.split("."))
+    return hf if name.startswith("lm_head.") else "model." + hf
+
+
+def our_name(name: str) -> str:
+    """Inverse of `hf_name` (for names that passed the key check)."""
+    name = name.removeprefix("model.")
+    return ".".join(_HF_TO_OURS.get(part, part) for part in name.split("."))
+
+
+# ---- config --------------------------------------------------------------------------------------------------------
+
+
+def _require(hf_config: dict, key: str, where: str = "config.json") -> object:
+    if hf_config.get(key) is None:
+        raise ValueError(f"{where} lacks the required field {key!r}")
+    return hf_config[key]
+
+
+def _rope_from_hf(hf_config: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the transformers>=5 `rope_parameters` dict or the older top-level
+    `rope_theta` + `rope_scaling` fields (what the published checkpoints use)."""
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ValueError(f"per-layer-type rope parameters are not supported, got {params!r}")
+    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (RoPE rotates the whole head)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported; only 'llama3' (Llama 3.1/3.2) is")
+    where = "config.json rope scaling"
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(_require(params, "factor", where)),
+        "low_freq_factor": float(_require(params, "low_freq_factor", where)),
+        "high_freq_factor": float(_require(params, "high_freq_factor", where)),
+        "original_max_position_embeddings": int(params.get("original_max_position_embeddings")
+                                                or _require(hf_config, "max_position_embeddings")),
+    }
+    return theta, scaling
+
+
+def config_from_hf(hf_config: dict, **overrides: object) -> ModelConfig:
+    """A Hugging Face `config.json` dict (model_type "qwen3" or "llama") -> ModelConfig, with `overrides` (any
+    ModelConfig field, e.g. context_length or loss_mode) applied on top. Features the Transformer lacks (biases,
+    sliding windows, other activations or rope scalings) raise ValueError."""
+    model_type = hf_config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_config.get(key):
+            raise ValueError(f"{key}=true is not supported: Transformer projections have no bias")
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config['hidden_act']!r} is not supported; the FFN is SwiGLU (silu)")
+    layer_types = hf_config.get("layer_types") or []
+    if hf_config.get("use_sliding_window") or any(kind != "full_attention" for kind in layer_types):
+        raise ValueError("sliding-window attention layers are not supported; every layer must be full attention")
+    dim, n_heads = _require(hf_config, "hidden_size"), _require(hf_config, "num_attention_heads")
+    head_dim = hf_config.get("head_dim")
+    if head_dim is None:  # older Llama configs: derived
+        if dim % n_heads:
+            raise ValueError(f"config.json has no head_dim and hidden_size {dim} is not divisible by "
+                             f"num_attention_heads {n_heads}")
+        head_dim = dim // n_heads
+    rope_theta, rope_scaling = _rope_from_hf(hf_config)
+    fields = dict(
+        vocab_size=_require(hf_config, "vocab_size"), dim=dim, n_layers=_require(hf_config, "num_hidden_layers"),
+        n_heads=n_heads, n_kv_heads=hf_config.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        ffn_dim=_require(hf_config, "intermediate_size"), norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta, rope_scaling=rope_scaling,
+        context_length=_require(hf_config, "max_position_embeddings"),
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),  # the default of both HF config classes
+        qk_norm=model_type == "qwen3", init_std=float(hf_config.get("initializer_range", 0.02)),
+    )
+    valid = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig field(s) {unknown}; valid fields: {sorted(valid)}")
+    return ModelConfig(**{**fields, **overrides})
+
+
+def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """ModelConfig -> a Hugging Face config.json dict: Qwen3ForCausalLM when qk_norm, else LlamaForCausalLM.
+    Rope settings are written both as `rope_theta` + `rope_scaling` (read by every transformers version and by
+    serving engines) and as transformers>=5 `rope_parameters`."""
+    if config.attention_type != "full":
+        raise ValueError(f"attention_type {config.attention_type!r} has no Hugging Face equivalent; only full "
+                         "attention models can be exported")
+    model_type = "qwen3" if config.qk_norm else "llama"
+    hf_config = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": config.vocab_size, "hidden_size": config.dim, "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": config.context_length, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})},
+        "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": config.init_std, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    hf_config |= {"use_sliding_window": False} if model_type == "qwen3" else {"mlp_bias": False}
+    return hf_config
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """The parsed `config.json` of checkpoint directory `path` (FileNotFoundError when absent)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    config_file = path / CONFIG_NAME
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no {CONFIG_NAME}; expected a Hugging Face checkpoint directory")
+    return json.loads(config_file.read_text())
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files holding the weights: those named by the sharded index, else model.safetensors, else
+    every *.safetensors in the directory."""
+    index_file = path / INDEX_NAME
+    if index_file.is_file():
+        files = [path / name for name in sorted(set(json.loads(index_file.read_text())["weight_map"].values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index_file} names shard files that are absent: {missing}")
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def _check_tokenizer_vocab(path: Path, vocab_size: int) -> None:
+    """ValueError when the directory's tokenizer.json has token ids the embedding cannot hold. (The embedding may be
+    larger than the tokenizer: vocabularies are padded.)"""
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return
+    tokenizer = json.loads(tokenizer_file.read_text())
+    vocab = (tokenizer.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # Unigram: a list
+    ids += [token["id"] for token in tokenizer.get("added_tokens") or []]
+    n_tokens = max(ids, default=-1) + 1
+    if n_tokens > vocab_size:
+        raise ValueError(f"{tokenizer_file} uses token ids up to {n_tokens - 1} but the model's vocab_size is "
+                         f"{vocab_size}: tokenizer and weights do not belong together")
+
+
+def _read_headers(path: Path, files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """HF tensor name -> (file, shape), from the safetensors headers only (no tensor data is read)."""
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name in found:
+                    raise ValueError(f"tensor {name!r} appears in both {found[name][0].name} and {file.name}")
+                found[name] = (file, tuple(f.get_slice(name).get_shape()))
+    index_file = path / INDEX_NAME
+    if index_file.is_file():
+        indexed = set(json.loads(index_file.read_text())["weight_map"])
+        if indexed != set(found):
+            raise ValueError(f"{index_file.name} and its shard files disagree: only in the index "
+                             f"{sorted(indexed - set(found))[:10]}, only in the shards "
+                             f"{sorted(set(found) - indexed)[:10]}")
+    return found
+
+
+def _check_keys(found: dict[str, tuple[Path, tuple[int, ...]]], model: Transformer, path: Path) -> None:
+    """ValueError counting the missing, unexpected and wrongly shaped tensors and naming (HF names) the first ten
+    of each, before any tensor data is read."""
+    expected = {hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        expected.pop("lm_head.weight")  # absent from tied checkpoints; checked against the embedding if present
+        found = {name: entry for name, entry in found.items() if name != "lm_head.weight"}
+    found = {name: entry for name, entry in found.items() if not name.endswith(_IGNORED_SUFFIXES)}
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    mismatched = [f"{name}: checkpoint {found[name][1]} vs model {expected[name]}"
+                  for name in sorted(set(expected) & set(found)) if found[name][1] != expected[name]]
+    if missing or unexpected or mismatched:
+        raise ValueError(f"checkpoint {path} does not fit its config ({len(missing)} missing, {len(unexpected)} "
+                         f"unexpected, {len(mismatched)} mis-shaped tensors): missing {missing[:10]}, unexpected "
+                         f"{unexpected[:10]}, shape mismatches {mismatched[:10]}")
+
+
+def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                       **config_overrides: object) -> Transformer:
+    """Build a Transformer from the Hugging Face checkpoint directory `path` (Qwen3 or Llama).
+
+    The model is built on the meta device and the safetensors tensors are assigned to it directly on `device`, so
+    peak memory is one copy of the weights (plus one tensor in its stored dtype when casting). `dtype` None keeps
+    the stored dtype (that of the embedding); the RoPE tables stay float32. `config_overrides` are ModelConfig
+    fields applied over config.json (see `config_from_hf`).
+    Every tensor name and shape is checked against the config before any tensor data is read.
+    """
+    path = Path(path)
+    config = config_from_hf(read_hf_config(path), **config_overrides)
+    _check_tokenizer_vocab(path, config.vocab_size)
+    found = _read_headers(path, _checkpoint_files(path))
+    with torch.device("meta"):
+        model = Transformer(config)
+    _check_keys(found, model, path)
+
+    state: dict[str, Tensor] = {}
+    for file in sorted({file for file, _ in found.values()}):
+        with safe_open(file, framework="pt", device=str(torch.device(device))) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    tensor = f.get_tensor(name)
+                    state[our_name(name)] = tensor if dtype is None else tensor.to(dtype)
+    dtype = dtype or state["embed_tokens.weight"].dtype
+    state = {name: tensor.to(dtype) for name, tensor in state.items()}  # a no-op unless the file mixes dtypes
+    if config.tie_embeddings:
+        stored_head = state.pop("lm_head.weight", None)
+        if stored_head is not None and not torch.equal(stored_head, state["embed_tokens.weight"]):
+            raise ValueError(f"{path}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # assign=True made two Parameters; share one again
+    model.rope.to_empty(device=device)  # derived tables: rebuilt lazily on first use
+    model.rope.init_weights()
+    return model
+
+
+# ---- export --------------------------------------------------------------------------------------------------------
+
+
+def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
+    """The model's tensors under Hugging Face names (detached; no lm_head when tied, as transformers saves it)."""
+    state = {hf_name(name): tensor.detach() for name, tensor in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        del state["lm_head.weight"]
+    return state
+
+
+def _plan_shards(state: dict[str, Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensor names, in order, into shards of at most max_shard_bytes (a larger tensor gets its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def export_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 10**9,
+                         overwrite: bool = False) -> None:
+    """Write `model` to directory `path` in the Hugging Face layout (loadable by `load_hf_checkpoint` and by
+    transformers' `AutoModelForCausalLM.from_pretrained`): config.json plus model.safetensors, or shards of at most
+    `max_shard_bytes` named model-0000i-of-0000n.safetensors with model.safetensors.index.json.
+
+    Everything is written to a temporary sibling directory first and renamed into place, so `path` never holds a
+    half-written checkpoint. An existing non-empty `path` is an error unless `overwrite`. Tokenizer files are not
+    written: copy them from the source checkpoint.
+    """
+    path = Path(path)
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to replace it")
+    state = hf_state_dict(model)
+    hf_config = config_to_hf(model.config, model.embed_tokens.weight.dtype)
+    shards = _plan_shards(state, max_shard_bytes)
+    names = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                    for i in range(len(shards))]
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+        for file_name, shard in zip(names, shards, strict=True):
+            tensors = {name: state[name].to("cpu").contiguous() for name in shard}
+            save_file(tensors, tmp / file_name, metadata={"format": "pt"})
+        if len(shards) > 1:
+            weight_map = {name: file_name for file_name, shard in zip(names, shards, strict=True) for name in shard}
+            total_size = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            path.rename(old)
+            tmp.rename(path)
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
