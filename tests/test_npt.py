@@ -174,6 +174,20 @@ def test_convert_freezes_and_selects_layers():
         convert(Transformer(cfg), [0], rank=0)
 
 
+def test_convert_model_loaded_from_hf_weights(tmp_path):
+    from hf import export_hf_checkpoint, load_hf_checkpoint
+
+    cfg = tiny_config()
+    export_hf_checkpoint(Transformer(cfg), tmp_path / "hf")
+    reference = load_hf_checkpoint(tmp_path / "hf")
+    model = load_hf_checkpoint(tmp_path / "hf")
+    assert convert(model, "upper_half", residual_mode="additive") == [1]
+    assert model.lm_head.weight is model.embed_tokens.weight  # tying survives; the tied weight is frozen once
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(np_parameters(model))
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
 def test_base_dtype_casts_only_frozen_weights():
     cfg = tiny_config()
     model = Transformer(cfg)
