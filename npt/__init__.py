@@ -7,8 +7,8 @@ tracker and full-size memory check), train_equivalence (training entry point on 
 """
 
 from npt.adapters import load_adapters, save_adapters
-from npt.convert import convert, fold, np_blocks, np_parameters, set_mode, set_offload, using_mode
+from npt.convert import convert, fold, np_blocks, np_parameters, revert, set_mode, set_offload, using_mode
 from npt.layer import NPBlock, NPComponent, modulated_linear
 
 __all__ = ["NPBlock", "NPComponent", "convert", "fold", "load_adapters", "modulated_linear", "np_blocks",
-           "np_parameters", "save_adapters", "set_mode", "set_offload", "using_mode"]
+           "np_parameters", "revert", "save_adapters", "set_mode", "set_offload", "using_mode"]

@@ -85,6 +85,19 @@ def convert(model: Transformer, layers: LayerSpec = "upper_half", rank: int = 16
     return idx
 
 
+def revert(model: Transformer) -> list[int]:
+    """Put the original `Block`s (the same submodules, folded weights included) back in place of the converted
+    layers, in place, and return their indices. The model then has exactly the original parameter names, e.g. for
+    `hf.export_hf_checkpoint`. It computes what the converted layers compute in "original" mode (which equals
+    "static" mode for residual_mode "additive"); the NP parameters are dropped: save them first (npt.adapters)."""
+    reverted = sorted(np_blocks(model))
+    for i in reverted:
+        block = model.layers[i]
+        block.original.checkpointing = block.checkpointing
+        model.layers[i] = block.original
+    return reverted
+
+
 def set_mode(model: Transformer, mode: Mode) -> None:
     """Set every converted layer to "plastic", "static" or "original" (see NPBlock)."""
     if mode not in ("plastic", "static", "original"):

@@ -129,6 +129,8 @@ class NPBlock(Block):
             raise ValueError(f"residual_mode must be 'modulate' or 'additive', got {residual_mode!r}")
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = block.attn_norm, block.attn, block.mlp_norm, block.mlp
         self.checkpointing = block.checkpointing
+        # The replaced Block, kept for npt.convert.revert. Not a submodule: its children are ours (no duplicate names).
+        object.__setattr__(self, "original", block)
         gate = self.mlp.gate_proj.weight  # (F, C)
         self.np = NPComponent(gate.shape[1], gate.shape[0], rank, targets, device=gate.device,
                               dtype=dtype or gate.dtype)

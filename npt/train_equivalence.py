@@ -26,13 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from data import TokenLoader
-from npt.adapters import save_adapters
-from npt.convert import convert, np_parameters
-from npt.equivalence import equivalence_loss
-from tokenizer import Tokenizer, check_vocab
 from train import (
     Runtime,
     TrainConfig,
@@ -47,6 +41,12 @@ from train import (
     stop_on_signals,
     tokenizer_path,
 )
+
+from data import TokenLoader
+from npt.adapters import save_adapters
+from npt.convert import convert, np_parameters
+from npt.equivalence import equivalence_loss
+from tokenizer import Tokenizer, check_vocab
 
 ADAPTERS_NAME = "adapters.safetensors"
 

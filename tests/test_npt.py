@@ -15,7 +15,16 @@ from torch import Tensor
 
 from model import Block, ModelConfig, Transformer
 from npt.adapters import load_adapters, save_adapters
-from npt.convert import convert, fold, np_blocks, np_parameters, resolve_layers, set_mode, using_mode
+from npt.convert import (
+    convert,
+    fold,
+    np_blocks,
+    np_parameters,
+    resolve_layers,
+    revert,
+    set_mode,
+    using_mode,
+)
 from npt.layer import NPBlock, modulated_linear
 from npt.memory import layer_memory, llama_like_config, offload_memory
 
@@ -147,6 +156,20 @@ def test_kv_cache_decoding_matches_full_forward():
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, rtol=1e-5, atol=1e-5)  # float32
 
 
+def test_gradient_checkpointing_same_gradients():
+    cfg = tiny_config()
+    model = Transformer(cfg)
+    convert(model, "all", targets=("gate", "up", "down"))
+    randomize_np(model)
+    twin = copy.deepcopy(model)
+    twin.gradient_checkpointing_enable()
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    twin(ids, labels=ids).loss.backward()
+    for (n, p), q in zip(np_parameters(model).items(), np_parameters(twin).values(), strict=True):
+        assert torch.equal(p.grad, q.grad), n
+
+
 def test_convert_freezes_and_selects_layers():
     cfg = tiny_config(n_layers=4)
     model = Transformer(cfg)
@@ -186,6 +209,9 @@ def test_convert_model_loaded_from_hf_weights(tmp_path):
     assert {n for n, p in model.named_parameters() if p.requires_grad} == set(np_parameters(model))
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert revert(model) == [1]  # back to the plain model: exportable, loads again
+    export_hf_checkpoint(model, tmp_path / "reverted")
+    assert torch.equal(load_hf_checkpoint(tmp_path / "reverted")(ids).logits, reference(ids).logits)
 
 
 def test_base_dtype_casts_only_frozen_weights():
