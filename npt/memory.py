@@ -86,16 +86,17 @@ def llama_like_config(dim: int = 4096, ffn_dim: int = 11008, n_heads: int = 32, 
                        head_dim=head_dim, ffn_dim=ffn_dim, qk_norm=False)
 
 
-def _fwd_bwd_peak(layers: list[Block], x: Tensor, cos: Tensor, sin: Tensor) -> LiveBytes:
+def _fwd_bwd_peak(layers: list[Block], x: Tensor, cos: Tensor, sin: Tensor) -> tuple[LiveBytes, dict[str, int]]:
+    """Track forward + backward through `layers`; returns the tracker and the live bytes between the two."""
     grad_out = torch.ones_like(x)
     with LiveBytes() as tracker:
         y = x
         for layer in layers:
             y = layer(y, cos, sin)
-        tracker.after_forward = dict(tracker.live)  # bytes held between forward and backward
+        after_forward = dict(tracker.live)
         y.backward(grad_out)
         del y
-    return tracker
+    return tracker, after_forward
 
 
 def _inputs(cfg: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -118,10 +119,10 @@ def layer_memory(cfg: ModelConfig, batch: int = 4, seq_len: int = 512, rank: int
     with FakeTensorMode(), torch.device(ACCELERATOR):
         block = _frozen_block(cfg, dtype)
         x, cos, sin = _inputs(cfg, batch, seq_len, dtype)
-        base = _fwd_bwd_peak([block], x, cos, sin).peak[ACCELERATOR]
+        base = _fwd_bwd_peak([block], x, cos, sin)[0].peak[ACCELERATOR]
         x.grad = None
         converted = NPBlock(block, rank, targets, residual_mode, dtype=torch.float32)
-        plastic = _fwd_bwd_peak([converted], x, cos, sin).peak[ACCELERATOR]
+        plastic = _fwd_bwd_peak([converted], x, cos, sin)[0].peak[ACCELERATOR]
     elem = torch.finfo(dtype).bits // 8
     naive = len(targets) * batch * seq_len * cfg.dim * cfg.ffn_dim * elem
     return LayerMemory(base, plastic, naive)
@@ -148,6 +149,6 @@ def offload_memory(cfg: ModelConfig, n_layers: int = 4, batch: int = 4, seq_len:
             layer.offload = offload
             layers.append(layer)
         x, cos, sin = _inputs(cfg, batch, seq_len, dtype)
-        tracker = _fwd_bwd_peak(layers, x, cos, sin)
-    return OffloadMemory(tracker.peak[ACCELERATOR], tracker.after_forward.get(ACCELERATOR, 0),
+        tracker, after_forward = _fwd_bwd_peak(layers, x, cos, sin)
+    return OffloadMemory(tracker.peak[ACCELERATOR], after_forward.get(ACCELERATOR, 0),
                          tracker.peak["cpu"], sum(layer.offload_stats.bytes_offloaded for layer in layers))
