@@ -7,6 +7,7 @@ pinned and the copies are asynchronous (stream-ordered, like torch.autograd.grap
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +31,21 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, stats: OffloadStats | None = None) -> None:
         pin = torch.cuda.is_available()
+        # A tensor saved by several ops (e.g. a layer input used by a norm and a residual) is copied once: the host
+        # copy is found again by (storage, view geometry, version) while that storage is alive.
+        copies: dict[tuple, tuple[weakref.ref, Tensor]] = {}
 
         def pack(t: Tensor) -> Tensor | tuple[torch.device, Tensor]:
             if t.device.type == "cpu" or _is_parameter(t):
                 return t
+            storage = t.untyped_storage()
+            key = (id(storage), t.storage_offset(), tuple(t.shape), t.stride(), t._version)
+            hit = copies.get(key)
+            if hit is not None and hit[0]() is storage:
+                return t.device, hit[1]
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, device="cpu", pin_memory=pin)
             host.copy_(t, non_blocking=pin)
+            copies[key] = (weakref.ref(storage), host)
             if stats is not None:
                 stats.bytes_offloaded += t.numel() * t.element_size()
                 stats.tensors_offloaded += 1
