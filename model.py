@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from layers import FeedForward, RMSNorm, RotaryEmbedding, apply_rope
-from loss import shift_labels, standard_linear_cross_entropy
+from loss import chunked_linear_cross_entropy, shift_labels, standard_linear_cross_entropy
 
 GiB = 1024**3
 
@@ -397,8 +397,6 @@ class Transformer(nn.Module):
     def _compute_loss_chunked(self, hidden: Tensor, labels: Tensor, chunk_size: int = 4096) -> tuple[Tensor, None]:
         """Same loss and gradients as the standard path, never holding more than one chunk of logits
         (see loss.chunked_linear_cross_entropy)."""
-        from loss import chunked_linear_cross_entropy  # TEMP until the chunked loss lands on main
-
         B, T, C = hidden.shape
         loss = chunked_linear_cross_entropy(
             hidden.reshape(B * T, C), self.output_weight, shift_labels(labels).reshape(B * T),
