@@ -1,12 +1,12 @@
-"""Memory accounting for neuro-plastic layers at full size, without allocating: a live-storage-bytes tracker
-(TorchDispatchMode) run under FakeTensorMode, with the "meta" device standing in for the accelerator.
+"""Memory accounting for neuro-plastic layers at full size, without allocating: memtrack's live-storage-bytes
+tracker, split by device, run under FakeTensorMode with the "meta" device standing in for the accelerator.
 
 `layer_memory` compares one original decoder layer with its converted NPBlock (forward + backward, frozen base,
 input requiring grad as inside a network) and gives what a naive per-token dW would need. `offload_memory` runs a
 stack of converted layers with and without activation offload and reports accelerator-side and host-side peaks.
 
 The tracker sees every tensor an op returns (backward included when it runs inside the mode); it is blind to
-workspaces inside a single kernel and to allocator fragmentation.
+workspaces inside a single kernel and to allocator fragmentation (see memtrack.py).
 
 Notation: B batch, T tokens, C model width, F FFN width, r rank, L layers.
 """
@@ -20,50 +20,43 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
+from memtrack import LiveBytesTracker
 from model import Block, ModelConfig
 from npt.layer import NPBlock
 
 ACCELERATOR = "meta"  # device type of the stand-in accelerator under FakeTensorMode
 
 
-class LiveBytes(TorchDispatchMode):
-    """Live and peak bytes, per device type, of the storages created by ops run under this mode.
-
-    A storage is counted once, from the op that returns it until it is freed (weakref finalizer); outputs that alias
-    an input (views, in-place ops) allocate nothing and are not counted.
-    """
+class LiveBytes(LiveBytesTracker):
+    """memtrack.LiveBytesTracker that also splits the live and peak bytes by the device type of the tensors
+    (`live_by_device`, `peak_by_device`), to tell accelerator memory from host memory. (The device comes from the
+    tensor: under FakeTensorMode every storage is a meta storage.)"""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[str, int] = defaultdict(int)
-        self.peak: dict[str, int] = defaultdict(int)
-        self._seen: set[int] = set()
+        self.live_by_device: dict[str, int] = defaultdict(int)
+        self.peak_by_device: dict[str, int] = defaultdict(int)
+        self._device_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> device type it was counted on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (dispatch protocol)
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, Tensor) and id(t.untyped_storage()) not in inputs:  # views and in-place: no new bytes
-                self._track(t)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor):
+                continue
+            storage = t.untyped_storage()
+            if storage in self._sizes and storage not in self._device_of:  # newly counted by the base tracker
+                device, nbytes = t.device.type, self._sizes[storage]
+                self._device_of[storage] = device
+                self.live_by_device[device] += nbytes
+                self.peak_by_device[device] = max(self.peak_by_device[device], self.live_by_device[device])
+                weakref.finalize(storage, self._free_on, device, nbytes)
         return out
 
-    def _track(self, t: Tensor) -> None:
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self._seen:
-            return
-        device, nbytes = t.device.type, storage.nbytes()
-        self._seen.add(key)
-        self.live[device] += nbytes
-        self.peak[device] = max(self.peak[device], self.live[device])
-        weakref.finalize(storage, self._free, key, device, nbytes)
-
-    def _free(self, key: int, device: str, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live[device] -= nbytes
+    def _free_on(self, device: str, nbytes: int) -> None:
+        self.live_by_device[device] -= nbytes
 
 
 @dataclass
@@ -93,7 +86,7 @@ def _fwd_bwd_peak(layers: list[Block], x: Tensor, cos: Tensor, sin: Tensor) -> t
         y = x
         for layer in layers:
             y = layer(y, cos, sin)
-        after_forward = dict(tracker.live)
+        after_forward = dict(tracker.live_by_device)
         y.backward(grad_out)
         del y
     return tracker, after_forward
@@ -119,10 +112,10 @@ def layer_memory(cfg: ModelConfig, batch: int = 4, seq_len: int = 512, rank: int
     with FakeTensorMode(), torch.device(ACCELERATOR):
         block = _frozen_block(cfg, dtype)
         x, cos, sin = _inputs(cfg, batch, seq_len, dtype)
-        base = _fwd_bwd_peak([block], x, cos, sin)[0].peak[ACCELERATOR]
+        base = _fwd_bwd_peak([block], x, cos, sin)[0].peak_by_device[ACCELERATOR]
         x.grad = None
         converted = NPBlock(block, rank, targets, residual_mode, dtype=torch.float32)
-        plastic = _fwd_bwd_peak([converted], x, cos, sin)[0].peak[ACCELERATOR]
+        plastic = _fwd_bwd_peak([converted], x, cos, sin)[0].peak_by_device[ACCELERATOR]
     elem = torch.finfo(dtype).bits // 8
     naive = len(targets) * batch * seq_len * cfg.dim * cfg.ffn_dim * elem
     return LayerMemory(base, plastic, naive)
@@ -150,5 +143,5 @@ def offload_memory(cfg: ModelConfig, n_layers: int = 4, batch: int = 4, seq_len:
             layers.append(layer)
         x, cos, sin = _inputs(cfg, batch, seq_len, dtype)
         tracker, after_forward = _fwd_bwd_peak(layers, x, cos, sin)
-    return OffloadMemory(tracker.peak[ACCELERATOR], after_forward.get(ACCELERATOR, 0),
-                         tracker.peak["cpu"], sum(layer.offload_stats.bytes_offloaded for layer in layers))
+    return OffloadMemory(tracker.peak_by_device[ACCELERATOR], after_forward.get(ACCELERATOR, 0),
+                         tracker.peak_by_device["cpu"], sum(layer.offload_stats.bytes_offloaded for layer in layers))
