@@ -6,12 +6,12 @@
 Reuses train.py's machinery rather than copying it: the options (every TrainConfig field, plus the NPTConfig
 fields below, from a JSON file and the command line: defaults < file < command line), `resolve_config`, the runtime,
 the data (default corpus, tokenizer, TokenLoader), `build_model`, `build_optimizer` (AdamW + warmup/cosine), the
-DCP checkpoints of checkpoint.py (resume with --resume), `memory_gib` and `stop_on_signals`. The step is its own:
-the equivalence loss instead of the LM loss, gradients only for the NP parameters (the base is frozen, in
-`base_dtype`). One process (no FSDP: the frozen 4B base in bf16 fits one GPU).
+DCP checkpoints of checkpoint.py (resume with --resume), `start_run`, `log_step`, `memory_gib`, `stop_on_signals`.
+The step is its own: the equivalence loss instead of the LM loss, gradients only for the NP parameters (the base
+is frozen, in `base_dtype`). One process (no FSDP: the frozen 4B base in bf16 fits one GPU).
 
-Writes to out_dir: config.json, metrics.jsonl, step-N/ (full resumable state), adapters.safetensors (only the NP
-parameters, see npt.adapters).
+Writes to out_dir: config.json and metrics.jsonl (train.start_run / log_step; metrics add mse, kl, l2),
+npt_config.json, step-N/ (full resumable state), adapters.safetensors (only the NP parameters, see npt.adapters).
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from data import TokenLoader
+from npt.adapters import save_adapters
+from npt.convert import convert, np_blocks, np_parameters
+from npt.equivalence import equivalence_loss
+from tokenizer import Tokenizer, check_vocab
 from train import (
     Runtime,
     TrainConfig,
@@ -36,17 +43,13 @@ from train import (
     build_parser,
     ensure_default_data,
     init_runtime,
+    log_step,
     memory_gib,
     resolve_config,
+    start_run,
     stop_on_signals,
     tokenizer_path,
 )
-
-from data import TokenLoader
-from npt.adapters import save_adapters
-from npt.convert import convert, np_parameters
-from npt.equivalence import equivalence_loss
-from tokenizer import Tokenizer, check_vocab
 
 ADAPTERS_NAME = "adapters.safetensors"
 
@@ -142,16 +145,16 @@ def train_equivalence(cfg: TrainConfig, npt_cfg: NPTConfig, rt: Runtime) -> dict
         step = state["step"]
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["loader"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    resolved = {"train": dataclasses.asdict(cfg), "npt": dataclasses.asdict(npt_cfg),
-                "model": model.config.to_dict(), "np_parameters": sum(p.numel() for p in trainable)}
-    (out_dir / "config.json").write_text(json.dumps(resolved, indent=1))
-    print(f"{resolved['np_parameters'] / 1e6:.3f}M NP parameters train; {model.num_parameters() / 1e6:.1f}M total")
+    start_run(out_dir, cfg, model, 1, resume_from, step)  # config.json, metrics.jsonl trimmed on resume
+    npt_state = {**dataclasses.asdict(npt_cfg), "np_parameters": sum(p.numel() for p in trainable)}
+    (out_dir / "npt_config.json").write_text(json.dumps(npt_state, indent=1))
+    print(f"{npt_state['np_parameters'] / 1e6:.3f}M NP parameters train in layers {sorted(np_blocks(model))}")
 
     A = cfg.gradient_accumulation_steps
     step_tokens = A * cfg.batch_size * cfg.context_length
     history: dict = {}
-    with stop_on_signals() as signals, (out_dir / "metrics.jsonl").open("a") as log:
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="equivalence", unit="step", dynamic_ncols=True)
+    with stop_on_signals() as signals:
         while step < cfg.max_steps and not signals["stop"]:
             t0 = time.perf_counter()
             sums = torch.zeros(4, device=rt.device)  # total, mse, kl, l2 over the step's micro-batches
@@ -166,25 +169,24 @@ def train_equivalence(cfg: TrainConfig, npt_cfg: NPTConfig, rt: Runtime) -> dict
             if math.isfinite(total) and math.isfinite(norm):
                 optimizer.step()
             else:
-                print(f"warning: step {step + 1}: non-finite loss {total} or gradient norm {norm}; update skipped")
+                tqdm.write(f"warning: step {step + 1}: non-finite loss {total} or gradient norm {norm}; skipped")
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             step += 1
             dt = time.perf_counter() - t0
-            metrics = {"step": step, "loss": total, "mse": mse, "kl": kl, "l2": l2, "grad_norm": norm, "lr": lr,
-                       "tokens_per_s": step_tokens / dt, "mem_peak_gib": memory_gib(rt.device)[1]}
-            log.write(json.dumps(metrics) + "\n")
+            mem, mem_peak = memory_gib(rt.device)
+            metrics = {"step": step, "loss": total, "mse": mse, "kl": kl, "l2": l2, "lr": lr, "grad_norm": norm,
+                       "tokens_per_s": step_tokens / dt, "step_time_s": dt, "mem_gib": mem, "mem_peak_gib": mem_peak}
+            log_step(metrics, cfg, out_dir / "metrics.jsonl", bar)
             history.setdefault("first", metrics)
             history["last"] = metrics
-            if step % cfg.log_interval == 0 or step in (1, cfg.max_steps):
-                print(f"step {step:>6}/{cfg.max_steps} | loss {total:.5f} (mse {mse:.5f} kl {kl:.5f} l2 {l2:.3f}) | "
-                      f"lr {lr:.2e} | {metrics['tokens_per_s']:,.0f} tok/s", flush=True)
             if signals["stop"] or step == cfg.max_steps or (cfg.checkpoint_interval
                                                              and step % cfg.checkpoint_interval == 0):
                 train_state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                               "config": resolved, "model_config": model.config.to_dict()}
-                print(f"saved {save_checkpoint(out_dir, step, model, optimizer, train_state)}")
+                               "npt": npt_state, "model_config": model.config.to_dict()}
+                tqdm.write(f"saved {save_checkpoint(out_dir, step, model, optimizer, train_state)}")
+    bar.close()
     save_adapters(model, out_dir / ADAPTERS_NAME)
     print(f"saved the NP parameters to {out_dir / ADAPTERS_NAME}")
     return history
