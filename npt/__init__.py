@@ -1,0 +1,14 @@
+"""Neuro-plastic layers: chosen decoder layers whose FFN weights are modulated per token by that token's attention
+output through a low-rank factorisation, W + A diag(m(token)) B (see npt.layer).
+
+Modules: layer (NPComponent, NPBlock, modulated_linear), convert (convert, modes, fold), adapters (save/load the NP
+parameters), offload (activation offload to CPU memory), equivalence (the equivalence loss), memory (live-bytes
+tracker and full-size memory check), train_equivalence (training entry point on train.py's machinery).
+"""
+
+from npt.adapters import load_adapters, save_adapters
+from npt.convert import convert, fold, np_blocks, np_parameters, revert, set_mode, set_offload, using_mode
+from npt.layer import NPBlock, NPComponent, modulated_linear
+
+__all__ = ["NPBlock", "NPComponent", "convert", "fold", "load_adapters", "modulated_linear", "np_blocks",
+           "np_parameters", "revert", "save_adapters", "set_mode", "set_offload", "using_mode"]
