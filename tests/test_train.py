@@ -170,8 +170,9 @@ def test_two_rank_checkpoint_resumes_on_one_rank(fsdp_run: Path, data_dir: Path,
 
 
 def _gradient_parity(data_dir: str) -> None:
-    """In each of 2 ranks: FSDP gradients of one step equal a single-process model's on the whole global batch;
-    the bf16 mixed-precision variant keeps float32 RoPE tables and a close loss."""
+    """In each of 2 ranks: FSDP gradients of one step equal a single-process model's on the whole global batch,
+    with the standard and with the chunked loss; the bf16 mixed-precision variant keeps float32 RoPE tables and a
+    close loss."""
     rt = train.init_runtime()
     cfg = train.resolve_config(train.TrainConfig(model_size="tiny", context_length=32, batch_size=2), rt.device)
     config = train.build_model_config(cfg, 512)
@@ -188,6 +189,13 @@ def _gradient_parity(data_dir: str) -> None:
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
         # float32 sums over ranks in another order: 1e-5 relative is ~100 ulps
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # The chunked loss reads the FSDP2-sharded (tied) output weight through the root module: same loss and grads.
+    chunked = train.build_model(dataclasses.replace(config, loss_mode="chunked", loss_chunk_size=24), cfg, rt)
+    loss_chunked = train.forward_backward(chunked, [list(local)], torch.autocast("cpu", enabled=False))
+    dist.all_reduce(loss_chunked)
+    torch.testing.assert_close(loss_chunked, loss, rtol=1e-6, atol=0)
+    for (name, p), q in zip(chunked.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=f"chunked {name}")
     # bf16 mixed precision: the blocks still get float32 RoPE tables, and the loss stays close to float32's.
     bf16 = train.build_model(config, dataclasses.replace(cfg, dtype="bfloat16"), rt)
     seen = []
