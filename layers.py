@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -94,28 +95,74 @@ def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict[str, float | int | 
     return torch.where(wavelength < original_length / high, inv_freq, scaled)
 
 
+ROPE_CHUNK = 4096  # positions rotated at a time: bounds the float32 temporaries to (B, H, ROPE_CHUNK, D)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin for x (B, H, T, D), in (at least) float32, chunk by chunk over T, written into
+    a tensor of x's dtype."""
+    out = torch.empty_like(x)
+    half = x.shape[-1] // 2
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    for t0 in range(0, x.shape[-2], ROPE_CHUNK):
+        t1 = t0 + ROPE_CHUNK
+        xs = x[..., t0:t1, :].to(compute_dtype)  # (B, H, c, D)
+        rotated = torch.cat([-xs[..., half:], xs[..., :half]], dim=-1)  # (B, H, c, D)
+        out[..., t0:t1, :] = xs * cos[t0:t1] + rotated * sin[t0:t1]
+    return out
+
+
+class _ApplyRope(torch.autograd.Function):
+    """RoPE that keeps nothing of x for backward: the rotation is linear, and its transpose is the rotation by the
+    opposite angle (the sin table repeats across the two halves, so rotate_half^T(g * sin) = rotate_half(g) * -sin)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate `x` (B, H, T, D) by the tables `cos`, `sin` (T, D) (rotate-half convention), in (at least) float32.
 
-    Returns a tensor of x's shape and dtype.
+    Returns a tensor of x's shape and dtype. The float32 work is done `ROPE_CHUNK` positions at a time and nothing
+    of x is saved for backward, so at long T the rotation costs one output tensor, not several float32 copies.
+    The tables carry no gradient.
     """
-    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)  # (B, H, T, D)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    return _ApplyRope.apply(x, cos, sin)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); (B, T, C) -> (B, T, C)."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); (B, T, C) -> (B, T, C).
 
-    def __init__(self, dim: int, ffn_dim: int) -> None:
+    With `chunk_size`, sequences longer than it run `chunk_size` tokens at a time and, when gradients are recorded,
+    each tile is recomputed in backward (tiled MLP): the (B, T, F) intermediates never exist at once, only one tile's.
+    The price is one more forward of the FFN per step.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, chunk_size: int | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, ffn_dim, bias=False)
         self.up_proj = nn.Linear(dim, ffn_dim, bias=False)
         self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
+        self.chunk_size = chunk_size
+
+    def _ffn(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        c = self.chunk_size
+        if c is None or x.shape[1] <= c:
+            return self._ffn(x)
+        tiles = [x[:, t0:t0 + c] for t0 in range(0, x.shape[1], c)]  # (B, c, C) views
+        if torch.is_grad_enabled():
+            return torch.cat([checkpoint(self._ffn, tile, use_reentrant=False) for tile in tiles], dim=1)
+        return torch.cat([self._ffn(tile) for tile in tiles], dim=1)
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.gate_proj.weight, std=std)

@@ -40,6 +40,7 @@ class ModelConfig:
     n_kv_heads: int = 8
     head_dim: int = 128  # Qwen3 keeps 128 even where dim / n_heads differs (0.6B: 16 x 128 > 1024)
     ffn_dim: int = 9728
+    ffn_chunk_size: int | None = None  # tokens per FFN tile (tiled MLP, recomputed in backward); None: untiled
     norm_eps: float = 1e-6
     rope_theta: float = 1e6
     # None, or Llama 3.1 frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
@@ -72,6 +73,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        chunk = self.ffn_chunk_size
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
+            raise ValueError(f"ModelConfig.ffn_chunk_size must be None or a positive integer, got {chunk!r}")
         for name in ("norm_eps", "rope_theta", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)!r}")
@@ -247,7 +251,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = NativeSparseAttention(config) if config.attention_type == "nsa" else Attention(config)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = FeedForward(config.dim, config.ffn_dim)
+        self.mlp = FeedForward(config.dim, config.ffn_dim, config.ffn_chunk_size)
         self.checkpointing = False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor:

@@ -61,6 +61,7 @@ from parallel import apply_fsdp
 GiB = 1024**3
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # as train.py
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+TILED_FFN_CHUNK = 8192  # the tile --gpu_memory tries for long sequences
 # MemTracker's and FSDPMemTracker's categories, folded into the five above ("Other": the inputs).
 _TRACKER_CATEGORIES = {
     "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer", "Other": "activations",
@@ -90,6 +91,7 @@ class StepConfig:
     gradient_checkpointing: bool = False
     loss: str = "auto"  # "auto" | "standard" | "chunked" (ModelConfig.loss_mode)
     dtype: str = "bfloat16"  # compute dtype; master weights, gradients and AdamW state stay float32
+    ffn_chunk_size: int | None = None  # tiled MLP (ModelConfig.ffn_chunk_size); None: untiled
 
     def __post_init__(self) -> None:
         if self.model_size not in PRESETS:
@@ -106,7 +108,8 @@ class StepConfig:
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_preset(self.model_size, context_length=self.context_length,
-                                       attention_type=self.attention_type, loss_mode=self.loss)
+                                       attention_type=self.attention_type, loss_mode=self.loss,
+                                       ffn_chunk_size=self.ffn_chunk_size)
 
     def describe(self) -> str:
         return (f"{self.model_size}, {self.batch_size} x {self.context_length} tokens per rank, {self.attention_type} "
@@ -482,14 +485,18 @@ def measure(config: StepConfig) -> dict:
 
 def _cheaper_steps(config: StepConfig, result: dict) -> Iterator[tuple[str, StepConfig]]:
     """Changes that lower memory, cheapest first, each on top of the previous ones: chunked loss (almost free),
-    checkpointing (~1/3 more compute), more GPUs (shards parameters, gradients and optimizer state), a smaller batch
-    (fewer tokens per step unless accumulated), a shorter context (changes the task)."""
+    checkpointing (~1/3 more compute), a tiled FFN (one more FFN forward), more GPUs (shards parameters, gradients
+    and optimizer state), a smaller batch (fewer tokens per step unless accumulated), a shorter context (changes the
+    task)."""
     if result["loss_path"] == "standard":
         config = dataclasses.replace(config, loss="chunked")
         yield "--loss chunked", config
     if not config.gradient_checkpointing:
         config = dataclasses.replace(config, gradient_checkpointing=True)
         yield "--gradient_checkpointing", config
+    if config.ffn_chunk_size is None and config.context_length > TILED_FFN_CHUNK:
+        config = dataclasses.replace(config, ffn_chunk_size=TILED_FFN_CHUNK)
+        yield f"--ffn_chunk_size {TILED_FFN_CHUNK}", config
     for _ in range(6):
         config = dataclasses.replace(config, world_size=config.world_size * 2)
         yield f"--world_size {config.world_size}", config
@@ -612,6 +619,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world_size", type=int, default=1, help="FSDP2 ranks; numbers are per rank")
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--loss", default="auto", choices=["auto", "standard", "chunked"])
+    p.add_argument("--ffn_chunk_size", type=int, default=None, help="tokens per FFN tile (tiled MLP); default untiled")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (master weights fp32)")
     p.add_argument("--gpu_memory", type=float, default=None, help="GiB per GPU: say whether it fits, else what would")
     p.add_argument("--reserve", type=float, default=2.0, help="GiB of the GPU kept for what the tracker cannot see")
@@ -627,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--reserve must be in [0, --gpu_memory), got {args.reserve} and {args.gpu_memory}")
     try:
         config = StepConfig(args.model_size, args.context_length, args.attention_type, args.batch_size,
-                            args.world_size, args.gradient_checkpointing, args.loss, args.dtype)
+                            args.world_size, args.gradient_checkpointing, args.loss, args.dtype, args.ffn_chunk_size)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
     if args.measure and not torch.cuda.is_available():

@@ -52,6 +52,7 @@ from tokenizer import Tokenizer, check_vocab
 GiB = 1024**3
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
 BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per micro-batch
+TILED_FFN_CHUNK = 8192  # FFN tile from LONG_CONTEXT on: one tile's (T, ffn_dim) intermediates at a time
 # "demo": the "tiny" preset widened to a model that visibly learns Python in a few CPU minutes (0.8M parameters
 # besides the 8192 x 128 tied embedding).
 DEMO_MODEL = dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=384)
@@ -226,13 +227,15 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
 
 
 def build_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
-    """The resolved run's ModelConfig: preset (+ DEMO_MODEL), then context length, attention type and a vocabulary
-    that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger), then model_overrides."""
+    """The resolved run's ModelConfig: preset (+ DEMO_MODEL), then context length, attention type, a vocabulary
+    that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger) and, from LONG_CONTEXT
+    tokens on, a tiled FFN (TILED_FFN_CHUNK tokens per tile), then model_overrides."""
     preset = "tiny" if cfg.model_size == "demo" else cfg.model_size
     base = {**PRESETS[preset], **(DEMO_MODEL if cfg.model_size == "demo" else {})}
     vocab = max(ModelConfig.from_preset(preset).vocab_size, -(-tokenizer_vocab // 64) * 64)
+    ffn_chunk = TILED_FFN_CHUNK if cfg.context_length >= LONG_CONTEXT else None
     return ModelConfig(**{**base, "vocab_size": vocab, "context_length": cfg.context_length,
-                          "attention_type": cfg.attention_type, **cfg.model_overrides})
+                          "attention_type": cfg.attention_type, "ffn_chunk_size": ffn_chunk, **cfg.model_overrides})
 
 
 # ---- runtime: devices, processes, data, model ----------------------------------------------------------------

@@ -243,3 +243,43 @@ def test_full_attention_never_materialises_t_by_t():
     with Largest():
         model(ids, labels=ids).loss.backward()
     assert max(largest) < T * T // 4
+
+
+# ---- tiled FFN --------------------------------------------------------------------------------------------------
+
+def test_tiled_ffn_equals_untiled_with_gradients():
+    from layers import FeedForward
+
+    plain = FeedForward(16, 48).double()
+    tiled = FeedForward(16, 48, chunk_size=5).double()
+    tiled.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 23, 16, dtype=torch.float64, requires_grad=True)
+    outs, grads = [], []
+    for ffn in (plain, tiled):
+        y = ffn(x)
+        (g,) = torch.autograd.grad((y * torch.arange(23.0, dtype=torch.float64)[:, None]).sum(), x)
+        outs.append(y)
+        grads.append(g)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(tiled(x), outs[0], rtol=1e-12, atol=1e-12)
+
+
+def test_tiled_ffn_never_holds_more_than_one_tile_of_intermediates():
+    """Forward + backward of a model with ffn_chunk_size=256 at T=4096: no (., ffn_dim) tensor beyond one tile."""
+    model = Transformer(tiny(n_layers=1, vocab_size=64, context_length=4096, ffn_chunk_size=256))
+    model.gradient_checkpointing_enable()
+    ffn_dim, largest = model.config.ffn_dim, []
+
+    class Largest(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            largest.extend(o.numel() for o in outs if isinstance(o, torch.Tensor) and o.shape[-1:] == (ffn_dim,))
+            return out
+
+    ids = torch.randint(0, 64, (1, 4096))
+    with Largest():
+        model(ids, labels=ids).loss.backward()
+    assert max(largest) == 256 * ffn_dim

@@ -65,3 +65,25 @@ def test_rotation_is_relative():
         return (qi * kj).sum()
 
     torch.testing.assert_close(score(10, 3), score(50, 43), rtol=1e-5, atol=1e-5)
+
+
+def test_apply_rope_matches_plain_formula_and_gradcheck(monkeypatch):
+    import layers
+
+    monkeypatch.setattr(layers, "ROPE_CHUNK", 5)  # several chunks, the last one partial
+    rope = RotaryEmbedding(8, 1e4, context_length=16)
+    cos, sin = rope(13, 0, torch.device("cpu"))
+    x = torch.randn(2, 3, 13, 8, dtype=torch.float64, requires_grad=True)
+    rotated = torch.cat([-x[..., 4:], x[..., :4]], dim=-1)
+    torch.testing.assert_close(apply_rope(x, cos, sin), x * cos + rotated * sin, rtol=0, atol=1e-15)
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos.double(), sin.double()), (x,))
+
+
+def test_apply_rope_keeps_dtype_and_saves_no_activation():
+    cos, sin = RotaryEmbedding(8, 1e4, context_length=16)(16, 0, torch.device("cpu"))
+    x = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = apply_rope(x, cos, sin)
+    assert y.dtype == torch.bfloat16
+    assert all(t.shape == (16, 8) for t in saved)  # only the tables
