@@ -32,12 +32,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 
 class LiveBytesTracker(TorchDispatchMode):
-    """Counts bytes of tensor storages created while active. Attributes: `live` (bytes now), `peak` (max of live)."""
+    """Counts bytes of tensor storages created while active. Attributes: `live` (bytes now), `peak` (max of live),
+    `largest` (the largest single storage created)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.largest = 0
         self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> bytes counted for it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -56,6 +58,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self._sizes[storage] = nbytes
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+        self.largest = max(self.largest, nbytes)
         weakref.finalize(storage, self._free, nbytes)
 
     def _free(self, nbytes: int) -> None:

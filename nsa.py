@@ -28,8 +28,8 @@ with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests
 with c_lin = 8, c_cmp = c_sel = c_win = 6). The selection gather (KV * n * l' * D keys and as many values per query)
 dominates the chunk part for head_dim 128. For fixed Q the peak is linear in T. Measured with FakeTensorMode for one
 4B-geometry layer (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072, forward+backward, weights and
-input excluded: 18.1 GiB at Q=512, 22.0 GiB at Q=1024, 29.8 GiB at Q=2048 (largest single tensor 2 GiB, 2 GiB,
-4 GiB); about 16.7 GiB of it is the linear part, mostly float32 RoPE temporaries of q (2 GiB each).
+input excluded (`memtrack.LiveBytesTracker`): 16.7 GiB at Q=512, 20.6 GiB at Q=1024, 28.4 GiB at Q=2048 (largest
+single tensor 2 GiB, 2 GiB, 4 GiB); most of it is the linear part (per-branch K/V, q, gates and their gradients).
 
 Fast path: `sparse_attention` (q, per-branch keys/values, gates, positions -> output) is the single seam where a
 fused GPU kernel (Triton selection kernel, flex_attention for compression/window) can replace the reference code;

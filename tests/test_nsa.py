@@ -8,15 +8,13 @@ exact (masked keys contribute exp(-inf) = 0 exactly); float32 model-level checks
 
 import dataclasses
 import math
-import weakref
 
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from layers import RotaryEmbedding
+from memtrack import LiveBytesTracker
 from model import Attention, ModelConfig, Transformer
 from nsa import (
     NativeSparseAttention,
@@ -358,35 +356,6 @@ def test_gradcheck_selected_branch_fixed_indices():
 # ---- memory ----------------------------------------------------------------------------------------------------------
 
 
-class LiveBytes(TorchDispatchMode):
-    """Live bytes of every storage created inside the mode (real or fake tensors); tracks the peak and the largest
-    single allocation. Storages are freed through weakref finalizers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = self.largest = 0
-        self.keys: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.keys.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self.keys:
-                    nbytes = storage.nbytes()
-                    self.keys.add(key)
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-                    self.largest = max(self.largest, nbytes)
-                    weakref.finalize(storage, self._free, key, nbytes)
-        return out
-
-
 def peak_bound_bytes(config: ModelConfig, B: int, T: int, elem: int) -> tuple[int, int]:
     """(peak bound, largest-tensor bound) in bytes from the formula in nsa.py's docstring, constants 8 and 6."""
     H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(config.nsa_query_chunk, T)
@@ -410,7 +379,7 @@ def test_memory_tracker_16k():
     for T in (4096, 16384):
         x = torch.randn(1, T, config.dim, requires_grad=True)
         cos, sin = rope(T, 0, x.device)
-        with LiveBytes() as tracker:
+        with LiveBytesTracker() as tracker:
             layer(x, cos, sin).sum().backward()
         bound, largest = peak_bound_bytes(config, 1, T, 4)
         assert tracker.peak <= bound, (T, tracker.peak, bound)
@@ -432,7 +401,7 @@ def test_memory_fake_4b_geometry_131k():
         layer = NativeSparseAttention(config)
         x = torch.randn(1, T, config.dim, dtype=torch.bfloat16, requires_grad=True)
         cos, sin = torch.randn(T, config.head_dim), torch.randn(T, config.head_dim)
-        with LiveBytes() as tracker:
+        with LiveBytesTracker() as tracker:
             layer(x, cos, sin).sum().backward()
     bound, largest = peak_bound_bytes(config, 1, T, 2)
     assert tracker.peak <= bound, (tracker.peak, bound)
