@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 
 from model import GiB, ModelConfig, Transformer
 
@@ -52,6 +53,19 @@ def naive_forward(model: Transformer, input_ids: torch.Tensor) -> torch.Tensor:
         x = x + g @ sd[p + "mlp.down_proj.weight"].T
     x = rms(x, sd["norm.weight"])
     return x @ sd["lm_head.weight"].T
+
+
+class OutputShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape of every tensor an aten op returns while active (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[torch.Size] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes.extend(t.shape for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------
@@ -202,20 +216,11 @@ def test_gradient_checkpointing_gives_identical_loss_and_grads():
 def test_training_forward_never_creates_a_kv_cache():
     model = Transformer(tiny())
     model.gradient_checkpointing_enable()
-    created = []
     cache_len = model.config.context_length
-
-    class ShapeSpy(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dim() == 4 and out.shape[2] == cache_len:
-                created.append(out.shape)
-            return out
-
     ids = torch.randint(0, 512, (2, 16))
-    with ShapeSpy():
+    with OutputShapes() as spy:
         model(ids, labels=ids).loss.backward()
-    assert not created
+    assert not [shape for shape in spy.shapes if len(shape) == 4 and shape[2] == cache_len]
     assert all(block.attn.cache is None for block in model.layers)
 
 
@@ -230,19 +235,10 @@ def test_full_attention_never_materialises_t_by_t():
     """Forward + backward at T=2048: no tensor anywhere (outputs of every aten op) reaches T*T/4 elements."""
     model = Transformer(tiny(n_layers=1, vocab_size=64, context_length=4096))
     T = 2048
-    largest = []
-
-    class Largest(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outs = out if isinstance(out, (tuple, list)) else [out]
-            largest.extend(o.numel() for o in outs if isinstance(o, torch.Tensor))
-            return out
-
     ids = torch.randint(0, 64, (1, T))
-    with Largest():
+    with OutputShapes() as spy:
         model(ids, labels=ids).loss.backward()
-    assert max(largest) < T * T // 4
+    assert max(shape.numel() for shape in spy.shapes) < T * T // 4
 
 
 # ---- tiled FFN --------------------------------------------------------------------------------------------------
@@ -270,16 +266,8 @@ def test_tiled_ffn_never_holds_more_than_one_tile_of_intermediates():
     """Forward + backward of a model with ffn_chunk_size=256 at T=4096: no (., ffn_dim) tensor beyond one tile."""
     model = Transformer(tiny(n_layers=1, vocab_size=64, context_length=4096, ffn_chunk_size=256))
     model.gradient_checkpointing_enable()
-    ffn_dim, largest = model.config.ffn_dim, []
-
-    class Largest(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outs = out if isinstance(out, (tuple, list)) else [out]
-            largest.extend(o.numel() for o in outs if isinstance(o, torch.Tensor) and o.shape[-1:] == (ffn_dim,))
-            return out
-
+    ffn_dim = model.config.ffn_dim
     ids = torch.randint(0, 64, (1, 4096))
-    with Largest():
+    with OutputShapes() as spy:
         model(ids, labels=ids).loss.backward()
-    assert max(largest) == 256 * ffn_dim
+    assert max(shape.numel() for shape in spy.shapes if shape[-1:] == (ffn_dim,)) == 256 * ffn_dim
