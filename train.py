@@ -206,8 +206,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """Replace "auto"/None by concrete values. From LONG_CONTEXT tokens on, attention is NSA and blocks are
-    recomputed in backward; on CUDA the model is then the 4B preset (whose 151936-token vocabulary makes the
-    model's loss "auto" rule pick the chunked loss at these lengths). Elsewhere the default model is "demo".
+    recomputed in backward; on CUDA the model is then the 4B preset (build_model_config adds the tiled FFN and the
+    chunked loss at these lengths). Elsewhere the default model is "demo".
     The learning rate follows the model size; the batch size fills BATCH_TOKENS per micro-step."""
     long = cfg.context_length >= LONG_CONTEXT
     cuda = device.type == "cuda"
@@ -229,13 +229,14 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
 def build_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
     """The resolved run's ModelConfig: preset (+ DEMO_MODEL), then context length, attention type, a vocabulary
     that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger) and, from LONG_CONTEXT
-    tokens on, a tiled FFN (TILED_FFN_CHUNK tokens per tile), then model_overrides."""
+    tokens on, a tiled FFN (TILED_FFN_CHUNK tokens per tile) and the chunked loss (at 32k the 10 GiB logits rule of
+    loss_mode="auto" would still pick the standard loss, whose float32 copies cost ~47 GiB), then model_overrides."""
     preset = "tiny" if cfg.model_size == "demo" else cfg.model_size
     base = {**PRESETS[preset], **(DEMO_MODEL if cfg.model_size == "demo" else {})}
     vocab = max(ModelConfig.from_preset(preset).vocab_size, -(-tokenizer_vocab // 64) * 64)
-    ffn_chunk = TILED_FFN_CHUNK if cfg.context_length >= LONG_CONTEXT else None
+    long = {"ffn_chunk_size": TILED_FFN_CHUNK, "loss_mode": "chunked"} if cfg.context_length >= LONG_CONTEXT else {}
     return ModelConfig(**{**base, "vocab_size": vocab, "context_length": cfg.context_length,
-                          "attention_type": cfg.attention_type, "ffn_chunk_size": ffn_chunk, **cfg.model_overrides})
+                          "attention_type": cfg.attention_type, **long, **cfg.model_overrides})
 
 
 # ---- runtime: devices, processes, data, model ----------------------------------------------------------------

@@ -233,7 +233,7 @@ def test_auto_options_resolve_by_device_and_context() -> None:
         "4B", "nsa", True, "bfloat16", 1, 3e-4)
     model = train.build_model_config(gpu, 8192)
     assert model.vocab_size == 151936 and model.context_length == 131072
-    assert model.ffn_chunk_size == train.TILED_FFN_CHUNK  # tiled MLP from LONG_CONTEXT on
+    assert model.ffn_chunk_size == train.TILED_FFN_CHUNK and model.loss_mode == "chunked"  # from LONG_CONTEXT on
     with torch.device("meta"):  # (full attention: only the loss rule matters here)
         full = Transformer(dataclasses.replace(model, attention_type="full"))
     assert full.use_chunked_loss(131072, torch.bfloat16)  # 131072 x 151936 bf16 logits > 10 GiB
@@ -241,7 +241,8 @@ def test_auto_options_resolve_by_device_and_context() -> None:
     assert (cpu.model_size, cpu.attention_type, cpu.gradient_checkpointing, cpu.dtype, cpu.batch_size, cpu.lr) == (
         "demo", "full", False, "float32", 16, 3e-3)
     assert train.build_model_config(cpu, 8192).vocab_size == 8192  # tiny's 512 raised to the tokenizer's
-    assert train.build_model_config(cpu, 8192).ffn_chunk_size is None
+    short = train.build_model_config(cpu, 8192)
+    assert short.ffn_chunk_size is None and short.loss_mode == "auto"
 
 
 @pytest.mark.parametrize(("args", "message"), [
