@@ -15,21 +15,23 @@ Each query head attends through three branches whose outputs are mixed by per-to
   query's own block a token-level causal mask applies. The top-n indices carry no gradient.
 - Sliding window (3.3.3): the w keys (t - w, t], i.e. w keys counting the query's own token.
 
-Memory (pure-PyTorch path). Queries are processed in chunks of Q = `nsa_query_chunk` tokens; each chunk runs under
-non-reentrant activation checkpointing when gradients are needed, so autograd keeps only the chunk inputs (views of
-the layer's q/k/v/gates) and recomputes one chunk at a time in backward. Nothing T x T and no T x (T/d) score
-matrix for all queries is ever allocated. With Nc = floor((T - l) / d) + 1 compressed blocks, the peak of one
-layer's forward+backward, in elements, is
+Memory and time (pure-PyTorch path). Queries are processed in chunks of Q = `nsa_query_chunk` tokens. Forward
+keeps only its inputs (views of the layer's q/k/v/gates); backward recomputes one chunk at a time and adds its
+gradients into the full ones in place (`_SparseAttention`). Nothing T x T and no T x (T/d) score matrix for all
+queries is ever allocated. The selection branch is block-centric (`tile_plan`, `_selected_branch`): a chunk's
+(query, block) pairs are grouped into tiles of R pairs sharing one key block, so each key block is read once per
+tile and no per-query copy of the n * l' selected keys exists. With Nc = floor((T - l) / d) + 1 compressed blocks,
+the peak of one layer's forward+backward, in elements, is
 
     linear part:  T * B * (c_lin * (H + 2 * nb * KV) * D + 5 * H + 2 * C)   (q, per-branch k/v, gates, x, grads)
     chunk part:   B * Q * (c_cmp * H * Nc + c_sel * KV * n * l' * D + c_win * H * (Q + w - 1))
 
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound
-with c_lin = 8, c_cmp = c_sel = c_win = 6). The selection gather (KV * n * l' * D keys and as many values per query)
-dominates the chunk part for head_dim 128. For fixed Q the peak is linear in T. Measured with FakeTensorMode for one
-4B-geometry layer (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072, forward+backward, weights and
-input excluded (`memtrack.LiveBytesTracker`): 16.7 GiB at Q=512, 20.6 GiB at Q=1024, 28.4 GiB at Q=2048 (largest
-single tensor 2 GiB, 2 GiB, 4 GiB); most of it is the linear part (per-branch K/V, q, gates and their gradients).
+with c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is a loose bound now that its working set is
+G * n * (l' + D) per query plus one block per tile). For fixed Q the peak is linear in T. Measured with
+FakeTensorMode for one 4B-geometry layer (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072,
+forward+backward, weights and input excluded (`memtrack.LiveBytesTracker`, worst-case tile count): 17.1 GiB at
+Q=512, 18.4 GiB at Q=1024, 21.4 GiB at Q=2048 (largest single tensor 2 GiB); most of it is the linear part.
 
 Fast path: `sparse_attention` (q, per-branch keys/values, gates, positions -> output) is the single seam where a
 fused GPU kernel (Triton selection kernel, flex_attention for compression/window) can replace the reference code;
@@ -37,7 +39,8 @@ none is provided because none could be tested here.
 
 Notation: B batch, T new tokens (queries), S key positions, H query heads, KV key/value heads, G = H // KV (GQA
 group), D head dimension, C model width, Q query-chunk length, Nc compressed blocks, Ns selection blocks,
-N = n * l' selected key slots per query, W window keys of a chunk, nb key/value sets (3 separate or 1 shared).
+N = n * l' selected key slots per query, W window keys of a chunk, nb key/value sets (3 separate or 1 shared),
+R (query, block) pairs per tile, P pairs of a chunk.
 Block geometry: l (`nsa_block_size`), d (`nsa_stride`), l' (`nsa_select_block_size`), n (`nsa_num_selected`),
 w (`nsa_window`).
 """
@@ -45,12 +48,13 @@ w (`nsa_window`).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch._subclasses.fake_tensor import is_fake
 
 from layers import RMSNorm, apply_rope
 
@@ -131,23 +135,76 @@ def _compressed_branch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, block_siz
     return out, p
 
 
-def _selected_branch(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, valid: Tensor, q_pos: Tensor,
-                     scale: float) -> Tensor:
-    """Attention of q (B, KV, G, Q, D) over the selected blocks idx (B, KV, Q, n') of k_blocks, v_blocks
-    (B, KV, Nsb, l', D) (contiguous; block j holds positions [j*l', (j+1)*l')). Slots with valid False and keys after
-    the query are masked. Returns (B, KV, G, Q, D)."""
+_TILE_ROWS = 32  # (query, block) pairs per tile in `_selected_branch`: its matmuls are (32 * G, D) x (D, l')
+
+
+class TilePlan(NamedTuple):
+    """How one chunk's P = B*KV*Q*n' (query, selected block) pairs are grouped into tiles of R = `_TILE_ROWS` pairs
+    that share one key block (`tile_plan`); rows = n_tiles * R, padding rows read an all-zero query."""
+
+    tile_block: Tensor  # (n_tiles,) index of each tile's block among the B*KV*Nsb blocks
+    query_of_row: Tensor  # (rows,) query (index into B*KV*Q) of each tile row; B*KV*Q for padding
+    logit_rows: Tensor  # (B*KV*Q*G*n',) for each (query, head, slot): its (tile row, head) row of the tile logits
+    p_rows: Tensor  # (rows*G,) for each (tile row, head): its (query, head, slot) row; B*KV*Q*G*n' for padding
+    keep: Tensor  # (B, KV, Q, 1, n'*l') key slots a query may attend: valid slots, keys not after the query
+
+
+def _tile_count(tile_end: Tensor, worst_case: int) -> int:
+    """Number of tiles, read from the device (one host sync per chunk), or `worst_case` for fake and meta tensors,
+    whose values are unknown (profile_memory.py's estimate is then an upper bound)."""
+    if tile_end.device.type == "meta" or is_fake(tile_end):
+        return worst_case
+    return int(tile_end[-1])
+
+
+@torch.no_grad()
+def tile_plan(idx: Tensor, valid: Tensor, q_pos: Tensor, n_blocks: int, block: int, G: int) -> TilePlan:
+    """Group the selections idx (B, KV, Q, n') (with validity `valid`, queries at q_pos (Q,)) among n_blocks
+    selection blocks of `block` keys per (B, KV) into tiles; G query heads per KV head. Tiles are made block by
+    block, so n_tiles <= P / R + (distinct blocks selected)."""
+    B, KV, Q, n = idx.shape
+    R, P, BKQ, dev = _TILE_ROWS, idx.numel(), B * KV * Q, idx.device
+    gid = (torch.arange(B * KV, device=dev).view(B, KV, 1, 1) * n_blocks + idx).view(-1)  # (P,) block of each pair
+    counts = gid.new_zeros(B * KV * n_blocks).index_add_(0, gid, torch.ones_like(gid))  # pairs per block
+    tiles = (counts + R - 1) // R  # tiles per block
+    tile_end = tiles.cumsum(0)
+    n_tiles = _tile_count(tile_end, P // R + min(B * KV * n_blocks, P))
+    order = torch.argsort(gid, stable=True)  # pairs grouped by block
+    g_sorted = gid[order]
+    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[g_sorted]  # rank of a pair within its block
+    row_sorted = (tile_end - tiles)[g_sorted] * R + rank  # tile row of each sorted pair
+    row_of_pair = torch.empty_like(order).scatter_(0, order, row_sorted).view(BKQ, 1, n)  # (BKQ, 1, n')
+    pair_of_row = torch.full((n_tiles * R,), P, device=dev).scatter_(0, row_sorted, order)  # (rows,) P: padding
+    heads = torch.arange(G, device=dev)
+    p_rows = ((pair_of_row // n)[:, None] * G + heads) * n + (pair_of_row % n)[:, None]  # (rows, G)
+    pos = idx[..., None] * block + torch.arange(block, device=dev)  # (B, KV, Q, n', l')
+    return TilePlan(
+        tile_block=torch.repeat_interleave(torch.arange(B * KV * n_blocks, device=dev), tiles, output_size=n_tiles),
+        query_of_row=pair_of_row // n,
+        logit_rows=(row_of_pair * G + heads[:, None]).view(-1),
+        p_rows=p_rows.masked_fill(pair_of_row[:, None] == P, BKQ * G * n).view(-1),
+        keep=(valid[..., None] & (pos <= q_pos[:, None, None])).view(B, KV, Q, 1, n * block),
+    )
+
+
+def _selected_branch(q: Tensor, k_tiles: Tensor, v_tiles: Tensor, plan: TilePlan, scale: float) -> Tensor:
+    """Attention of q (B, KV, G, Q, D) over its selected blocks, given as the tiles' blocks k_tiles, v_tiles
+    (n_tiles, l', D) of `plan` (`tile_plan`). Returns (B, KV, G, Q, D).
+
+    Block-centric: each tile is one (R*G, D) x (D, l') matmul of R queries' G heads against a key block read once,
+    instead of gathering n'*l' keys per query (a copy that cost more than the arithmetic). The logits return to
+    query order for a softmax over each query's n'*l' keys, and the probabilities go back through the tiles."""
     B, KV, G, Q, D = q.shape
-    n_blocks, block = k_blocks.shape[2:4]
-    rows = (torch.arange(B * KV, device=q.device).view(B, KV, 1, 1) * n_blocks + idx).view(-1)  # (B*KV*Q*n',)
-    N = idx.shape[-1] * block
-    k_sel = k_blocks.view(B * KV * n_blocks, block * D).index_select(0, rows).view(B, KV, Q, N, D)
-    v_sel = v_blocks.view(B * KV * n_blocks, block * D).index_select(0, rows).view(B, KV, Q, N, D)
-    pos = idx[..., None] * block + torch.arange(block, device=q.device)  # (B, KV, Q, n', l')
-    keep = (valid[..., None] & (pos <= q_pos[:, None, None])).flatten(-2)  # (B, KV, Q, N)
-    logits = (q.transpose(2, 3) @ k_sel.transpose(-1, -2)) * scale  # (B, KV, Q, G, N)
-    logits = logits.masked_fill(~keep[:, :, :, None, :], -math.inf)  # the query's own key is always kept
-    p = _softmax(logits)
-    return (p @ v_sel).transpose(2, 3)  # (B, KV, G, Q, D)
+    n_tiles, block = k_tiles.shape[:2]
+    BKQ = B * KV * Q
+    q_rows = F.pad((q * scale).transpose(2, 3).reshape(BKQ, G * D), (0, 0, 0, 1))  # (BKQ + 1, G*D), last row 0
+    q_tiles = q_rows.index_select(0, plan.query_of_row).view(n_tiles, -1, D)  # (n_tiles, R*G, D)
+    logits = (q_tiles @ k_tiles.transpose(1, 2)).view(-1, block).index_select(0, plan.logit_rows)  # (BKQ*G*n', l')
+    logits = logits.view(B, KV, Q, G, -1).masked_fill(~plan.keep, -math.inf)  # (B, KV, Q, G, n'*l'); own key kept
+    p = F.pad(_softmax(logits).view(-1, block), (0, 0, 0, 1))  # (BKQ*G*n' + 1, l'), last row 0 for padding
+    out_tiles = p.index_select(0, plan.p_rows).view(n_tiles, -1, block) @ v_tiles  # (n_tiles, R*G, D)
+    out = torch.index_add(q_rows.new_zeros(BKQ + 1, G * D), 0, plan.query_of_row, out_tiles.view(-1, G * D))
+    return out[:BKQ].view(B, KV, Q, G, D).transpose(2, 3)  # (B, KV, G, Q, D)
 
 
 def _as_blocks(x: Tensor, block: int) -> Tensor:
@@ -168,10 +225,14 @@ def _window_branch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor
 
 
 def _attend_chunk(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
-                  v_win: Tensor, gates: Tensor, q_start: int, win_start: int, config: ModelConfig) -> Tensor:
+                  v_win: Tensor, gates: Tensor, q_start: int, win_start: int,
+                  config: ModelConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One query chunk: q (B, H, Q, D) at positions [q_start, q_start + Q), gates (B, H, Q, 3); selection keys and
     values as blocks (`_as_blocks`), the others as in `sparse_attention`, cut to what the chunk can see.
-    Returns (B, H, Q, D)."""
+
+    Returns (out (B, H, Q, D), k_tiles, v_tiles (n_tiles, l', D), tile_block (n_tiles,)): the selected blocks are
+    gathered here; under grad mode they are made leaves, so that `_SparseAttention.backward` gets their gradients
+    without a full-size gradient of k_blocks per chunk."""
     B, H, Q, D = q.shape
     KV = k_blocks.shape[1]
     l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
@@ -184,14 +245,78 @@ def _attend_chunk(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_b
         num_select_blocks = (q_start + Q - 1) // l_sel + 1
         importance = pool_to_selection_blocks(p_cmp.sum(2), l, d, l_sel, num_select_blocks)  # (B, KV, Q, Ns)
         idx, valid = select_blocks(importance, q_pos, l_sel, config.nsa_num_selected)
-    o_slc = _selected_branch(q, k_blocks, v_blocks, idx, valid, q_pos, scale)
+        plan = tile_plan(idx, valid, q_pos, k_blocks.shape[2], l_sel, H // KV)
+        k_tiles = k_blocks.view(-1, l_sel, D).index_select(0, plan.tile_block)  # (n_tiles, l', D)
+        v_tiles = v_blocks.view(-1, l_sel, D).index_select(0, plan.tile_block)
+    k_tiles.requires_grad_(torch.is_grad_enabled())
+    v_tiles.requires_grad_(torch.is_grad_enabled())
+    o_slc = _selected_branch(q, k_tiles, v_tiles, plan, scale)
 
     k_pos = torch.arange(win_start, win_start + k_win.shape[2], device=q.device)  # (W,)
     o_win = _window_branch(q, k_win, v_win, q_pos, k_pos, config.nsa_window)
 
     g = gates.view(B, KV, H // KV, Q, 3)
     out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win  # (B, KV, G, Q, D)
-    return out.view(B, H, Q, D)
+    return out.view(B, H, Q, D), k_tiles, v_tiles, plan.tile_block
+
+
+def _chunks(T: int, q_start: int, win_start: int, config: ModelConfig) -> Iterator[tuple[slice, int, int, slice]]:
+    """Per query chunk: (its queries as a slice of [0, T), absolute position of its first query, compressed blocks
+    it can see, its window keys as a slice of k_win)."""
+    l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, config.nsa_query_chunk
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        t0, t1 = q_start + c0, q_start + c1  # absolute positions of the chunk's queries
+        w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
+        yield slice(c0, c1), t0, num_compressed_blocks(t1, l, d), slice(w0, t1 - win_start)
+
+
+class _SparseAttention(torch.autograd.Function):
+    """`sparse_attention` with chunk-wise recomputation in backward. Forward keeps only its inputs. Backward
+    recomputes one chunk at a time with autograd on chunk-local leaves (the chunk's queries and gates, the
+    compressed and window keys it sees, its gathered selection blocks) and adds their gradients into the full
+    gradients in place; activation checkpointing per chunk would instead build a full-size gradient of every
+    input per chunk (O(T^2 / Q) work)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+                v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int, win_start: int) -> Tensor:
+        ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
+        ctx.config, ctx.q_start, ctx.win_start = config, q_start, win_start
+        l_sel = config.nsa_select_block_size
+        k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
+        out = torch.empty_like(q)  # (B, H, T, D)
+        for qs, t0, n_cmp, ws in _chunks(q.shape[2], q_start, win_start, config):
+            out[:, :, qs] = _attend_chunk(q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
+                                          k_win[:, :, ws], v_win[:, :, ws], gates[:, :, qs], t0,
+                                          win_start + ws.start, config)[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = ctx.saved_tensors
+        config, l_sel = ctx.config, ctx.config.nsa_select_block_size
+        k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
+        grads = [torch.zeros_like(t) for t in (q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, gates)]
+        g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates = grads
+        for qs, t0, n_cmp, ws in _chunks(q.shape[2], ctx.q_start, ctx.win_start, config):
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (q[:, :, qs], k_cmp[:, :, :n_cmp],
+                          v_cmp[:, :, :n_cmp], k_win[:, :, ws], v_win[:, :, ws], gates[:, :, qs])]
+                q_c, kc_c, vc_c, kw_c, vw_c, gates_c = leaves
+                out, k_tiles, v_tiles, tile_block = _attend_chunk(q_c, kc_c, vc_c, k_blocks, v_blocks, kw_c, vw_c,
+                                                                  gates_c, t0, ctx.win_start + ws.start, config)
+                chunk_grads = torch.autograd.grad(out, [*leaves, k_tiles, v_tiles], grad_out[:, :, qs],
+                                                  allow_unused=True)
+            for target, grad in zip((g_q[:, :, qs], g_kc[:, :, :n_cmp], g_vc[:, :, :n_cmp], g_kw[:, :, ws],
+                                     g_vw[:, :, ws], g_gates[:, :, qs]), chunk_grads[:6], strict=True):
+                if grad is not None:
+                    target.add_(grad)
+            for target, grad in ((g_kb, chunk_grads[6]), (g_vb, chunk_grads[7])):
+                target.view(-1, l_sel, grad.shape[-1]).index_add_(0, tile_block, grad)
+        S = k_slc.shape[2]
+        g_kb, g_vb = (g.flatten(2, 3)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
+        return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None
 
 
 def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
@@ -209,25 +334,9 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
         gates: `(B, H, T, 3)` branch gates (compression, selection, window).
         config: block geometry (`nsa_*` fields); `nsa_query_chunk` queries are processed at a time.
     Returns:
-        `(B, H, T, D)`.
+        `(B, H, T, D)`; backward recomputes chunk by chunk (`_SparseAttention`).
     """
-    T = q.shape[2]
-    l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, config.nsa_query_chunk
-    recompute = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
-    k_blocks = _as_blocks(k_slc, config.nsa_select_block_size)  # (B, KV, Nsb, l', D)
-    v_blocks = _as_blocks(v_slc, config.nsa_select_block_size)
-    outs = []
-    for c0 in range(0, T, chunk):
-        c1 = min(c0 + chunk, T)
-        t0, t1 = q_start + c0, q_start + c1  # absolute positions of the chunk's queries
-        n_cmp = num_compressed_blocks(t1, l, d)
-        w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
-        args = (q[:, :, c0:c1], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
-                k_win[:, :, w0:t1 - win_start], v_win[:, :, w0:t1 - win_start], gates[:, :, c0:c1], t0,
-                win_start + w0, config)
-        outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False) if recompute else _attend_chunk(*args))
-    return torch.cat(outs, dim=2)  # (B, H, T, D)
+    return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, q_start, win_start)
 
 
 class BlockCompressor(nn.Module):
