@@ -297,26 +297,37 @@ class _SparseAttention(torch.autograd.Function):
         q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = ctx.saved_tensors
         config, l_sel = ctx.config, ctx.config.nsa_select_block_size
         k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
-        grads = [torch.zeros_like(t) for t in (q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, gates)]
-        g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates = grads
+        g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates = (
+            torch.zeros_like(t) for t in (q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, gates))
         for qs, t0, n_cmp, ws in _chunks(q.shape[2], ctx.q_start, ctx.win_start, config):
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_() for t in (q[:, :, qs], k_cmp[:, :, :n_cmp],
-                          v_cmp[:, :, :n_cmp], k_win[:, :, ws], v_win[:, :, ws], gates[:, :, qs])]
-                q_c, kc_c, vc_c, kw_c, vw_c, gates_c = leaves
-                out, k_tiles, v_tiles, tile_block = _attend_chunk(q_c, kc_c, vc_c, k_blocks, v_blocks, kw_c, vw_c,
-                                                                  gates_c, t0, ctx.win_start + ws.start, config)
-                chunk_grads = torch.autograd.grad(out, [*leaves, k_tiles, v_tiles], grad_out[:, :, qs],
-                                                  allow_unused=True)
-            for target, grad in zip((g_q[:, :, qs], g_kc[:, :, :n_cmp], g_vc[:, :, :n_cmp], g_kw[:, :, ws],
-                                     g_vw[:, :, ws], g_gates[:, :, qs]), chunk_grads[:6], strict=True):
-                if grad is not None:
-                    target.add_(grad)
-            for target, grad in ((g_kb, chunk_grads[6]), (g_vb, chunk_grads[7])):
-                target.view(-1, l_sel, grad.shape[-1]).index_add_(0, tile_block, grad)
+            inputs = (q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_win[:, :, ws], v_win[:, :, ws],
+                      gates[:, :, qs])
+            grads = (g_q[:, :, qs], g_kc[:, :, :n_cmp], g_vc[:, :, :n_cmp], g_kw[:, :, ws], g_vw[:, :, ws],
+                     g_gates[:, :, qs])
+            _chunk_backward(inputs, grads, (k_blocks, v_blocks), (g_kb, g_vb), grad_out[:, :, qs], t0,
+                            ctx.win_start + ws.start, config)
         S = k_slc.shape[2]
         g_kb, g_vb = (g.flatten(2, 3)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
         return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None
+
+
+def _chunk_backward(inputs: tuple[Tensor, ...], grads: tuple[Tensor, ...], blocks: tuple[Tensor, Tensor],
+                    grad_blocks: tuple[Tensor, Tensor], grad_out: Tensor, q_start: int, win_start: int,
+                    config: ModelConfig) -> None:
+    """Recompute one chunk (`_attend_chunk`) with autograd from `inputs` (q, k_cmp, v_cmp, k_win, v_win, gates, cut
+    to the chunk) and add the gradients into `grads` (views of the full gradients, same order); those of the
+    gathered selection blocks go into grad_blocks (the gradients of `blocks`, (B, KV, Nsb, l', D)) by index."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        q, k_cmp, v_cmp, k_win, v_win, gates = leaves
+        out, k_tiles, v_tiles, tile_block = _attend_chunk(q, k_cmp, v_cmp, *blocks, k_win, v_win, gates, q_start,
+                                                          win_start, config)
+        chunk_grads = torch.autograd.grad(out, [*leaves, k_tiles, v_tiles], grad_out, allow_unused=True)
+    for target, grad in zip(grads, chunk_grads[:6], strict=True):
+        if grad is not None:  # None: the chunk sees no compressed block yet
+            target.add_(grad)
+    for target, grad in zip(grad_blocks, chunk_grads[6:], strict=True):
+        target.view(-1, *grad.shape[1:]).index_add_(0, tile_block, grad)  # (B*KV*Nsb, l', D)
 
 
 def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
