@@ -27,7 +27,7 @@ the peak of one layer's forward+backward, in elements, is
     chunk part:   B * Q * (c_cmp * H * Nc + c_sel * KV * n * l' * D + c_win * H * (Q + w - 1))
 
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound
-with c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is a loose bound now that its working set is
+with c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: the tiles' working set is about
 G * n * (l' + D) per query plus one block per tile). For fixed Q the peak is linear in T. Measured with
 FakeTensorMode for one 4B-geometry layer (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072,
 forward+backward, weights and input excluded (`memtrack.LiveBytesTracker`, worst-case tile count): 17.1 GiB at
@@ -135,7 +135,7 @@ def _compressed_branch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, block_siz
     return out, p
 
 
-_TILE_ROWS = 32  # (query, block) pairs per tile in `_selected_branch`: its matmuls are (32 * G, D) x (D, l')
+_TILE_ROWS = 32  # (query, block) pairs per tile (`tile_plan`): the tile matmuls are (32 * G, D) x (D, l')
 
 
 class TilePlan(NamedTuple):
