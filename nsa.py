@@ -115,22 +115,27 @@ def _softmax(logits: Tensor) -> Tensor:
     return torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).to(logits.dtype)
 
 
-def _compressed_branch(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, block_size: int, stride: int,
+def _compressed_branch(q: Tensor, k: Tensor, v: Tensor, q_start: int, block_size: int, stride: int,
                        scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of q (B, KV, G, Q, D) over the compressed keys/values (B, KV, Nc, D) visible to each query.
+    """Attention of q (B, KV, G, Q, D) at positions [q_start, q_start + Q) over the compressed keys/values
+    (B, KV, Nc, D) visible to each query.
 
-    Returns (output (B, KV, G, Q, D), probabilities (B, KV, G, Q, Nc)). Rows without a visible block get zero
-    probabilities and a zero output; their logits are zeroed before the softmax, so no NaN arises forwards or
-    backwards.
+    Returns (output (B, KV, G, Q, D), probabilities (B, KV, G, Q, Nc)). Rows without a visible block (the first
+    l - 1 positions) get zero probabilities and a zero output; their logits are zeroed before the softmax, so no NaN
+    arises forwards or backwards.
     """
     B, KV, G, Q, D = q.shape
     Nc = k.shape[2]
+    q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
     block_end = torch.arange(Nc, device=q.device) * stride + block_size - 1  # (Nc,)
     visible = block_end[None, :] <= q_pos[:, None]  # (Q, Nc)
-    row_has_block = visible[:, :1]  # (Q, 1): block 0 is the first to become visible
-    logits = (q.reshape(B, KV, G * Q, D) @ k.transpose(-1, -2)).view(B, KV, G, Q, Nc) * scale
-    logits = logits.masked_fill(~visible, -math.inf).masked_fill(~row_has_block, 0.0)
-    p = _softmax(logits) * row_has_block  # (B, KV, G, Q, Nc)
+    logits = ((q * scale).reshape(B, KV, G * Q, D) @ k.transpose(-1, -2)).view(B, KV, G, Q, Nc)
+    logits = logits.masked_fill(~visible, -math.inf)
+    if q_start >= block_size - 1:  # every row sees block 0
+        p = _softmax(logits)  # (B, KV, G, Q, Nc)
+    else:
+        row_has_block = visible[:, :1]  # (Q, 1): block 0 is the first to become visible
+        p = _softmax(logits.masked_fill(~row_has_block, 0.0)) * row_has_block
     out = (p.view(B, KV, G * Q, Nc) @ v).view(B, KV, G, Q, D)
     return out, p
 
@@ -240,7 +245,7 @@ def _attend_chunk(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_b
     q = q.view(B, KV, H // KV, Q, D)  # (B, KV, G, Q, D)
     q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
 
-    o_cmp, p_cmp = _compressed_branch(q, k_cmp, v_cmp, q_pos, l, d, scale)
+    o_cmp, p_cmp = _compressed_branch(q, k_cmp, v_cmp, q_start, l, d, scale)
     with torch.no_grad():
         num_select_blocks = (q_start + Q - 1) // l_sel + 1
         importance = pool_to_selection_blocks(p_cmp.sum(2), l, d, l_sel, num_select_blocks)  # (B, KV, Q, Ns)
