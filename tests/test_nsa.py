@@ -338,6 +338,28 @@ def test_gradcheck_layer_all_blocks_selected():
     assert torch.autograd.gradcheck(f, (x, pos, bias), fast_mode=True)
 
 
+def test_tile_plan_structure():
+    """Every (query, slot) pair sits in exactly one tile row, of its own query, in a tile of its own block; tiles
+    are as few as per-block packing allows (sum of ceil(pairs / R)); padding rows read the dummy query B*KV*Q."""
+    from nsa import _TILE_ROWS as R
+
+    B, KV, Q, n, n_blocks, block, G = 2, 2, 40, 3, 9, 4, 2
+    idx = torch.stack([torch.randperm(n_blocks)[:n] for _ in range(B * KV * Q)]).view(B, KV, Q, n)
+    valid = torch.ones_like(idx, dtype=torch.bool)
+    q_pos = torch.full((Q,), n_blocks * block)  # after every key: all valid slots keep all keys
+    plan = tile_plan(idx, valid, q_pos, n_blocks, block, G)
+    gid = (torch.arange(B * KV).view(B, KV, 1, 1) * n_blocks + idx).view(B * KV * Q, n)
+    rows = plan.logit_rows.view(B * KV * Q, G, n)[:, 0, :] // G  # (BKQ, n) tile row of each pair
+    assert rows.unique().numel() == rows.numel()
+    assert torch.equal(plan.query_of_row[rows], torch.arange(B * KV * Q)[:, None].expand(-1, n))
+    assert torch.equal(plan.tile_block[rows // R], gid)
+    counts = torch.bincount(gid.view(-1), minlength=B * KV * n_blocks)
+    assert plan.tile_block.numel() == int(((counts + R - 1) // R).sum())
+    padding = torch.ones(plan.query_of_row.numel(), dtype=torch.bool)
+    padding[rows.view(-1)] = False
+    assert torch.equal(plan.query_of_row[padding], torch.full((int(padding.sum()),), B * KV * Q))
+
+
 def test_gradcheck_selected_branch_fixed_indices():
     """The block-centric tiles (several queries per block, padding rows, invalid slots) against finite differences."""
     B, KV, G, Q, D, S, ls = 1, 2, 2, 6, 4, 24, 4
