@@ -260,14 +260,16 @@ def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
     (see nsa.py), so the double is calibrated on the real function for one layer at T itself (T <= 4 chunks) or at
     2 and 4 chunks, extrapolated linearly. Projections, compression and gates still run for real."""
     import nsa
+    import nsa_attention
 
     real = nsa.sparse_attention
     model_config = config.model_config()
     B, T, Q = config.batch_size, config.context_length, model_config.nsa_query_chunk
     points = [T] if T <= 4 * Q else [2 * Q, 4 * Q]
     dtype, autocast = DTYPES[config.dtype], _autocast(config, device)
-    measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, dtype, device), autocast)
-                for t in points]
+    with nsa_attention.explicit_attention():  # the path CUDA runs (CPU tensors would take the fused CPU kernels)
+        measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, dtype, device),
+                                             autocast) for t in points]
     spec = measured[-1]
     if len(points) == 2:
         (t1, t2), (m1, m2) = points, measured

@@ -7,6 +7,12 @@ excluded). A failure (import error, out of memory, exception) is reported in the
 With `--repeats k` every cell is measured k times, the implementations interleaved, and the fastest run is kept
 (the machine's noise only ever adds time).
 
+Allocator: every child runs with glibc's malloc told not to hand freed memory back to the kernel
+(MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ at their largest), the same for every implementation. By default
+glibc returns large freed blocks and page-faults them in again on the next allocation; NSA allocates chunk-sized
+temporaries over and over and pays for that (up to 40% of its time here), SDPA's one fused kernel does not. CUDA's
+caching allocator never returns memory. `--default-malloc` measures with glibc's defaults.
+
     python benchmarks/bench_nsa.py                       # T = 2k, 8k, 16k, 32k
     python benchmarks/bench_nsa.py --seq-lens 2048 8192  # a subset
     python benchmarks/bench_nsa.py --impls sdpa nsa --repeats 3
@@ -76,10 +82,13 @@ def measure(impl: str, T: int, args: argparse.Namespace) -> dict:
     return {"seconds": seconds, "peak_bytes": max(peak, 0)}
 
 
-def _run_child(cmd: list[str], timeout: float) -> dict | str:
+KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}  # glibc's max
+
+
+def _run_child(cmd: list[str], timeout: float, env: dict[str, str]) -> dict | str:
     """One measurement in a fresh process: its result, or why it failed."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return f"timeout > {timeout:.0f} s"
     if proc.returncode == 0:
@@ -104,6 +113,7 @@ def main() -> None:
     parser.add_argument("--query-chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1, help="runs per cell; the fastest is kept")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
+    parser.add_argument("--default-malloc", action="store_true", help="glibc's default allocator settings")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -114,7 +124,9 @@ def main() -> None:
 
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
           f"float32, CPU threads={torch.get_num_threads()}; NSA l=32 d=16 l'=64 n=16 w=512, "
-          f"query chunk {args.query_chunk}, fastest of {args.repeats} run(s) per cell")
+          f"query chunk {args.query_chunk}, fastest of {args.repeats} run(s) per cell, "
+          f"{'default glibc malloc' if args.default_malloc else 'glibc malloc keeping freed memory'}")
+    env = dict(os.environ) if args.default_malloc else {**os.environ, **KEEP_FREED_MEMORY}
     base_cmd = [sys.executable, __file__, "--dim", str(args.dim), "--heads", str(args.heads), "--kv-heads",
                 str(args.kv_heads), "--head-dim", str(args.head_dim), "--query-chunk", str(args.query_chunk)]
     results: dict[tuple[str, int], dict | str] = {}
@@ -123,7 +135,7 @@ def main() -> None:
             for impl in args.impls:
                 if isinstance(results.get((impl, T)), str):
                     continue  # failed once: do not retry
-                result = _run_child(base_cmd + ["--child", impl, str(T)], args.timeout)
+                result = _run_child(base_cmd + ["--child", impl, str(T)], args.timeout, env)
                 best = results.get((impl, T))
                 if best is None or (isinstance(result, dict) and result["seconds"] < best["seconds"]):
                     results[impl, T] = result

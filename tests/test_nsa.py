@@ -6,6 +6,7 @@ Tolerances: float64 comparisons use atol=1e-12 (different but equivalent reducti
 exact (masked keys contribute exp(-inf) = 0 exactly); float32 model-level checks use 1e-5.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -13,11 +14,16 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import nsa_attention
 from layers import RotaryEmbedding
 from memtrack import LiveBytesTracker
 from model import Attention, ModelConfig, Transformer
-from nsa import (
-    NativeSparseAttention,
+from nsa import NativeSparseAttention
+from nsa_attention import _as_blocks as as_blocks
+from nsa_attention import (
+    attend,
+    attend_backward,
+    explicit_attention,
     num_compressed_blocks,
     pool_to_selection_blocks,
     select_blocks,
@@ -25,8 +31,6 @@ from nsa import (
     sparse_attention,
     tile_plan,
 )
-from nsa import _as_blocks as as_blocks
-from nsa import _selected_branch as selected_branch
 
 F64 = dict(rtol=0, atol=1e-12)
 EXACT = dict(rtol=0, atol=0)
@@ -338,46 +342,117 @@ def test_gradcheck_layer_all_blocks_selected():
     assert torch.autograd.gradcheck(f, (x, pos, bias), fast_mode=True)
 
 
-def test_tile_plan_structure():
-    """Every (query, slot) pair sits in exactly one tile row, of its own query, in a tile of its own block; tiles
-    are as few as per-block packing allows (sum of ceil(pairs / R)); padding rows read the dummy query B*KV*Q."""
-    from nsa import _TILE_ROWS as R
-
-    B, KV, Q, n, n_blocks, block, G = 2, 2, 40, 3, 9, 4, 2
+@pytest.mark.parametrize("small_tile_cost", [0.0, 1e9])  # force R = 16, then R = 32
+def test_tile_plan_structure(monkeypatch, small_tile_cost):
+    """Every (query, past block) pair sits in exactly one tile row, of its own query, in a tile of its own block;
+    own-block and unused slots (idx >= the own block) are in none; tiles are as few as per-block packing allows
+    (sum of ceil(pairs / R)); padding rows read the dummy query B*KV*Q."""
+    monkeypatch.setattr(nsa_attention, "_SMALL_TILE_COST", small_tile_cost)
+    B, KV, Q, n, n_blocks = 2, 2, 40, 3, 9
     idx = torch.stack([torch.randperm(n_blocks)[:n] for _ in range(B * KV * Q)]).view(B, KV, Q, n)
-    valid = torch.ones_like(idx, dtype=torch.bool)
-    q_pos = torch.full((Q,), n_blocks * block)  # after every key: all valid slots keep all keys
-    plan = tile_plan(idx, valid, q_pos, n_blocks, block, G)
-    gid = (torch.arange(B * KV).view(B, KV, 1, 1) * n_blocks + idx).view(B * KV * Q, n)
-    rows = plan.logit_rows.view(B * KV * Q, G, n)[:, 0, :] // G  # (BKQ, n) tile row of each pair
-    assert rows.unique().numel() == rows.numel()
-    assert torch.equal(plan.query_of_row[rows], torch.arange(B * KV * Q)[:, None].expand(-1, n))
-    assert torch.equal(plan.tile_block[rows // R], gid)
-    counts = torch.bincount(gid.view(-1), minlength=B * KV * n_blocks)
+    current = torch.randint(0, n_blocks, (Q,))
+    plan = tile_plan(idx, current, n_blocks)
+    R = plan.rows_per_tile
+    assert plan.rows_per_tile == (16 if small_tile_cost == 0.0 else 32)
+    query = torch.arange(B * KV * Q).view(B, KV, Q, 1).expand_as(idx)
+    block = (torch.arange(B * KV).view(B, KV, 1, 1) * n_blocks + idx)
+    past = idx < current[:, None]
+    expected = sorted(zip(query[past].tolist(), block[past].tolist(), strict=True))
+    real = plan.query_of_row < B * KV * Q
+    rows = torch.arange(plan.query_of_row.numel())[real]
+    got = sorted(zip(plan.query_of_row[real].tolist(), plan.tile_block[rows // R].tolist(), strict=True))
+    assert got == expected
+    counts = torch.bincount(block[past], minlength=B * KV * n_blocks)
     assert plan.tile_block.numel() == int(((counts + R - 1) // R).sum())
-    padding = torch.ones(plan.query_of_row.numel(), dtype=torch.bool)
-    padding[rows.view(-1)] = False
-    assert torch.equal(plan.query_of_row[padding], torch.full((int(padding.sum()),), B * KV * Q))
 
 
-def test_gradcheck_selected_branch_fixed_indices():
-    """The block-centric tiles (several queries per block, padding rows, invalid slots) against finite differences."""
-    B, KV, G, Q, D, S, ls = 1, 2, 2, 6, 4, 24, 4
-    q = torch.randn(B, KV, G, Q, D, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(B, KV, S, D, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(B, KV, S, D, dtype=torch.float64, requires_grad=True)
-    q_pos = torch.arange(S - Q, S)
-    idx = torch.stack([torch.randperm(S // ls)[:3] for _ in range(B * KV * Q)]).view(B, KV, Q, 3)
-    idx[..., 0] = q_pos // ls  # the query's own block: at least one key per row
-    valid = torch.rand(B, KV, Q, 3) > 0.3
-    valid[..., 0] = True
-    plan = tile_plan(idx, valid, q_pos, S // ls, ls, G)
+def dense_selected(q, k, v, idx, q_start, ls):
+    """Naive selection branch: q (B, KV, Q, G, D), k/v (B, KV, S, D), each query over the keys of its blocks idx
+    (B, KV, Q, n) that are not after it (slots beyond its own block unused), through an explicit (Q, S) mask."""
+    B, KV, Q, G, D = q.shape
+    S = k.shape[2]
+    pos = torch.arange(q_start, q_start + Q)
+    key_block = torch.arange(S) // ls
+    chosen = (key_block[None, None, None, :, None] == idx[:, :, :, None, :]).any(-1)  # (B, KV, Q, S)
+    own = (pos // ls)[:, None]
+    allowed = chosen & (key_block <= own) & (torch.arange(S) <= pos[:, None])  # (B, KV, Q, S)
+    logits = torch.einsum("bkqgd,bksd->bkqgs", q, k) * D**-0.5
+    p = logits.masked_fill(~allowed[:, :, :, None], -math.inf).softmax(-1)
+    return torch.einsum("bkqgs,bksd->bkqgd", p, v)
 
-    def f(q, k, v):
-        k_tiles, v_tiles = (as_blocks(t, ls).view(-1, ls, D).index_select(0, plan.tile_block) for t in (k, v))
-        return selected_branch(q, k_tiles, v_tiles, plan, D**-0.5)
 
-    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+@pytest.mark.parametrize("explicit", [False, True])
+@pytest.mark.parametrize("small_tile_cost", [0.0, 1e9])
+def test_selection_branch_matches_dense_fixed_indices(monkeypatch, explicit, small_tile_cost):
+    """`_Selection` (own block dense, past blocks in tiles, partial results merged by lse, the backward from the
+    merged output and lse) against autograd through a dense masked attention, float64, fixed random indices with
+    unused slots, chunks that start inside a block, both tile sizes, fused CPU and explicit paths."""
+    monkeypatch.setattr(nsa_attention, "_SMALL_TILE_COST", small_tile_cost)
+    B, KV, G, Q, D, S, ls, n = 2, 2, 3, 21, 8, 96, 8, 4
+    for q_start in (0, 5, S - Q):
+        q = torch.randn(B, KV, Q, G, D, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(B, KV, S, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        pos = torch.arange(q_start, q_start + Q)
+        idx = torch.stack([torch.randperm(S // ls)[:n] for _ in range(B * KV * Q)]).view(B, KV, Q, n)
+        idx[..., 0] = pos // ls  # the own block, always selected
+        idx = torch.where(idx > pos[:, None] // ls, S // ls, idx)  # future blocks: unused slots
+        ref = dense_selected(q, k, v, idx, q_start, ls)
+        grad = torch.randn_like(ref)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+        with explicit_attention() if explicit else contextlib.nullcontext():
+            blocks = [as_blocks(t.detach(), ls) for t in (k, v)]
+            sel = nsa_attention._Selection(q.detach(), *blocks, idx, q_start, D**-0.5)
+            out, lse = sel.forward()
+            grad_blocks = [torch.zeros_like(b) for b in blocks]
+            dq = sel.backward(grad, out, lse, *grad_blocks)
+        torch.testing.assert_close(out, ref, **F64)
+        torch.testing.assert_close(dq, ref_grads[0], **F64)
+        for g, ref_g in zip(grad_blocks, ref_grads[1:], strict=True):
+            torch.testing.assert_close(g.flatten(2, 3)[:, :, :S], ref_g, **F64)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_attend_backward_is_a_share_of_the_larger_attention(explicit):
+    """attend over two key sets merged through their lse equals attention over the union; attend_backward given
+    the union's output and lse returns each set's share of the union's gradients (float64)."""
+    q = torch.randn(2, 3, 7, 5, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, 11, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = nsa_attention._additive(torch.rand(7, 11) > 0.3, torch.float64)
+    mask[:, 0] = 0.0  # every row sees a key in both parts
+    mask[:, 6] = 0.0
+    ref = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + mask, -1) @ v
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    with explicit_attention() if explicit else contextlib.nullcontext():
+        parts = [attend(q.detach(), k[:, :, s].detach(), v[:, :, s].detach(), mask[:, s], 0.5)
+                 for s in (slice(0, 6), slice(6, 11))]
+        lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
+        out = sum(o * torch.exp(part_lse - lse)[..., None] for o, part_lse in parts)
+        torch.testing.assert_close(out, ref, **F64)
+        dq = torch.zeros_like(q)
+        for s in (slice(0, 6), slice(6, 11)):
+            dq_s, dk_s, dv_s = attend_backward(grad, q.detach(), k[:, :, s].detach(), v[:, :, s].detach(), out, lse,
+                                               mask[:, s], 0.5)
+            dq += dq_s
+            torch.testing.assert_close(dk_s, ref_grads[1][:, :, s], **F64)
+            torch.testing.assert_close(dv_s, ref_grads[2][:, :, s], **F64)
+        torch.testing.assert_close(dq, ref_grads[0], **F64)
+
+
+@pytest.mark.parametrize("window_rows", [1, 5, 128])
+def test_window_pieces_and_explicit_path_match_naive(monkeypatch, window_rows):
+    """Whole kernel against the brute-force reference with the window cut into pieces of 1, 5 or the whole chunk,
+    on the fused CPU and the explicit (CUDA) paths, plus gradcheck of the explicit path's backward."""
+    monkeypatch.setattr(nsa_attention, "_WINDOW_ROWS", window_rows)
+    config = nsa_config(nsa_query_chunk=24, nsa_window=12)
+    inputs = random_inputs(1, 4, 2, 90, 8, config)
+    ref = naive_nsa(*inputs, config)
+    torch.testing.assert_close(sparse_attention(*inputs, config), ref, **F64)
+    with explicit_attention():
+        torch.testing.assert_close(sparse_attention(*inputs, config), ref, **F64)
+        small = nsa_config(nsa_num_selected=3, nsa_window=7, nsa_query_chunk=13)
+        leaves = [t.requires_grad_() for t in random_inputs(1, 4, 2, 40, 4, small)]
+        assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, small), leaves, fast_mode=True)
 
 
 def test_gradcheck_sparse_attention_top_n():

@@ -1,0 +1,566 @@
+"""The attention of Native Sparse Attention (nsa.py holds the layer): block geometry, top-n selection and the three
+gated branches over given queries, keys and values, chunk by chunk, with a custom backward.
+
+Every branch is one primitive, `attend`: softmax attention over a key set with an additive mask, returning its
+output and each row's log-sum-exp (lse). On CPU tensors it is PyTorch's fused flash-attention kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu` and its backward); on other devices an explicit computation of
+the same two results (`_fused` decides). Branch outputs combine through their lse like flash attention's key
+blocks, and backward needs no recomputation of the forward: `attend_backward` given the output and lse of a larger
+attention yields this part's share of its gradients (the flash-attention backward identity
+dS = P * (dO V^T - rowsum(dO * O))).
+
+- Compression: queries (G*Q rows per KV head) against the compressed keys with a visibility mask; the same logits,
+  under no_grad, give the probabilities that score the selection blocks (paper Eqs. 8-10).
+- Selection: the query's own block is attended densely, block by block, with a causal (l'*G, l') mask; the other
+  selected (past, fully visible) blocks are grouped by block into tiles of R queries (`tile_plan`), each tile one
+  unmasked attention of its R*G query rows over one l'-key block. The partial results merge through their lse.
+- Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
+
+Memory and time. Queries are processed in chunks of Q = `nsa_query_chunk` tokens. Forward keeps its inputs plus,
+when gradients are needed, each branch's output (3, B, H, T, D), its lse (3, B, H, T) and the selected block indices
+(B, KV, T, n); backward walks the chunks again, rebuilding only the tiles, and adds gradients in place. Nothing
+T x T and no T x (T/d) score matrix for all queries is allocated. With Nc = floor((T - l) / d) + 1 compressed
+blocks, the peak of one layer's forward+backward, in elements, is
+
+    linear part:  T * B * (c_lin * (H + 2 * nb * KV) * D + 5 * H + 2 * C)   (q, per-branch k/v, gates, x, saved
+                                                                          branch outputs, grads)
+    chunk part:   B * Q * (c_cmp * H * Nc + c_sel * KV * n * l' * D + c_win * H * (Q + w - 1))
+
+with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
+c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
+The chunk part is what the explicit (non-CPU) path materialises: logits and probabilities of one chunk. For fixed
+Q the peak is linear in T.
+
+Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
+Q query-chunk length, Nc compressed blocks, Nsb selection blocks of the keys, n selected blocks per query, W window
+keys of a chunk, R (query, block) pairs per tile, P pairs of a chunk. Block geometry: l (`nsa_block_size`),
+d (`nsa_stride`), l' (`nsa_select_block_size`), n (`nsa_num_selected`), w (`nsa_window`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+if TYPE_CHECKING:
+    from model import ModelConfig
+
+
+# ---- block geometry and top-n selection -------------------------------------------------------------------------
+
+
+def num_compressed_blocks(num_tokens: int, block_size: int, stride: int) -> int:
+    """Number of compressed blocks complete within positions [0, num_tokens): blocks i with i*d + l - 1 < num_tokens."""
+    return max(0, (num_tokens - block_size) // stride + 1)
+
+
+def selection_pool_weights(block_size: int, stride: int, select_block_size: int) -> tuple[int, list[float]]:
+    """Paper Eq. 9 in 0-based indexing: p_slc[j] = sum_{m < l'/d} sum_{n < l/d} p_cmp[(l'/d) j + m - n].
+
+    Returns (first_offset, weights): selection block j collects compressed blocks (l'/d) j + first_offset + k with
+    weight weights[k]; first_offset = -(l/d - 1), the weight is the overlap in units of d. Defaults (32, 16, 64):
+    blocks 4j-1 .. 4j+3 with weights 1, 2, 2, 2, 1.
+    """
+    per_cmp, per_sel = block_size // stride, select_block_size // stride
+    weights = [0.0] * (per_sel + per_cmp - 1)
+    for m in range(per_sel):
+        for n in range(per_cmp):
+            weights[m - n + per_cmp - 1] += 1.0
+    return -(per_cmp - 1), weights
+
+
+def pool_to_selection_blocks(p_cmp: Tensor, block_size: int, stride: int, select_block_size: int,
+                             num_select_blocks: int) -> Tensor:
+    """Map compressed-block scores (..., Nc) onto selection blocks (..., Ns) with Eq. 9 (`selection_pool_weights`)."""
+    first, weights = selection_pool_weights(block_size, stride, select_block_size)
+    per_sel, width = select_block_size // stride, len(weights)
+    # Pad so that window j starts at compressed index per_sel * j + first and all Ns windows fit.
+    right = per_sel * num_select_blocks + width - per_sel - (p_cmp.shape[-1] - first)
+    padded = F.pad(p_cmp, (-first, max(right, 0)))[..., : per_sel * (num_select_blocks - 1) + width]
+    kernel = torch.tensor(weights, dtype=p_cmp.dtype, device=p_cmp.device).view(1, 1, width)
+    pooled = F.conv1d(padded.reshape(-1, 1, padded.shape[-1]), kernel, stride=per_sel)  # (prod(...), 1, Ns)
+    return pooled.view(*p_cmp.shape[:-1], num_select_blocks)
+
+
+def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_selected: int) -> tuple[Tensor, Tensor]:
+    """Top-n selection blocks per query from importance scores (B, KV, Q, Ns) of queries at positions q_pos (Q,).
+
+    Block 0 and the query's own and previous blocks are forced in, future blocks are excluded. Returns indices
+    (B, KV, Q, n') long and a validity mask of the same shape (False for slots that point at a future block because
+    fewer than n' blocks exist yet), n' = min(n, Ns). No gradient.
+    """
+    Ns = scores.shape[-1]
+    block = torch.arange(Ns, device=scores.device)  # (Ns,)
+    current = (q_pos // select_block_size)[:, None]  # (Q, 1)
+    forced = (block == 0) | (block == current) | (block == current - 1)  # (Q, Ns)
+    scores = scores.masked_fill(forced, math.inf).masked_fill(block > current, -math.inf)
+    idx = scores.topk(min(num_selected, Ns), dim=-1, sorted=False).indices  # (B, KV, Q, n')
+    return idx, idx <= current
+
+
+# ---- attention with log-sum-exp: the primitive of every branch ---------------------------------------------------
+
+
+_explicit_everywhere = False  # set by `explicit_attention`
+
+
+def _fused(t: Tensor) -> bool:
+    """Whether `attend` uses PyTorch's fused CPU flash-attention kernels (CPU tensors, fake ones included) rather
+    than the explicit computation (every other device)."""
+    return t.device.type == "cpu" and not _explicit_everywhere
+
+
+@contextmanager
+def explicit_attention() -> Iterator[None]:
+    """Within the block, `attend` computes explicitly on every device, as it does on CUDA: for tests of that path
+    and for profile_memory.py's estimates of GPU runs (the fused CPU kernels keep no chunk-sized logits)."""
+    global _explicit_everywhere
+    previous, _explicit_everywhere = _explicit_everywhere, True
+    try:
+        yield
+    finally:
+        _explicit_everywhere = previous
+
+
+def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean mask -> additive mask (0 where allowed, -inf elsewhere) in `dtype`."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
+
+
+def _logits(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """Scaled, masked logits (..., L, S) in at least float32, built in one new buffer."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    logits = (q.to(acc) * scale) @ k.to(acc).transpose(-1, -2)
+    return logits if mask is None else logits.add_(mask)
+
+
+def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, lse: Tensor, scale: float) -> Tensor:
+    """Attention probabilities exp(logits - lse) (..., L, S) given each row's log-sum-exp lse (..., L)."""
+    return _logits(q, k, mask, scale).sub_(lse[..., None]).exp_()
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """Softmax attention of q (N, M, L, D) over k, v (N, M, S, D) under an additive mask broadcastable to
+    (N, M, L, S) (q's dtype; None: every key). Every row must see at least one key.
+
+    Returns (out (N, M, L, D) in q's dtype, lse (N, M, L) in at least float32)."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                          scale=scale)
+    logits = _logits(q, k, mask, scale)  # (N, M, L, S)
+    lse = logits.logsumexp(-1)
+    return logits.sub_(lse[..., None]).exp_().to(v.dtype) @ v, lse
+
+
+def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of `attend`. With `out` and `lse` those of a larger attention that also covers other
+    keys (and grad_out its gradient), the result is this key set's share of the larger attention's gradients."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+    p = _probabilities(q, k, mask, lse, scale)  # (N, M, L, S)
+    dv = p.to(v.dtype).transpose(-1, -2) @ grad_out
+    delta = (grad_out * out).sum(-1, keepdim=True).to(p.dtype)  # (N, M, L, 1)
+    ds = p.mul_((grad_out @ v.transpose(-1, -2)).to(p.dtype).sub_(delta)).mul_(scale).to(q.dtype)  # dS = P(dP - delta)
+    return ds @ k, ds.transpose(-1, -2) @ q, dv
+
+
+# ---- selection branch: own block densely, past blocks in tiles ---------------------------------------------------
+
+_TILE_ROWS = (16, 32)  # candidate (query, block) pairs per tile; one tile attends R * G query rows over l' keys
+_SMALL_TILE_COST = 1.25  # cost per row of R = 16 tiles relative to R = 32 (CPU flash kernels, benchmarks/RESULTS.md)
+
+
+class TilePlan(NamedTuple):
+    """How one chunk's (query, past selected block) pairs are grouped into tiles of R pairs that share one key block
+    (`tile_plan`); padding rows point at the dummy query B*KV*Q."""
+
+    tile_block: Tensor  # (n_tiles,) index of each tile's block among the B*KV*Nsb blocks
+    query_of_row: Tensor  # (n_tiles * R,) query (index into B*KV*Q) of each tile row
+    rows_per_tile: int  # R
+
+
+def _tiles_per_block(counts: Tensor, P: int) -> tuple[int, Tensor, int]:
+    """(R, tiles per block, n_tiles) for pairs-per-block counts: the R of `_TILE_ROWS` with the cheaper padded
+    tiles, read from the device (one host sync per chunk). Fake and meta tensors, whose values are unknown, get the
+    largest R and the worst-case count (profile_memory.py's estimate is then an upper bound)."""
+    small, large = _TILE_ROWS
+    tiles = [(counts + R - 1) // R for R in _TILE_ROWS]
+    if counts.device.type == "meta" or is_fake(counts):
+        return large, tiles[1], P // large + min(counts.numel(), P)
+    n_small, n_large = torch.stack([t.sum() for t in tiles]).tolist()
+    if n_small * small * _SMALL_TILE_COST < n_large * large:
+        return small, tiles[0], n_small
+    return large, tiles[1], n_large
+
+
+@torch.no_grad()
+def tile_plan(idx: Tensor, current: Tensor, n_blocks: int) -> TilePlan:
+    """Group the pairs (query, idx[..., s]) with idx < current (past blocks; idx (B, KV, Q, n), current (Q,) each
+    query's own block) by block into tiles; n_blocks selection blocks per (B, KV). Tiles are made block by block,
+    so n_tiles <= P / R + (distinct blocks selected)."""
+    B, KV, Q, n = idx.shape
+    P, BKQ, n_groups, dev = idx.numel(), B * KV * Q, B * KV * n_blocks, idx.device
+    gid = torch.arange(B * KV, device=dev).view(B, KV, 1, 1) * n_blocks + idx  # (B, KV, Q, n) block of each pair
+    gid = gid.masked_fill(idx >= current[:, None], n_groups).view(-1)  # (P,); not past: bucket n_groups
+    counts = gid.new_zeros(n_groups + 1).index_add_(0, gid, torch.ones_like(gid))  # pairs per block
+    R, tiles, n_tiles = _tiles_per_block(counts[:n_groups], P)
+    tile_end = tiles.cumsum(0)
+    order = torch.argsort(gid, stable=True)  # pairs grouped by block, those not past last
+    g_sorted = gid[order]
+    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[g_sorted]  # rank of a pair within its block
+    first_row = F.pad((tile_end - tiles) * R, (0, 1), value=n_tiles * R)  # (n_groups + 1,); the rest: one spare row
+    row_sorted = torch.minimum(first_row[g_sorted] + rank, torch.tensor(n_tiles * R, device=dev))
+    query_of_row = torch.full((n_tiles * R + 1,), BKQ, device=dev).scatter_(0, row_sorted, order // n)
+    return TilePlan(
+        tile_block=torch.repeat_interleave(torch.arange(n_groups, device=dev), tiles, output_size=n_tiles),
+        query_of_row=query_of_row[:-1],
+        rows_per_tile=R,
+    )
+
+
+def _as_blocks(x: Tensor, block: int) -> Tensor:
+    """x (B, KV, S, D) -> contiguous (B, KV, ceil(S / block), block, D), zero-padded at the end (a view when x is
+    contiguous and S is a multiple of block, as for the KV cache)."""
+    B, KV, S, D = x.shape
+    x = F.pad(x, (0, 0, 0, -S % block)).contiguous()
+    return x.view(B, KV, x.shape[2] // block, block, D)
+
+
+class _Selection:
+    """The selection branch of one chunk: queries q (B, KV, Q, G, D) at positions [q_start, q_start + Q), their
+    selected blocks idx (B, KV, Q, n) (entries >= the own block that are not it: unused slots) among the key/value
+    blocks (B, KV, Nsb, l', D).
+
+    Own block: the chunk's queries, padded to whole blocks, attend their block with a causal (l'*G, l') mask (rows
+    ordered query-major, G heads per query). Past blocks: tiles of `tile_plan`, unmasked (every key is visible)."""
+
+    def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
+        B, KV, Q, G, D = q.shape
+        l_sel = k_blocks.shape[3]
+        self.shape, self.scale = q.shape, scale
+        self.b0 = q_start // l_sel  # first own block of the chunk
+        self.nb = (q_start + Q - 1) // l_sel - self.b0 + 1  # own blocks of the chunk
+        self.pad = (q_start - self.b0 * l_sel, (self.b0 + self.nb) * l_sel - q_start - Q)  # queries before / after
+        current = torch.arange(q_start, q_start + Q, device=q.device) // l_sel  # (Q,)
+        self.plan = tile_plan(idx, current, k_blocks.shape[2])
+        self.k_tiles = k_blocks.flatten(0, 2).index_select(0, self.plan.tile_block)[:, None]  # (n_tiles, 1, l', D)
+        self.v_tiles = v_blocks.flatten(0, 2).index_select(0, self.plan.tile_block)[:, None]
+        own = slice(self.b0, self.b0 + self.nb)
+        self.k_own = k_blocks[:, :, own].flatten(0, 2)[:, None]  # (B*KV*nb, 1, l', D)
+        self.v_own = v_blocks[:, :, own].flatten(0, 2)[:, None]
+        query = torch.arange(l_sel * G, device=q.device) // G  # (l'*G,) query of each own-block row
+        self.causal = _additive(torch.arange(l_sel, device=q.device) <= query[:, None], q.dtype)  # (l'*G, l')
+        self.q_tiles, self.q_own = self._tiles(q), self._own(q)
+
+    def _tiles(self, x: Tensor) -> Tensor:
+        """Per-query x (B, KV, Q, G, *E) -> tile rows (n_tiles, 1, R*G, *E); padding rows are zero."""
+        B, KV, Q, G = self.shape[:4]
+        extra = x.shape[4:]
+        rows = F.pad(x.reshape(B * KV * Q, -1), (0, 0, 0, 1))  # (BKQ + 1, G * prod(E)), last row zero
+        return rows.index_select(0, self.plan.query_of_row).view(-1, 1, self.plan.rows_per_tile * G, *extra)
+
+    def _untile(self, x: Tensor) -> Tensor:
+        """Tile rows (n_tiles, 1, R*G, *E) -> per-query sums (B, KV, Q, G, *E) (padding rows dropped)."""
+        B, KV, Q, G = self.shape[:4]
+        rows = x.reshape(self.plan.query_of_row.numel(), G * math.prod(x.shape[3:]))  # (n_tiles * R, G * prod(E))
+        out = rows.new_zeros(B * KV * Q + 1, rows.shape[1]).index_add_(0, self.plan.query_of_row, rows)
+        return out[:-1].view(B, KV, Q, G, *x.shape[3:])
+
+    def _own(self, x: Tensor) -> Tensor:
+        """Per-query x (B, KV, Q, G, *E) -> own-block rows (B*KV*nb, 1, l'*G, *E), zero-padded to whole blocks."""
+        B, KV, _, G = self.shape[:4]
+        pad = [0, 0] * (x.dim() - 3) + list(self.pad)
+        return F.pad(x, pad).reshape(B * KV * self.nb, 1, -1, *x.shape[4:])
+
+    def _unown(self, x: Tensor) -> Tensor:
+        """Own-block rows (B*KV*nb, 1, l'*G, *E) -> (B, KV, Q, G, *E)."""
+        B, KV, Q, G = self.shape[:4]
+        x = x.reshape(B, KV, -1, G, *x.shape[3:])  # (B, KV, nb*l', G, *E)
+        return x[:, :, self.pad[0]: self.pad[0] + Q]
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        """Returns (out (B, KV, Q, G, D), lse (B, KV, Q, G)) over each query's selected keys."""
+        o_tiles, lse_tiles = attend(self.q_tiles, self.k_tiles, self.v_tiles, None, self.scale)
+        o_own, lse_own = attend(self.q_own, self.k_own, self.v_own, self.causal, self.scale)
+        o_own, lse_own = self._unown(o_own), self._unown(lse_own)  # (B, KV, Q, G, D), (B, KV, Q, G)
+        rows, G = self.plan.query_of_row, self.shape[3]
+        lse_rows = lse_tiles.view(-1, G)  # (n_tiles * R, G)
+        # lse over all parts: stabilised by each query's largest part (padding rows go to the dummy row).
+        top = F.pad(lse_own.reshape(-1, G), (0, 0, 0, 1))  # (BKQ + 1, G)
+        top.scatter_reduce_(0, rows[:, None].expand(-1, G), lse_rows, "amax")
+        total = F.pad(torch.exp(lse_own.reshape(-1, G) - top[:-1]), (0, 0, 0, 1))
+        total.index_add_(0, rows, torch.exp(lse_rows - top[rows]))
+        lse = (top + total.log())  # (BKQ + 1, G)
+        w_tiles = torch.exp(lse_rows - lse[rows]).view(lse_tiles.shape)[..., None]  # (n_tiles, 1, R*G, 1)
+        lse = lse[:-1].view(lse_own.shape)
+        out = o_own * torch.exp(lse_own - lse)[..., None] + self._untile(o_tiles.to(w_tiles.dtype).mul_(w_tiles))
+        return out.to(o_own.dtype), lse
+
+    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
+                 grad_v_blocks: Tensor) -> Tensor:
+        """Given grad_out, out (B, KV, Q, G, D) and lse (B, KV, Q, G) of the branch: adds the blocks' gradients into
+        grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D) and returns the gradient of q (B, KV, Q, G, D)."""
+        B, KV = self.shape[:2]
+        dq_t, dk_t, dv_t = attend_backward(self._tiles(grad_out), self.q_tiles, self.k_tiles, self.v_tiles,
+                                           self._tiles(out), self._tiles(lse), None, self.scale)
+        dq_o, dk_o, dv_o = attend_backward(self._own(grad_out), self.q_own, self.k_own, self.v_own, self._own(out),
+                                           self._own(lse), self.causal, self.scale)
+        own = slice(self.b0, self.b0 + self.nb)
+        for grad, d_tiles, d_own in ((grad_k_blocks, dk_t, dk_o), (grad_v_blocks, dv_t, dv_o)):
+            grad.flatten(0, 2).index_add_(0, self.plan.tile_block, d_tiles[:, 0])
+            grad[:, :, own] += d_own.view(B, KV, self.nb, *d_own.shape[2:])
+        return self._unown(dq_o) + self._untile(dq_t)
+
+
+_WINDOW_ROWS = 128  # queries per window piece: each attends its s + w - 1 nearest keys (w in its band)
+
+
+class _Window:
+    """The sliding-window branch of one chunk: queries q (B, KV, G*Q, D) (head-major rows) at positions
+    [q_start, q_start + Q) over keys/values k, v (B, KV, W, D) at positions [k_start, k_start + W) with
+    k_start >= q_start - w + 1. The queries are cut into ns pieces of s = min(`_WINDOW_ROWS`, Q) (the last one
+    zero-padded); piece j attends keys [q_start + j*s - w + 1, q_start + (j+1)*s) under a band mask, so each
+    query meets s + w - 1 keys instead of the chunk's Q + w - 1."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int, G: int) -> None:
+        B, KV, GQ, D = q.shape
+        Q, W = GQ // G, k.shape[2]
+        s = min(_WINDOW_ROWS, Q)
+        ns = -(-Q // s)
+        self.shape, self.s, self.ns, self.width = (B, KV, G, Q, D), s, ns, s + window - 1
+        self.left = k_start - (q_start - window + 1)  # key slots before the first key (zero, masked)
+        self.right = ns * s - Q  # padded queries (and key slots) after the chunk
+        self.W = W
+        self.q = self._split(q)
+        self.k, self.v = self._windows(k), self._windows(v)
+        slot = torch.arange(self.width, device=q.device)  # (s + w - 1,)
+        row = torch.arange(G * s, device=q.device) % s  # (G*s,) query of each row within its piece
+        band = (slot >= row[:, None]) & (slot <= row[:, None] + window - 1)  # (G*s, s + w - 1): w keys, own last
+        real = torch.arange(ns, device=q.device)[:, None] * s + slot >= self.left  # (ns, s + w - 1)
+        self.mask = _additive(band & real[:, None, None], q.dtype)  # (ns, 1, G*s, s + w - 1)
+
+    def _split(self, x: Tensor) -> Tensor:
+        """Rows (B, KV, G*Q, *E) -> pieces (ns, B*KV, G*s, *E), queries zero-padded to ns * s."""
+        B, KV, G, Q, _ = self.shape
+        x = x.view(B, KV, G, Q, *x.shape[3:])
+        x = F.pad(x, [0, 0] * (x.dim() - 4) + [0, self.right])  # (B, KV, G, ns*s, *E)
+        x = x.view(B * KV, G, self.ns, self.s, *x.shape[4:]).transpose(0, 2)  # (ns, G, B*KV, s, *E)
+        return x.transpose(1, 2).reshape(self.ns, B * KV, G * self.s, *x.shape[4:])
+
+    def _merge(self, x: Tensor) -> Tensor:
+        """Pieces (ns, B*KV, G*s, *E) -> rows (B, KV, G*Q, *E)."""
+        B, KV, G, Q, _ = self.shape
+        x = x.view(self.ns, B * KV, G, self.s, *x.shape[3:]).permute(1, 2, 0, 3, *range(4, x.dim() + 1))
+        return x.reshape(B, KV, G, self.ns * self.s, *x.shape[4:])[:, :, :, :Q].reshape(B, KV, G * Q, *x.shape[4:])
+
+    def _windows(self, x: Tensor) -> Tensor:
+        """Keys (B, KV, W, D) -> each piece's key slots (ns, B*KV, s + w - 1, D)."""
+        B, KV, _, D = x.shape
+        x = F.pad(x, (0, 0, self.left, self.right))  # (B, KV, ns*s + w - 1, D)
+        x = x.unfold(2, self.width, self.s)  # (B, KV, ns, D, s + w - 1)
+        return x.permute(2, 0, 1, 4, 3).reshape(self.ns, B * KV, self.width, D)
+
+    def _unwindows(self, x: Tensor) -> Tensor:
+        """Gradients of the key slots (ns, B*KV, s + w - 1, D) -> of the keys (B, KV, W, D)."""
+        B, KV = self.shape[:2]
+        out = x.new_zeros(B * KV, self.ns * self.s + self.width - self.s, x.shape[-1])
+        for j in range(self.ns):
+            out[:, j * self.s: j * self.s + self.width] += x[j]
+        return out[:, self.left: self.left + self.W].view(B, KV, self.W, -1)
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q))."""
+        out, lse = attend(self.q, self.k, self.v, self.mask, scale=self.shape[-1] ** -0.5)
+        return self._merge(out), self._merge(lse)
+
+    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q): gradients of q (B, KV, G*Q, D) and of k, v
+        (B, KV, W, D)."""
+        dq, dk, dv = attend_backward(self._split(grad_out), self.q, self.k, self.v, self._split(out),
+                                     self._split(lse), self.mask, self.shape[-1] ** -0.5)
+        return self._merge(dq), self._unwindows(dk), self._unwindows(dv)
+
+
+# ---- one chunk: the three branches ------------------------------------------------------------------------------
+
+
+class _Chunk:
+    """The three branches of one query chunk: q (B, H, Q, D) at positions [q_start, q_start + Q); compressed keys
+    and values (B, KV, Nc', D) it can see (Nc' >= 0), the selection blocks (B, KV, Nsb, l', D) and its window keys
+    (B, KV, W, D) at positions [win_start, win_start + W). Layouts: compression and window attend q as
+    (B, KV, G*Q, D) rows (head-major); selection as (B, KV, Q, G, D)."""
+
+    def __init__(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
+                 v_win: Tensor, q_start: int, win_start: int, config: ModelConfig) -> None:
+        B, H, Q, D = q.shape
+        KV = k_cmp.shape[1]
+        G = H // KV
+        l, d, w = config.nsa_block_size, config.nsa_stride, config.nsa_window
+        self.config, self.q_start, self.scale = config, q_start, D**-0.5
+        self.k_cmp, self.v_cmp, self.k_blocks, self.v_blocks = k_cmp, v_cmp, k_blocks, v_blocks
+        self.q_heads = q.reshape(B, KV, G * Q, D)  # (B, KV, G*Q, D)
+        self.shape = (B, KV, G, Q, D)
+        q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
+        # Compression: block i visible to t iff i*d + l - 1 <= t. The first l - 1 positions see no block: they are
+        # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
+        self.n_empty = min(Q, max(0, l - 1 - q_start))
+        block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
+        visible = block_end <= q_pos.clamp(min=l - 1)[:, None]  # (Q, Nc')
+        self.cmp_mask = _additive(visible, q.dtype).repeat(G, 1)  # (G*Q, Nc')
+        self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G)
+
+    def _heads_to_rows(self, x: Tensor) -> Tensor:
+        """(B, KV, G*Q, *E) -> (B, KV, Q, G, *E)."""
+        B, KV, G, Q, _ = self.shape
+        return x.view(B, KV, G, Q, *x.shape[3:]).transpose(2, 3)
+
+    def _rows_to_heads(self, x: Tensor) -> Tensor:
+        """(B, KV, Q, G, *E) -> (B, KV, G*Q, *E)."""
+        B, KV, G, Q, _ = self.shape
+        return x.transpose(2, 3).reshape(B, KV, G * Q, *x.shape[4:])
+
+    def _selection(self, idx: Tensor) -> _Selection:
+        return _Selection(self._heads_to_rows(self.q_heads), self.k_blocks, self.v_blocks, idx, self.q_start,
+                          self.scale)
+
+    def forward(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns (branch outputs (3, B, KV, G*Q, D), their lse (3, B, KV, G*Q), selected blocks (B, KV, Q, n));
+        unused slots of the selection hold Nsb."""
+        cfg, (B, KV, G, Q, D) = self.config, self.shape
+        l, d, l_sel = cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size
+        n_blocks = self.k_blocks.shape[2]
+        if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk
+            o_cmp, lse_cmp = torch.zeros_like(self.q_heads), self.q_heads.new_zeros(B, KV, G * Q, dtype=torch.float)
+            p_cmp = self.q_heads.new_zeros(B, KV, Q, 0)
+        else:
+            o_cmp, lse_cmp = attend(self.q_heads, self.k_cmp, self.v_cmp, self.cmp_mask, self.scale)
+            with torch.no_grad():  # Eqs. 8 and 10: probabilities of the compressed blocks summed over the group
+                p = _probabilities(self.q_heads, self.k_cmp, self.cmp_mask, lse_cmp, self.scale)  # (B, KV, G*Q, Nc')
+                p_cmp = p.view(B, KV, G, Q, -1).sum(2)  # (B, KV, Q, Nc')
+                p_cmp[:, :, : self.n_empty] = 0
+            o_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
+        with torch.no_grad():
+            q_pos = torch.arange(self.q_start, self.q_start + Q, device=p_cmp.device)
+            importance = pool_to_selection_blocks(p_cmp, l, d, l_sel, (self.q_start + Q - 1) // l_sel + 1)
+            idx, valid = select_blocks(importance, q_pos, l_sel, cfg.nsa_num_selected)  # (B, KV, Q, n')
+            idx = F.pad(idx.masked_fill(~valid, n_blocks), (0, cfg.nsa_num_selected - idx.shape[-1]), value=n_blocks)
+        o_slc, lse_slc = self._selection(idx).forward()
+        o_win, lse_win = self.window.forward()
+        outs = torch.stack([o_cmp, self._rows_to_heads(o_slc), o_win])  # (3, B, KV, G*Q, D)
+        lses = torch.stack([lse_cmp.to(lse_win.dtype), self._rows_to_heads(lse_slc), lse_win])  # (3, B, KV, G*Q)
+        return outs, lses, idx
+
+    def backward(self, grad_outs: Tensor, outs: Tensor, lses: Tensor, idx: Tensor, grad_blocks: tuple[Tensor, Tensor]
+                 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
+        """Given the gradients of the branch outputs grad_outs, the outputs and lse of `forward` (same layouts) and
+        its selection idx: adds the selection blocks' gradients into grad_blocks (each (B, KV, Nsb, l', D)) and
+        returns the gradients of q (B, KV, G*Q, D), the compressed keys and values (None when there are none) and
+        the window keys and values."""
+        B, KV, G, Q, D = self.shape
+        dq, dk_cmp, dv_cmp = torch.zeros_like(self.q_heads), None, None
+        if self.k_cmp.shape[2] > 0:
+            grad_cmp = grad_outs[0].clone()
+            grad_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0  # those rows' output is the constant 0
+            dq, dk_cmp, dv_cmp = attend_backward(grad_cmp, self.q_heads, self.k_cmp, self.v_cmp, outs[0], lses[0],
+                                                 self.cmp_mask, self.scale)
+        rows = self._heads_to_rows
+        dq_slc = self._selection(idx).backward(rows(grad_outs[1]), rows(outs[1]), rows(lses[1]), *grad_blocks)
+        dq_win, dk_win, dv_win = self.window.backward(grad_outs[2], outs[2], lses[2])
+        return dq + self._rows_to_heads(dq_slc) + dq_win, dk_cmp, dv_cmp, dk_win, dv_win
+
+
+def _chunks(T: int, q_start: int, win_start: int, config: ModelConfig) -> Iterator[tuple[slice, int, int, slice]]:
+    """Per query chunk: (its queries as a slice of [0, T), absolute position of its first query, compressed blocks
+    it can see, its window keys as a slice of k_win)."""
+    l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, config.nsa_query_chunk
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        t0, t1 = q_start + c0, q_start + c1  # absolute positions of the chunk's queries
+        w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
+        yield slice(c0, c1), t0, num_compressed_blocks(t1, l, d), slice(w0, t1 - win_start)
+
+
+class _SparseAttention(torch.autograd.Function):
+    """`sparse_attention`: forward chunk by chunk, keeping (when gradients are needed) each branch's output and lse
+    and the selected blocks; backward walks the chunks again with `attend_backward` (no recomputation of the
+    forward) and adds each chunk's gradients into the full ones in place."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+                v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int, win_start: int) -> Tensor:
+        B, H, T, D = q.shape
+        KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
+        k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
+        keep = any(ctx.needs_input_grad)
+        out = torch.empty_like(q)  # (B, H, T, D)
+        outs = q.new_empty(3, B, H, T, D) if keep else None
+        lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
+        idx = q.new_empty(B, KV, T, n, dtype=torch.long) if keep else None
+        for qs, t0, n_cmp, ws in _chunks(T, q_start, win_start, config):
+            chunk = _Chunk(q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
+                           k_win[:, :, ws], v_win[:, :, ws], t0, win_start + ws.start, config)
+            o, lse, chunk_idx = chunk.forward()  # (3, B, KV, G*Q, D), (3, B, KV, G*Q), (B, KV, Q, n)
+            o, lse = o.view(3, B, H, -1, D), lse.view(3, B, H, -1)
+            out[:, :, qs] = torch.einsum("bhqs,sbhqd->bhqd", gates[:, :, qs], o)
+            if keep:
+                outs[:, :, :, qs], lses[:, :, :, qs], idx[:, :, qs] = o, lse, chunk_idx
+        ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, outs, lses, idx)
+        ctx.config, ctx.q_start, ctx.win_start = config, q_start, win_start
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, outs, lses, idx = ctx.saved_tensors
+        config, l_sel = ctx.config, ctx.config.nsa_select_block_size
+        B, H, T, D = q.shape
+        KV = k_cmp.shape[1]
+        k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
+        g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = (
+            torch.zeros_like(t) for t in (q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win))
+        g_gates = torch.empty_like(gates)  # (B, H, T, 3)
+        for qs, t0, n_cmp, ws in _chunks(T, ctx.q_start, ctx.win_start, config):
+            chunk = _Chunk(q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
+                           k_win[:, :, ws], v_win[:, :, ws], t0, ctx.win_start + ws.start, config)
+            g_gates[:, :, qs] = torch.einsum("bhqd,sbhqd->bhqs", grad_out[:, :, qs], outs[:, :, :, qs])
+            grad_outs = torch.einsum("bhqs,bhqd->sbhqd", gates[:, :, qs], grad_out[:, :, qs])  # (3, B, H, Q, D)
+            dq, dk_cmp, dv_cmp, dk_win, dv_win = chunk.backward(
+                grad_outs.reshape(3, B, KV, -1, D), outs[:, :, :, qs].reshape(3, B, KV, -1, D),
+                lses[:, :, :, qs].reshape(3, B, KV, -1), idx[:, :, qs], (g_kb, g_vb))
+            g_q[:, :, qs] += dq.reshape(B, H, -1, D)
+            if dk_cmp is not None:
+                g_kc[:, :, :n_cmp] += dk_cmp
+                g_vc[:, :, :n_cmp] += dv_cmp
+            g_kw[:, :, ws] += dk_win
+            g_vw[:, :, ws] += dv_win
+        S = k_slc.shape[2]
+        g_kb, g_vb = (g.flatten(2, 3)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
+        return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None
+
+
+def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+                     v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int = 0, win_start: int = 0) -> Tensor:
+    """The three gated NSA branches for queries at positions [q_start, q_start + T), chunk by chunk.
+
+    Args:
+        q: `(B, H, T, D)` rotated queries.
+        k_cmp, v_cmp: `(B, KV, Nc, D)` compressed keys/values of blocks 0 .. Nc-1 (all blocks complete by the last
+            query; keys rotated at their block's last position).
+        k_slc, v_slc: `(B, KV, S, D)` keys/values at positions [0, S), S >= q_start + T (positions after the
+            last query are never attended).
+        k_win, v_win: `(B, KV, W, D)` keys/values at positions [win_start, win_start + W), covering each query's
+            window.
+        gates: `(B, H, T, 3)` branch gates (compression, selection, window).
+        config: block geometry (`nsa_*` fields); `nsa_query_chunk` queries are processed at a time.
+    Returns:
+        `(B, H, T, D)`; see `_SparseAttention` for what forward keeps for backward.
+    """
+    return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, q_start, win_start)
