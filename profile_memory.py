@@ -254,11 +254,12 @@ def _sparse_attention_memory(sparse_attention, args: tuple, kwargs: dict, autoca
 
 @contextmanager
 def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
-    """Replace `nsa.sparse_attention` (the seam nsa.py names for fused kernels) by `_SparseAttentionDouble` while
-    the step runs, and describe it. The reference path runs hundreds of small operators per query chunk: at 131k
-    tokens, thousands of chunks per step, hours under fake tensors. Its memory is affine in T for a fixed chunk size
-    (see nsa.py), so the double is calibrated on the real function for one layer at T itself (T <= 4 chunks) or at
-    2 and 4 chunks, extrapolated linearly. Projections, compression and gates still run for real."""
+    """Replace `nsa.sparse_attention` (the seam nsa_attention.py names for fused kernels) by
+    `_SparseAttentionDouble` while the step runs, and describe it. The reference path runs hundreds of small operators
+    per query chunk: at 131k tokens, thousands of chunks per step, hours under fake tensors. Its memory is affine in T
+    for a fixed chunk size (see nsa_attention.py), so the double is calibrated on the real function (its explicit
+    path, as on CUDA) for one layer at T itself (T <= 4 chunks) or at 2 and 4 chunks, extrapolated linearly.
+    Projections, compression and gates still run for real."""
     import nsa
     import nsa_attention
 
