@@ -131,7 +131,8 @@ def explicit_attention() -> Iterator[None]:
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     """Boolean mask -> additive mask (0 where allowed, -inf elsewhere) in `dtype`."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
+    zero, minus_inf = (torch.tensor(v, dtype=dtype, device=allowed.device) for v in (0.0, -math.inf))
+    return torch.where(allowed, zero, minus_inf)
 
 
 def _logits(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
@@ -414,8 +415,9 @@ class _Chunk:
         # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
         self.n_empty = min(Q, max(0, l - 1 - q_start))
         block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
-        visible = block_end <= q_pos.clamp(min=l - 1)[:, None]  # (Q, Nc')
-        self.cmp_mask = _additive(visible, q.dtype).repeat(G, 1)  # (G*Q, Nc')
+        self.cmp_visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
+        self.cmp_mask = _additive(self.cmp_visible, q.dtype)  # (G*Q, Nc')
+        self.n_full = num_compressed_blocks(max(q_start, l - 1) + 1, l, d)  # blocks every query of the chunk sees
         self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G)
 
     def _heads_to_rows(self, x: Tensor) -> Tensor:
@@ -444,7 +446,8 @@ class _Chunk:
         else:
             o_cmp, lse_cmp = attend(self.q_heads, self.k_cmp, self.v_cmp, self.cmp_mask, self.scale)
             with torch.no_grad():  # Eqs. 8 and 10: probabilities of the compressed blocks summed over the group
-                p = _probabilities(self.q_heads, self.k_cmp, self.cmp_mask, lse_cmp, self.scale)  # (B, KV, G*Q, Nc')
+                p = _probabilities(self.q_heads, self.k_cmp, None, lse_cmp, self.scale)  # (B, KV, G*Q, Nc')
+                p[..., self.n_full:].masked_fill_(~self.cmp_visible[:, self.n_full:], 0.0)  # invisible: exp(...) -> 0
                 p_cmp = p.view(B, KV, G, Q, -1).sum(2)  # (B, KV, Q, Nc')
                 p_cmp[:, :, : self.n_empty] = 0
             o_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
