@@ -1,6 +1,7 @@
-"""Tests of nsa.py against independent references: dense causal attention (explicit T x T masks, allowed in tests
-only), a per-query brute-force NSA written from the paper's definitions (overlap-weighted importance instead of
-Eq. 9), hand-made tables, gradcheck, causality at block boundaries, decode == prefill, and memory trackers.
+"""Tests of nsa.py and nsa_attention.py against independent references: dense causal attention (explicit T x T
+masks, allowed in tests only), a per-query brute-force NSA written from the paper's definitions (overlap-weighted
+importance instead of Eq. 9), hand-made tables, gradcheck, causality at block boundaries, decode == prefill, and
+memory trackers. The fused CPU path and the explicit path (the one CUDA runs) are both checked.
 
 Tolerances: float64 comparisons use atol=1e-12 (different but equivalent reduction orders); causality checks are
 exact (masked keys contribute exp(-inf) = 0 exactly); float32 model-level checks use 1e-5.
@@ -467,7 +468,7 @@ def test_gradcheck_sparse_attention_top_n():
 
 
 def peak_bound_bytes(config: ModelConfig, B: int, T: int, elem: int) -> tuple[int, int]:
-    """(peak bound, largest-tensor bound) in bytes from the formula in nsa.py's docstring, constants 8 and 6."""
+    """(peak bound, largest-tensor bound) in bytes from nsa_attention.py's docstring formula, constants 8 and 6."""
     H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(config.nsa_query_chunk, T)
     n_sets = 3 if config.nsa_separate_kv else 1
     n_cmp = num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride)
