@@ -410,7 +410,7 @@ class _Chunk:
         self.k_cmp, self.v_cmp, self.k_blocks, self.v_blocks = k_cmp, v_cmp, k_blocks, v_blocks
         self.q_heads = q.reshape(B, KV, G * Q, D)  # (B, KV, G*Q, D)
         self.shape = (B, KV, G, Q, D)
-        q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
+        self.q_pos = q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
         # Compression: block i visible to t iff i*d + l - 1 <= t. The first l - 1 positions see no block: they are
         # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
         self.n_empty = min(Q, max(0, l - 1 - q_start))
@@ -431,6 +431,7 @@ class _Chunk:
         return x.transpose(2, 3).reshape(B, KV, G * Q, *x.shape[4:])
 
     def _selection(self, idx: Tensor) -> _Selection:
+        """The selection branch over the blocks idx (B, KV, Q, n)."""
         return _Selection(self._heads_to_rows(self.q_heads), self.k_blocks, self.v_blocks, idx, self.q_start,
                           self.scale)
 
@@ -441,7 +442,8 @@ class _Chunk:
         l, d, l_sel = cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size
         n_blocks = self.k_blocks.shape[2]
         if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk
-            o_cmp, lse_cmp = torch.zeros_like(self.q_heads), self.q_heads.new_zeros(B, KV, G * Q, dtype=torch.float)
+            acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
+            o_cmp, lse_cmp = torch.zeros_like(self.q_heads), self.q_heads.new_zeros(B, KV, G * Q, dtype=acc)
             p_cmp = self.q_heads.new_zeros(B, KV, Q, 0)
         else:
             o_cmp, lse_cmp = attend(self.q_heads, self.k_cmp, self.v_cmp, self.cmp_mask, self.scale)
@@ -452,14 +454,13 @@ class _Chunk:
                 p_cmp[:, :, : self.n_empty] = 0
             o_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
         with torch.no_grad():
-            q_pos = torch.arange(self.q_start, self.q_start + Q, device=p_cmp.device)
             importance = pool_to_selection_blocks(p_cmp, l, d, l_sel, (self.q_start + Q - 1) // l_sel + 1)
-            idx, valid = select_blocks(importance, q_pos, l_sel, cfg.nsa_num_selected)  # (B, KV, Q, n')
+            idx, valid = select_blocks(importance, self.q_pos, l_sel, cfg.nsa_num_selected)  # (B, KV, Q, n')
             idx = F.pad(idx.masked_fill(~valid, n_blocks), (0, cfg.nsa_num_selected - idx.shape[-1]), value=n_blocks)
         o_slc, lse_slc = self._selection(idx).forward()
         o_win, lse_win = self.window.forward()
         outs = torch.stack([o_cmp, self._rows_to_heads(o_slc), o_win])  # (3, B, KV, G*Q, D)
-        lses = torch.stack([lse_cmp.to(lse_win.dtype), self._rows_to_heads(lse_slc), lse_win])  # (3, B, KV, G*Q)
+        lses = torch.stack([lse_cmp, self._rows_to_heads(lse_slc), lse_win])  # (3, B, KV, G*Q)
         return outs, lses, idx
 
     def backward(self, grad_outs: Tensor, outs: Tensor, lses: Tensor, idx: Tensor, grad_blocks: tuple[Tensor, Tensor]
