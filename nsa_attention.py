@@ -332,8 +332,10 @@ class _Window:
     zero-padded); piece j attends keys [q_start + j*s - w + 1, q_start + (j+1)*s) under a band mask, so each
     query meets s + w - 1 keys instead of the chunk's Q + w - 1."""
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int, G: int) -> None:
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int, G: int,
+                 scale: float) -> None:
         B, KV, GQ, D = q.shape
+        self.scale = scale
         Q, W = GQ // G, k.shape[2]
         s = min(_WINDOW_ROWS, Q)
         ns = -(-Q // s)
@@ -380,14 +382,14 @@ class _Window:
 
     def forward(self) -> tuple[Tensor, Tensor]:
         """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q))."""
-        out, lse = attend(self.q, self.k, self.v, self.mask, scale=self.shape[-1] ** -0.5)
+        out, lse = attend(self.q, self.k, self.v, self.mask, self.scale)
         return self._merge(out), self._merge(lse)
 
     def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q): gradients of q (B, KV, G*Q, D) and of k, v
         (B, KV, W, D)."""
         dq, dk, dv = attend_backward(self._split(grad_out), self.q, self.k, self.v, self._split(out),
-                                     self._split(lse), self.mask, self.shape[-1] ** -0.5)
+                                     self._split(lse), self.mask, self.scale)
         return self._merge(dq), self._unwindows(dk), self._unwindows(dv)
 
 
@@ -418,7 +420,7 @@ class _Chunk:
         self.cmp_visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
         self.cmp_mask = _additive(self.cmp_visible, q.dtype)  # (G*Q, Nc')
         self.n_full = num_compressed_blocks(max(q_start, l - 1) + 1, l, d)  # blocks every query of the chunk sees
-        self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G)
+        self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G, self.scale)
 
     def _heads_to_rows(self, x: Tensor) -> Tensor:
         """(B, KV, G*Q, *E) -> (B, KV, Q, G, *E)."""
@@ -482,15 +484,21 @@ class _Chunk:
         return dq + self._rows_to_heads(dq_slc) + dq_win, dk_cmp, dv_cmp, dk_win, dv_win
 
 
-def _chunks(T: int, q_start: int, win_start: int, config: ModelConfig) -> Iterator[tuple[slice, int, int, slice]]:
-    """Per query chunk: (its queries as a slice of [0, T), absolute position of its first query, compressed blocks
-    it can see, its window keys as a slice of k_win)."""
+def _chunks(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
+            v_win: Tensor, q_start: int, win_start: int, config: ModelConfig
+            ) -> Iterator[tuple[slice, int, slice, _Chunk]]:
+    """Per query chunk of q (B, H, T, D): (its queries as a slice of [0, T), the compressed blocks it can see, its
+    window keys as a slice of k_win, the `_Chunk` over those inputs). Arguments as in `_SparseAttention.forward`,
+    with the selection keys/values as blocks (`_as_blocks`)."""
     l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, config.nsa_query_chunk
+    T = q.shape[2]
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         t0, t1 = q_start + c0, q_start + c1  # absolute positions of the chunk's queries
         w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
-        yield slice(c0, c1), t0, num_compressed_blocks(t1, l, d), slice(w0, t1 - win_start)
+        qs, n_cmp, ws = slice(c0, c1), num_compressed_blocks(t1, l, d), slice(w0, t1 - win_start)
+        yield qs, n_cmp, ws, _Chunk(q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
+                                    k_win[:, :, ws], v_win[:, :, ws], t0, win_start + w0, config)
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -509,9 +517,7 @@ class _SparseAttention(torch.autograd.Function):
         outs = q.new_empty(3, B, H, T, D) if keep else None
         lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
         idx = q.new_empty(B, KV, T, n, dtype=torch.long) if keep else None
-        for qs, t0, n_cmp, ws in _chunks(T, q_start, win_start, config):
-            chunk = _Chunk(q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
-                           k_win[:, :, ws], v_win[:, :, ws], t0, win_start + ws.start, config)
+        for qs, _, _, chunk in _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, q_start, win_start, config):
             o, lse, chunk_idx = chunk.forward()  # (3, B, KV, G*Q, D), (3, B, KV, G*Q), (B, KV, Q, n)
             o, lse = o.view(3, B, H, -1, D), lse.view(3, B, H, -1)
             out[:, :, qs] = torch.einsum("bhqs,sbhqd->bhqd", gates[:, :, qs], o)
@@ -531,9 +537,8 @@ class _SparseAttention(torch.autograd.Function):
         g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = (
             torch.zeros_like(t) for t in (q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win))
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
-        for qs, t0, n_cmp, ws in _chunks(T, ctx.q_start, ctx.win_start, config):
-            chunk = _Chunk(q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
-                           k_win[:, :, ws], v_win[:, :, ws], t0, ctx.win_start + ws.start, config)
+        chunks = _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, ctx.q_start, ctx.win_start, config)
+        for qs, n_cmp, ws, chunk in chunks:
             g_gates[:, :, qs] = torch.einsum("bhqd,sbhqd->bhqs", grad_out[:, :, qs], outs[:, :, :, qs])
             grad_outs = torch.einsum("bhqs,bhqd->sbhqd", gates[:, :, qs], grad_out[:, :, qs])  # (3, B, H, Q, D)
             dq, dk_cmp, dv_cmp, dk_win, dv_win = chunk.backward(
