@@ -39,9 +39,10 @@ d (`nsa_stride`), l' (`nsa_select_block_size`), n (`nsa_num_selected`), w (`nsa_
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -51,6 +52,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 if TYPE_CHECKING:
     from model import ModelConfig
+    from nsa_triton import TritonSelection
 
 
 # ---- block geometry and top-n selection -------------------------------------------------------------------------
@@ -108,25 +110,35 @@ def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_sel
 # ---- attention with log-sum-exp: the primitive of every branch ---------------------------------------------------
 
 
-_explicit_everywhere = False  # set by `explicit_attention`
+_forced = {"explicit": False, "triton": False}  # set by `explicit_attention` and `triton_selection`
 
 
 def _fused(t: Tensor) -> bool:
     """Whether `attend` uses PyTorch's fused CPU flash-attention kernels (CPU tensors, fake ones included) rather
     than the explicit computation (every other device)."""
-    return t.device.type == "cpu" and not _explicit_everywhere
+    return t.device.type == "cpu" and not _forced["explicit"]
 
 
 @contextmanager
-def explicit_attention() -> Iterator[None]:
-    """Within the block, `attend` computes explicitly on every device, as it does on CUDA: for tests of that path
-    and for profile_memory.py's estimates of GPU runs (the fused CPU kernels keep no chunk-sized logits)."""
-    global _explicit_everywhere
-    previous, _explicit_everywhere = _explicit_everywhere, True
+def _forcing(name: str) -> Iterator[None]:
+    previous, _forced[name] = _forced[name], True
     try:
         yield
     finally:
-        _explicit_everywhere = previous
+        _forced[name] = previous
+
+
+def explicit_attention() -> AbstractContextManager[None]:
+    """Within the block, `attend` computes explicitly on every device, as it does on CUDA: for tests of that path
+    and for profile_memory.py's estimates of GPU runs (the fused CPU kernels keep no chunk-sized logits)."""
+    return _forcing("explicit")
+
+
+def triton_selection() -> AbstractContextManager[None]:
+    """Within the block, the selection branch runs on the Triton kernels (nsa_triton.py) on every device, as it
+    does on CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa_triton is imported), for
+    tests."""
+    return _forcing("triton")
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
@@ -432,10 +444,18 @@ class _Chunk:
         B, KV, G, Q, _ = self.shape
         return x.transpose(2, 3).reshape(B, KV, G * Q, *x.shape[4:])
 
-    def _selection(self, idx: Tensor) -> _Selection:
-        """The selection branch over the blocks idx (B, KV, Q, n)."""
-        return _Selection(self._heads_to_rows(self.q_heads), self.k_blocks, self.v_blocks, idx, self.q_start,
-                          self.scale)
+    def _selection(self, idx: Tensor) -> _Selection | TritonSelection:
+        """The selection branch over the blocks idx (B, KV, Q, n): `_Selection`, or the Triton kernels
+        (`nsa_triton.TritonSelection`, same interface) for real CUDA tensors when Triton is installed and l' is a
+        power of two >= 16 (the smallest tensor-core tile)."""
+        q, l_sel = self._heads_to_rows(self.q_heads), self.k_blocks.shape[3]
+        on_gpu = q.is_cuda and not is_fake(q) and q.device.type != "meta"
+        if ((on_gpu or _forced["triton"]) and l_sel >= 16 and l_sel & (l_sel - 1) == 0
+                and importlib.util.find_spec("triton") is not None):
+            from nsa_triton import TritonSelection
+
+            return TritonSelection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
+        return _Selection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
 
     def forward(self) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (branch outputs (3, B, KV, G*Q, D), their lse (3, B, KV, G*Q), selected blocks (B, KV, Q, n));

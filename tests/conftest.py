@@ -1,5 +1,10 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels (nsa_triton.py) run in Triton's interpreter; read at their import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

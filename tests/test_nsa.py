@@ -31,6 +31,7 @@ from nsa_attention import (
     selection_pool_weights,
     sparse_attention,
     tile_plan,
+    triton_selection,
 )
 
 F64 = dict(rtol=0, atol=1e-12)
@@ -382,27 +383,44 @@ def dense_selected(q, k, v, idx, q_start, ls):
     return torch.einsum("bkqgs,bksd->bkqgd", p, v)
 
 
-@pytest.mark.parametrize("explicit", [False, True])
-@pytest.mark.parametrize("small_tile_cost", [0.0, 1e9])
-def test_selection_branch_matches_dense_fixed_indices(monkeypatch, explicit, small_tile_cost):
-    """`_Selection` (own block dense, past blocks in tiles, partial results merged by lse, the backward from the
-    merged output and lse) against autograd through a dense masked attention, float64, fixed random indices with
-    unused slots, chunks that start inside a block, both tile sizes, fused CPU and explicit paths."""
+def distinct_selection(B, KV, Q, q_start, n_blocks, ls, n):
+    """Random top-n-like indices (B, KV, Q, n): n distinct blocks per query, its own block among them, blocks after
+    it replaced by the unused-slot value n_blocks."""
+    own = torch.arange(q_start, q_start + Q) // ls
+    rows = []
+    for i in range(B * KV * Q):
+        o = own[i % Q].item()
+        rows.append([o] + [b for b in torch.randperm(n_blocks).tolist() if b != o][: n - 1])
+    idx = torch.tensor(rows).view(B, KV, Q, n)
+    return torch.where(idx > own[:, None], n_blocks, idx)
+
+
+@pytest.mark.parametrize("impl,small_tile_cost", [("fused", 0.0), ("fused", 1e9), ("explicit", 0.0),
+                                                  ("explicit", 1e9), ("triton", 0.0)])
+def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_tile_cost):
+    """The selection branch against autograd through a dense masked attention, float64, fixed random indices with
+    unused slots, chunks that start inside a block. `_Selection` (own block dense, past blocks in tiles, partial
+    results merged by lse, the backward from the merged output and lse) with both tile sizes on the fused CPU and
+    explicit paths; `nsa_triton.TritonSelection` in Triton's interpreter."""
+    if impl == "triton":
+        pytest.importorskip("triton")
     monkeypatch.setattr(nsa_attention, "_SMALL_TILE_COST", small_tile_cost)
-    B, KV, G, Q, D, S, ls, n = 2, 2, 3, 21, 8, 96, 8, 4
+    B, KV, G, Q, D, S, ls, n = 2, 2, 3, 37, 8, 192, 16, 4
     for q_start in (0, 5, S - Q):
         q = torch.randn(B, KV, Q, G, D, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(B, KV, S, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
-        pos = torch.arange(q_start, q_start + Q)
-        idx = torch.stack([torch.randperm(S // ls)[:n] for _ in range(B * KV * Q)]).view(B, KV, Q, n)
-        idx[..., 0] = pos // ls  # the own block, always selected
-        idx = torch.where(idx > pos[:, None] // ls, S // ls, idx)  # future blocks: unused slots
+        idx = distinct_selection(B, KV, Q, q_start, S // ls, ls, n)
         ref = dense_selected(q, k, v, idx, q_start, ls)
         grad = torch.randn_like(ref)
         ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
-        with explicit_attention() if explicit else contextlib.nullcontext():
+        with explicit_attention() if impl == "explicit" else contextlib.nullcontext():
             blocks = [as_blocks(t.detach(), ls) for t in (k, v)]
-            sel = nsa_attention._Selection(q.detach(), *blocks, idx, q_start, D**-0.5)
+            if impl == "triton":
+                from nsa_triton import TritonSelection
+
+                sel = TritonSelection(q.detach(), *blocks, idx, q_start, D**-0.5)
+            else:
+                sel = nsa_attention._Selection(q.detach(), *blocks, idx, q_start, D**-0.5)
             out, lse = sel.forward()
             grad_blocks = [torch.zeros_like(b) for b in blocks]
             dq = sel.backward(grad, out, lse, *grad_blocks)
@@ -462,6 +480,45 @@ def test_gradcheck_sparse_attention_top_n():
     config = nsa_config(nsa_num_selected=3, nsa_window=12, nsa_query_chunk=13)
     inputs = [t.requires_grad_() for t in random_inputs(1, 4, 2, 90, 4, config)]
     assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config), inputs, fast_mode=True)
+
+
+# ---- the Triton selection kernels (nsa_triton.py), in Triton's interpreter without a GPU ------------------------
+
+
+@pytest.mark.parametrize("H,KV", [(2, 2), (8, 2), (16, 1)])  # GQA ratios 1, 4, 16
+def test_triton_selection_matches_naive(H, KV):
+    """sparse_attention with the selection branch on the Triton kernels against the brute-force reference
+    (float64, top-n really choosing, chunks cutting blocks)."""
+    pytest.importorskip("triton")
+    config = nsa_config(nsa_query_chunk=24)
+    inputs = random_inputs(2, H, KV, 90, 8, config)
+    with triton_selection():
+        torch.testing.assert_close(sparse_attention(*inputs, config), naive_nsa(*inputs, config), **F64)
+
+
+def test_triton_selection_gradcheck():
+    """gradcheck of all inputs of sparse_attention through the Triton kernels' backward (dQ query-centric, dK/dV
+    block-centric), top-n choosing 3 of up to 4 blocks, chunks cutting blocks."""
+    pytest.importorskip("triton")
+    config = nsa_config(nsa_num_selected=3, nsa_window=12, nsa_query_chunk=13)
+    leaves = [t.requires_grad_() for t in random_inputs(1, 4, 2, 56, 4, config)]
+    with triton_selection():
+        assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config), leaves, fast_mode=True)
+
+
+def test_triton_selection_decode_equals_prefill():
+    """The cache path (q_start > 0, the selection reading the whole preallocated cache) on the Triton kernels."""
+    pytest.importorskip("triton")
+    config = nsa_config(nsa_query_chunk=16)
+    layer, rope = make_layer(config)
+    x = torch.randn(2, 70, config.dim, dtype=torch.float64)
+    with torch.no_grad(), triton_selection():
+        full = run_layer(layer, rope, x)
+        layer.setup_cache(2, 70, torch.float64, "cpu")
+        steps = [(0, 5), (5, 35)] + [(t, t + 1) for t in range(35, 70)]
+        out = torch.cat([run_layer(layer, rope, x[:, a:b], start_pos=a) for a, b in steps], dim=1)
+    torch.testing.assert_close(out, full, **F64)
+    torch.testing.assert_close(full, run_layer(layer, rope, x), **F64)  # the same as the CPU path
 
 
 # ---- memory ----------------------------------------------------------------------------------------------------------

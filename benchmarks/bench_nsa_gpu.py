@@ -1,0 +1,113 @@
+"""NSA on a CUDA GPU against full causal attention (SDPA, flash backend): forward and forward+backward time and peak
+memory of one attention layer, side by side in one process, bf16, the 4B geometry by default (dim 2560, H=32,
+KV=8, D=128). Our NSA runs its selection branch on the Triton kernels (nsa_triton.py), compression and window on
+the explicit path of nsa_attention.attend.
+
+    python benchmarks/bench_nsa_gpu.py                               # T = 8k, 32k, 64k
+    python benchmarks/bench_nsa_gpu.py --seq-lens 8192 --repeats 10
+    python benchmarks/bench_nsa_gpu.py --device cpu --seq-lens 256 --dim 64 --heads 4 --kv-heads 2 --head-dim 16
+        # a smoke run of this script without a GPU (Triton's interpreter; times meaningless)
+
+Times are medians over --repeats runs after two warm-up runs; peak memory is torch.cuda.max_memory_allocated
+growth over the step (weights and input excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def build(impl: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Callable:
+    """The layer as a function x (1, T, dim) -> (1, T, dim) on device, in dtype."""
+    from layers import RotaryEmbedding
+    from model import Attention, ModelConfig
+    from nsa import NativeSparseAttention
+
+    cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                      n_layers=1, attention_type=impl if impl == "nsa" else "full", context_length=max(args.seq_lens),
+                      nsa_query_chunk=args.query_chunk)
+    layer = (NativeSparseAttention(cfg) if impl == "nsa" else Attention(cfg)).to(device)
+    layer.init_weights()
+    layer.to(dtype)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, 1024)
+
+    def run(x):
+        cos, sin = rope(x.shape[1], 0, x.device)
+        return layer(x, cos, sin)
+
+    return run
+
+
+def timed(step: Callable[[], None], device: torch.device, repeats: int) -> tuple[float, int]:
+    """(median seconds of step after two warm-ups, peak bytes allocated above the level before it)."""
+    for _ in range(2):
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else 0
+    return statistics.median(seconds), peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 65536])
+    parser.add_argument("--dim", type=int, default=2560)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--query-chunk", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: this benchmark measures the GPU path (--device cpu only smoke-tests the script)")
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before nsa_triton is imported
+    from nsa_attention import triton_selection
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
+          f"{dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}; NSA l=32 d=16 l'=64 n=16 "
+          f"w=512, query chunk {args.query_chunk}; median of {args.repeats}")
+    print("| T | SDPA fwd ms | NSA fwd ms | SDPA fwd+bwd ms | NSA fwd+bwd ms | SDPA peak MiB | NSA peak MiB | "
+          "fwd speed-up | fwd+bwd speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T in args.seq_lens:
+        row = {}
+        for impl in ("sdpa", "nsa"):
+            run = build(impl, args, device, dtype)
+            x = torch.randn(1, T, args.dim, device=device, dtype=dtype, requires_grad=True)
+            with triton_selection() if device.type == "cpu" else contextlib.nullcontext():
+                with torch.no_grad():
+                    fwd, _ = timed(lambda run=run, x=x: run(x), device, args.repeats)
+                both, peak = timed(lambda run=run, x=x: run(x).float().square().mean().backward(), device,
+                                   args.repeats)
+            row[impl] = (fwd, both, peak)
+            del run, x
+        (sf, sb, sp), (nf, nb, np_) = row["sdpa"], row["nsa"]
+        print(f"| {T} | {sf * 1e3:.1f} | {nf * 1e3:.1f} | {sb * 1e3:.1f} | {nb * 1e3:.1f} | {sp / 2**20:.0f} | "
+              f"{np_ / 2**20:.0f} | {sf / nf:.2f}x | {sb / nb:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

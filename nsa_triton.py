@@ -1,0 +1,219 @@
+"""Triton kernels for NSA's selection branch (paper section 3.4): the GPU path behind `nsa_attention._Chunk`, used
+for CUDA tensors when Triton is installed. Each query's G heads attend the key blocks the query selected, read in
+place from the (B, KV, S, D) keys: no tile of queries or keys is gathered.
+
+- Forward, one program per (query, batch x KV head): the query's G head rows (padded to at least 16, the smallest
+  tensor-core tile) walk its selected blocks with an online softmax; output and log-sum-exp per row.
+- Backward, dQ: the same walk, recomputing the probabilities from the saved lse (flash-attention backward,
+  dS = P * (dP - rowsum(dO * O))).
+- Backward, dK and dV: one program per (key block, batch x KV head) walks the queries that selected the block, a
+  list built by one sort (`_queries_by_block`), in groups of rows; each block has one writer, so no atomics.
+
+A key at position p is visible to the query at t iff p <= t and p lies in one of the query's selected blocks; slots
+whose block lies after the query's own block are unused (the padding of `nsa_attention.select_blocks`).
+Accumulation is in float32 (float64 for float64 inputs, so the tests compare exactly); float32 inputs use IEEE
+products, not TF32.
+
+Without a GPU the kernels run in Triton's interpreter if TRITON_INTERPRET=1 is set before this module is imported
+(tests/conftest.py does so): that is how the tests check them on CPU.
+
+Notation: B batch, KV key/value heads, G query heads per KV head, Q queries of the call at positions
+[q_start, q_start + Q), D head dimension, S key positions (whole blocks of l'), n selected blocks per query, NB
+blocks a query of the call can select.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_DK_ROWS = 64  # query rows per step of the dK/dV kernel (whole queries of G heads each)
+
+
+@triton.jit
+def _dot(a, b, ACC: tl.constexpr):
+    """a @ b accumulated in ACC (float32 or float64), IEEE products."""
+    return tl.dot(a, b, input_precision="ieee", out_dtype=ACC)
+
+
+@triton.jit
+def _forward_kernel(Q, K, V, IDX, O, LSE, q_start, NQ, S, scale,
+                    G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N_SEL: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t = q_start + i  # the query's position
+    rows, cols, keys = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, L_SEL)
+    row_ok, col_ok = rows < G, cols < D
+    q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]  # (BLOCK_G, BLOCK_D) into (BKV, NQ, G, D)
+    q = tl.load(Q + q_off, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), ACC)
+    denom = tl.zeros([BLOCK_G], ACC)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], ACC)
+    for s in range(N_SEL):
+        j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
+        if j * L_SEL <= t:  # a used slot: the block starts at or before the query
+            pos = j * L_SEL + keys
+            visible = pos <= t
+            kv_off = (bh * S + pos[:, None]) * D + cols[None, :]  # (L_SEL, BLOCK_D) into (BKV, S, D)
+            kv_mask = visible[:, None] & col_ok[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            logits = tl.where(visible[None, :], _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(logits, 1))  # finite: key j * L_SEL is visible
+            p = tl.exp(logits - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC)
+            m = m_new
+    tl.store(O + q_off, (acc / denom[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(LSE + (bh * NQ + i) * G + rows, m + tl.log(denom), mask=row_ok)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, IDX, DO, LSE, DELTA, DQ, q_start, NQ, S, scale,
+               G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N_SEL: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t = q_start + i
+    rows, cols, keys = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, L_SEL)
+    row_ok, col_ok = rows < G, cols < D
+    q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]
+    io_mask = row_ok[:, None] & col_ok[None, :]
+    q = tl.load(Q + q_off, mask=io_mask, other=0.0)
+    do = tl.load(DO + q_off, mask=io_mask, other=0.0)
+    lse = tl.load(LSE + (bh * NQ + i) * G + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + (bh * NQ + i) * G + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_G, BLOCK_D], ACC)
+    for s in range(N_SEL):
+        j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
+        if j * L_SEL <= t:
+            pos = j * L_SEL + keys
+            visible = pos <= t
+            kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
+            kv_mask = visible[:, None] & col_ok[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            p = tl.where(visible[None, :], tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+            ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])  # (BLOCK_G, L_SEL)
+            dq += _dot(ds.to(k.dtype), k, ACC)
+    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, PTR, ROW, DK, DV, q_start, NQ, S, NB, scale,
+                 G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    jb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    start = tl.load(PTR + bh * NB + jb)  # the block's (query, slot) pairs: ROW[start:end]
+    end = tl.load(PTR + bh * NB + jb + 1)
+    if start < end:
+        r, cols, keys = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D), tl.arange(0, L_SEL)
+        col_ok = cols < D
+        pos = jb * L_SEL + keys
+        kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
+        kv_mask = (pos < S)[:, None] & col_ok[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        dk = tl.zeros([L_SEL, BLOCK_D], ACC)
+        dv = tl.zeros([L_SEL, BLOCK_D], ACC)
+        head = r % G
+        for base in range(start, end, QB):  # QB queries, G rows each
+            slot = base + r // G
+            ok = (r < QB * G) & (slot < end)
+            query = tl.load(ROW + slot, mask=ok, other=0)  # index into the (BKV * NQ) queries
+            t = q_start + query - bh * NQ
+            row_off = query * G + head
+            io_mask = ok[:, None] & col_ok[None, :]
+            q = tl.load(Q + row_off[:, None] * D + cols[None, :], mask=io_mask, other=0.0)
+            do = tl.load(DO + row_off[:, None] * D + cols[None, :], mask=io_mask, other=0.0)
+            lse = tl.load(LSE + row_off, mask=ok, other=0.0)
+            delta = tl.load(DELTA + row_off, mask=ok, other=0.0)
+            visible = ok[:, None] & (pos[None, :] <= t[:, None])  # (BLOCK_R, L_SEL)
+            p = tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+            dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
+            ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
+            dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
+        dk_old = tl.load(DK + kv_off, mask=kv_mask, other=0.0)
+        dv_old = tl.load(DV + kv_off, mask=kv_mask, other=0.0)
+        tl.store(DK + kv_off, (dk_old + dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + kv_off, (dv_old + dv).to(DV.dtype.element_ty), mask=kv_mask)
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+class TritonSelection:
+    """Drop-in for `nsa_attention._Selection` on the Triton kernels: queries q (B, KV, Q, G, D) at positions
+    [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) among the key/value blocks k_blocks, v_blocks
+    (B, KV, Nsb, l', D) (contiguous, as `nsa_attention._as_blocks` makes them)."""
+
+    def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
+        B, KV, Q, G, D = q.shape
+        self.shape, self.q_start, self.scale = q.shape, q_start, scale
+        self.l_sel = k_blocks.shape[3]
+        self.q = q.contiguous().view(B * KV, Q, G, D)
+        self.k = k_blocks.view(B * KV, -1, D)  # (BKV, S, D), S = Nsb * l'
+        self.v = v_blocks.view(B * KV, -1, D)
+        self.idx = idx.contiguous()
+        self.meta = dict(G=G, D=D, L_SEL=self.l_sel, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                         ACC=_tl_dtype(_acc_dtype(q)))
+        self.grid = (Q, B * KV)
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        """Returns (out (B, KV, Q, G, D), lse (B, KV, Q, G) in float32, float64 for float64 inputs)."""
+        B, KV, Q, G, D = self.shape
+        out = torch.empty_like(self.q)
+        lse = torch.empty(B * KV, Q, G, dtype=_acc_dtype(self.q), device=self.q.device)
+        _forward_kernel[self.grid](self.q, self.k, self.v, self.idx, out, lse, self.q_start, Q, self.k.shape[1],
+                                   self.scale, N_SEL=self.idx.shape[-1], BLOCK_G=max(16, triton.next_power_of_2(G)),
+                                   **self.meta)
+        return out.view(self.shape), lse.view(B, KV, Q, G)
+
+    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
+                 grad_v_blocks: Tensor) -> Tensor:
+        """Given grad_out, out (B, KV, Q, G, D) and lse (B, KV, Q, G) of the branch: adds the blocks' gradients into
+        grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D, contiguous) and returns the gradient of q
+        (B, KV, Q, G, D)."""
+        B, KV, Q, G, D = self.shape
+        acc = _acc_dtype(self.q)
+        grad_out = grad_out.contiguous().view(B * KV, Q, G, D)
+        lse = lse.to(acc).contiguous()
+        delta = (grad_out.to(acc) * out.reshape(B * KV, Q, G, D).to(acc)).sum(-1)  # (BKV, Q, G): rowsum(dO * O)
+        S, n = self.k.shape[1], self.idx.shape[-1]
+        dq = torch.empty_like(self.q)
+        _dq_kernel[self.grid](self.q, self.k, self.v, self.idx, grad_out, lse, delta, dq, self.q_start, Q, S,
+                              self.scale, N_SEL=n, BLOCK_G=max(16, triton.next_power_of_2(G)), **self.meta)
+        n_blocks = (self.q_start + Q - 1) // self.l_sel + 1  # blocks a query of this call can select
+        ptr, row = _queries_by_block(self.idx, self.q_start, self.l_sel, n_blocks)
+        qb = max(1, _DK_ROWS // G)
+        _dkdv_kernel[(n_blocks, B * KV)](
+            self.q, self.k, self.v, grad_out, lse, delta, ptr, row, grad_k_blocks.view(B * KV, S, D),
+            grad_v_blocks.view(B * KV, S, D), self.q_start, Q, S, n_blocks, self.scale, QB=qb,
+            BLOCK_R=max(16, triton.next_power_of_2(qb * G)), **self.meta)
+        return dq.view(self.shape)
+
+
+def _queries_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> tuple[Tensor, Tensor]:
+    """For idx (B, KV, Q, n): (ptr (B*KV*n_blocks + 1,), row (P,)) such that row[ptr[g]:ptr[g + 1]] are the queries
+    (indices into the B*KV*Q queries) whose used slots select block g % n_blocks of batch x KV head
+    g // n_blocks."""
+    B, KV, Q, n = idx.shape
+    current = (torch.arange(q_start, q_start + Q, device=idx.device) // l_sel)[:, None]  # (Q, 1) own block
+    bkv = torch.arange(B * KV, device=idx.device).view(B, KV, 1, 1)
+    n_groups = B * KV * n_blocks
+    group = torch.where(idx <= current, bkv * n_blocks + idx, n_groups).view(-1)  # (P,); unused slots: last group
+    order = torch.argsort(group, stable=True)
+    counts = group.new_zeros(n_groups + 1).index_add_(0, group, torch.ones_like(group))  # no host sync
+    ptr = F.pad(counts.cumsum(0), (1, 0))[: n_groups + 1]
+    return ptr, order // n
