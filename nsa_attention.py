@@ -14,6 +14,8 @@ dS = P * (dO V^T - rowsum(dO * O))).
 - Selection: the query's own block is attended densely, block by block, with a causal (l'*G, l') mask; the other
   selected (past, fully visible) blocks are grouped by block into tiles of R queries (`tile_plan`), each tile one
   unmasked attention of its R*G query rows over one l'-key block. The partial results merge through their lse.
+  On CUDA (with Triton installed) the branch runs instead on nsa_triton.py's kernels, which read each query's
+  blocks in place (`_Chunk._selection`).
 - Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
 
 Memory and time. Queries are processed in chunks of Q = `nsa_query_chunk` tokens. Forward keeps its inputs plus,
@@ -28,7 +30,8 @@ blocks, the peak of one layer's forward+backward, in elements, is
 
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
-The chunk part is what the explicit (non-CPU) path materialises: logits and probabilities of one chunk. For fixed
+The chunk part is what the explicit (non-CPU) path materialises: logits and probabilities of one chunk (the
+Triton selection kernels gather no tiles: no selection term). For fixed
 Q the peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
