@@ -510,6 +510,31 @@ def test_triton_selection_gradcheck():
         assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config), leaves, fast_mode=True)
 
 
+def test_triton_selection_half_precision():
+    """The kernels' low-precision path (half inputs and outputs, probabilities cast to half before P @ V, float32
+    accumulation and lse) at the 4B block geometry (l' = 64, D = 64 here, G = 4), against the float32 `_Selection`:
+    errors within 2e-3, the size of half rounding on O(1) values. float16 stands in for bfloat16, which Triton's
+    interpreter cannot compute (numpy has no bfloat16); both take the same code path in the kernels."""
+    pytest.importorskip("triton")
+    from nsa_triton import TritonSelection
+
+    B, KV, G, Q, D, S, ls, n = 1, 2, 4, 40, 64, 256, 64, 4
+    q = torch.randn(B, KV, Q, G, D)
+    k, v = (torch.randn(B, KV, S, D) for _ in range(2))
+    idx = distinct_selection(B, KV, Q, S - Q, S // ls, ls, n)
+    results = []
+    for cls, dtype in ((nsa_attention._Selection, torch.float32), (TritonSelection, torch.float16)):
+        blocks = [as_blocks(t.to(dtype), ls) for t in (k, v)]
+        sel = cls(q.to(dtype), *blocks, idx, S - Q, D**-0.5)
+        out, lse = sel.forward()
+        grad_blocks = [torch.zeros_like(b) for b in blocks]
+        dq = sel.backward(torch.ones_like(out), out, lse, *grad_blocks)
+        results.append([t.float() for t in (out, lse, dq, *grad_blocks)])
+        assert (out.dtype, lse.dtype, dq.dtype) == (dtype, torch.float32, dtype)
+    for got, ref in zip(*reversed(results), strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)
+
+
 def test_triton_selection_decode_equals_prefill():
     """The cache path (q_start > 0, the selection reading the whole preallocated cache) on the Triton kernels."""
     pytest.importorskip("triton")
