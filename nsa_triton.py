@@ -40,13 +40,24 @@ def _dot(a, b, ACC: tl.constexpr):
 
 
 @triton.jit
+def _block(K, V, bh, S, j, t, cols, col_ok, D: tl.constexpr, L_SEL: tl.constexpr):
+    """Keys and values (L_SEL, BLOCK_D) of block j of batch x KV head bh, zero where not visible from position t,
+    and the visibility (L_SEL,)."""
+    pos = j * L_SEL + tl.arange(0, L_SEL)
+    visible = pos <= t
+    off = (bh * S + pos[:, None]) * D + cols[None, :]  # into (BKV, S, D)
+    mask = visible[:, None] & col_ok[None, :]
+    return tl.load(K + off, mask=mask, other=0.0), tl.load(V + off, mask=mask, other=0.0), visible
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, IDX, O, LSE, q_start, NQ, S, scale,
                     G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N_SEL: tl.constexpr,
                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     t = q_start + i  # the query's position
-    rows, cols, keys = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, L_SEL)
+    rows, cols = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     row_ok, col_ok = rows < G, cols < D
     q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]  # (BLOCK_G, BLOCK_D) into (BKV, NQ, G, D)
     q = tl.load(Q + q_off, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
@@ -56,12 +67,7 @@ def _forward_kernel(Q, K, V, IDX, O, LSE, q_start, NQ, S, scale,
     for s in range(N_SEL):
         j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
         if j * L_SEL <= t:  # a used slot: the block starts at or before the query
-            pos = j * L_SEL + keys
-            visible = pos <= t
-            kv_off = (bh * S + pos[:, None]) * D + cols[None, :]  # (L_SEL, BLOCK_D) into (BKV, S, D)
-            kv_mask = visible[:, None] & col_ok[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            k, v, visible = _block(K, V, bh, S, j, t, cols, col_ok, D, L_SEL)
             logits = tl.where(visible[None, :], _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(logits, 1))  # finite: key j * L_SEL is visible
             p = tl.exp(logits - m_new[:, None])
@@ -80,7 +86,7 @@ def _dq_kernel(Q, K, V, IDX, DO, LSE, DELTA, DQ, q_start, NQ, S, scale,
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     t = q_start + i
-    rows, cols, keys = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, L_SEL)
+    rows, cols = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     row_ok, col_ok = rows < G, cols < D
     q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]
     io_mask = row_ok[:, None] & col_ok[None, :]
@@ -92,12 +98,7 @@ def _dq_kernel(Q, K, V, IDX, DO, LSE, DELTA, DQ, q_start, NQ, S, scale,
     for s in range(N_SEL):
         j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
         if j * L_SEL <= t:
-            pos = j * L_SEL + keys
-            visible = pos <= t
-            kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
-            kv_mask = visible[:, None] & col_ok[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            k, v, visible = _block(K, V, bh, S, j, t, cols, col_ok, D, L_SEL)
             p = tl.where(visible[None, :], tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
             ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])  # (BLOCK_G, L_SEL)
             dq += _dot(ds.to(k.dtype), k, ACC)
@@ -168,6 +169,7 @@ class TritonSelection:
         self.idx = idx.contiguous()
         self.meta = dict(G=G, D=D, L_SEL=self.l_sel, BLOCK_D=max(16, triton.next_power_of_2(D)),
                          ACC=_tl_dtype(_acc_dtype(q)))
+        self.walk = dict(N_SEL=idx.shape[-1], BLOCK_G=max(16, triton.next_power_of_2(G)))  # query-centric kernels
         self.grid = (Q, B * KV)
 
     def forward(self) -> tuple[Tensor, Tensor]:
@@ -176,8 +178,7 @@ class TritonSelection:
         out = torch.empty_like(self.q)
         lse = torch.empty(B * KV, Q, G, dtype=_acc_dtype(self.q), device=self.q.device)
         _forward_kernel[self.grid](self.q, self.k, self.v, self.idx, out, lse, self.q_start, Q, self.k.shape[1],
-                                   self.scale, N_SEL=self.idx.shape[-1], BLOCK_G=max(16, triton.next_power_of_2(G)),
-                                   **self.meta)
+                                   self.scale, **self.walk, **self.meta)
         return out.view(self.shape), lse.view(B, KV, Q, G)
 
     def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
@@ -190,10 +191,10 @@ class TritonSelection:
         grad_out = grad_out.contiguous().view(B * KV, Q, G, D)
         lse = lse.to(acc).contiguous()
         delta = (grad_out.to(acc) * out.reshape(B * KV, Q, G, D).to(acc)).sum(-1)  # (BKV, Q, G): rowsum(dO * O)
-        S, n = self.k.shape[1], self.idx.shape[-1]
+        S = self.k.shape[1]
         dq = torch.empty_like(self.q)
         _dq_kernel[self.grid](self.q, self.k, self.v, self.idx, grad_out, lse, delta, dq, self.q_start, Q, S,
-                              self.scale, N_SEL=n, BLOCK_G=max(16, triton.next_power_of_2(G)), **self.meta)
+                              self.scale, **self.walk, **self.meta)
         n_blocks = (self.q_start + Q - 1) // self.l_sel + 1  # blocks a query of this call can select
         ptr, row = _queries_by_block(self.idx, self.q_start, self.l_sel, n_blocks)
         qb = max(1, _DK_ROWS // G)
