@@ -153,8 +153,9 @@ class NativeSparseAttention(nn.Module):
             raise ValueError(f"cos/sin must be ({T}, {D}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         q = apply_rope(self.q_norm(q), cos, sin)
-        k = self.k_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4)  # (nb, B, KV, T, D)
-        v = self.v_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4)  # (nb, B, KV, T, D)
+        # nb sets of (B, KV, T, D); unbind, not indexing: its backward stacks the sets' gradients once
+        k = self.k_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
+        v = self.v_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
         gates = torch.sigmoid(self.gate_proj(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
         k_cmp_raw, v_cmp_raw = k[0], v[0]
         k_slc, v_slc = apply_rope(self.k_norm(k[self.n_sets // 2]), cos, sin), v[self.n_sets // 2]

@@ -557,8 +557,9 @@ class _SparseAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         KV = k_cmp.shape[1]
         k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
-        g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = (
-            torch.zeros_like(t) for t in (q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win))
+        g_q = torch.empty_like(q)  # the chunks' queries are disjoint: each written once
+        g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = (
+            torch.zeros_like(t) for t in (k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win))
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
         chunks = _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, ctx.q_start, ctx.win_start, config)
         for qs, n_cmp, ws, chunk in chunks:
@@ -567,7 +568,7 @@ class _SparseAttention(torch.autograd.Function):
             dq, dk_cmp, dv_cmp, dk_win, dv_win = chunk.backward(
                 grad_outs.reshape(3, B, KV, -1, D), outs[:, :, :, qs].reshape(3, B, KV, -1, D),
                 lses[:, :, :, qs].reshape(3, B, KV, -1), idx[:, :, qs], (g_kb, g_vb))
-            g_q[:, :, qs] += dq.reshape(B, H, -1, D)
+            g_q[:, :, qs] = dq.reshape(B, H, -1, D)
             if dk_cmp is not None:
                 g_kc[:, :, :n_cmp] += dk_cmp
                 g_vc[:, :, :n_cmp] += dv_cmp
