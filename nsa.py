@@ -1,5 +1,5 @@
-"""Native Sparse Attention (Yuan et al. 2025, https://arxiv.org/abs/2502.11089) in PyTorch, CPU and CUDA (selection
-on CUDA: Triton kernels).
+"""Native Sparse Attention (Yuan et al. 2025, https://arxiv.org/abs/2502.11089) in PyTorch, CPU and CUDA (on CUDA
+the branches run on Triton kernels).
 
 Each query head attends through three branches whose outputs are mixed by per-token, per-head sigmoid gates
 (paper Eq. 5): o_t = g_cmp * cmp_t + g_slc * slc_t + g_win * win_t.
@@ -17,8 +17,8 @@ Each query head attends through three branches whose outputs are mixed by per-to
 - Sliding window (3.3.3): the w keys (t - w, t], i.e. w keys counting the query's own token.
 
 The attention itself (selection, the three branches, chunking, the custom backward, the memory formula) is in
-nsa_attention.py (`sparse_attention`: q, per-branch keys/values, gates, positions -> output); on CUDA its selection
-branch runs on the Triton kernels of nsa_triton.py. This module holds the layer: projections,
+nsa_attention.py (`sparse_attention`: q, per-branch keys/values, gates, positions -> output); on CUDA its branches
+run on the Triton kernels of nsa_triton.py. This module holds the layer: projections,
 gates, the block compressor and the decoding cache. Measured with FakeTensorMode for one 4B-geometry layer
 (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072, forward+backward, weights and input excluded
 (`memtrack.LiveBytesTracker`, worst-case tile count): see benchmarks/RESULTS.md.

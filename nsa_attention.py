@@ -14,8 +14,8 @@ dS = P * (dO V^T - rowsum(dO * O))).
 - Selection: the query's own block is attended densely, block by block, with a causal (l'*G, l') mask; the other
   selected (past, fully visible) blocks are grouped by block into tiles of R queries (`tile_plan`), each tile one
   unmasked attention of its R*G query rows over one l'-key block. The partial results merge through their lse.
-  On CUDA (with Triton installed) the branch runs instead on nsa_triton.py's kernels, which read each query's
-  blocks in place (`_Chunk._selection`).
+- On CUDA (with Triton installed) all three branches run instead on nsa_triton.py's kernels, which keep no logits
+  and gather no tiles (`_Chunk`); only the importance scores are computed explicitly (under no_grad, forward).
 - Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
 
 Memory and time. Queries are processed in chunks of Q = `nsa_query_chunk` tokens. Forward keeps its inputs plus,
@@ -30,8 +30,8 @@ blocks, the peak of one layer's forward+backward, in elements, is
 
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
-The chunk part is what the explicit (non-CPU) path materialises: logits and probabilities of one chunk (the
-Triton selection kernels gather no tiles: no selection term). For fixed
+The chunk part is what the explicit path materialises: logits and probabilities of one chunk. With the Triton
+kernels (CUDA) only the compression term's forward importance logits remain. For fixed
 Q the peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
@@ -113,7 +113,7 @@ def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_sel
 # ---- attention with log-sum-exp: the primitive of every branch ---------------------------------------------------
 
 
-_forced = {"explicit": False, "triton": False}  # set by `explicit_attention` and `triton_selection`
+_forced = {"explicit": False, "triton": False}  # set by `explicit_attention` and `triton_kernels`
 
 
 def _fused(t: Tensor) -> bool:
@@ -137,11 +137,16 @@ def explicit_attention() -> AbstractContextManager[None]:
     return _forcing("explicit")
 
 
-def triton_selection() -> AbstractContextManager[None]:
-    """Within the block, the selection branch runs on the Triton kernels (nsa_triton.py) on every device, as it
-    does on CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa_triton is imported), for
-    tests."""
+def triton_kernels() -> AbstractContextManager[None]:
+    """Within the block, the branches run on the Triton kernels (nsa_triton.py) on every device, as they do on
+    CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa_triton is imported), for tests."""
     return _forcing("triton")
+
+
+def _triton_ready(t: Tensor) -> bool:
+    """Whether the Triton kernels run for t: real CUDA tensors (any tensors under `triton_kernels`) and Triton
+    installed."""
+    return (t.is_cuda and not is_fake(t) or _forced["triton"]) and importlib.util.find_spec("triton") is not None
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
@@ -337,6 +342,21 @@ class _Selection:
         return self._unown(dq_o) + self._untile(dq_t)
 
 
+class _MaskedAttention:
+    """`attend` of q (B, KV, L, D) over k, v (B, KV, S, D) under an additive mask, with the forward() ->
+    (out, lse) / backward(grad_out, out, lse) -> (dq, dk, dv) interface of `_Window` and
+    `nsa_triton.RangeAttention`."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> None:
+        self.q, self.k, self.v, self.mask, self.scale = q, k, v, mask, scale
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        return attend(self.q, self.k, self.v, self.mask, self.scale)
+
+    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return attend_backward(grad_out, self.q, self.k, self.v, out, lse, self.mask, self.scale)
+
+
 _WINDOW_ROWS = 128  # queries per window piece: each attends its s + w - 1 nearest keys (w in its band)
 
 
@@ -433,9 +453,20 @@ class _Chunk:
         self.n_empty = min(Q, max(0, l - 1 - q_start))
         block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
         self.cmp_visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
-        self.cmp_mask = _additive(self.cmp_visible, q.dtype)  # (G*Q, Nc')
         self.n_full = num_compressed_blocks(max(q_start, l - 1) + 1, l, d)  # blocks every query of the chunk sees
-        self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G, self.scale)
+        self.triton = _triton_ready(q)
+        if self.triton:  # each query's compressed blocks and window keys are one contiguous range
+            from nsa_triton import RangeAttention
+
+            n_visible = (q_pos.clamp(min=l - 1) - (l - 1)) // d + 1  # (Q,) >= 1: block 0 shown to the first l - 1
+            self.compression = RangeAttention(self.q_heads, k_cmp, v_cmp, torch.zeros_like(n_visible), n_visible,
+                                              self.scale)
+            window_lo = (q_pos - w + 1).clamp(min=win_start) - win_start  # (Q,) into k_win
+            self.window = RangeAttention(self.q_heads, k_win, v_win, window_lo, q_pos + 1 - win_start, self.scale)
+        else:
+            self.compression = _MaskedAttention(self.q_heads, k_cmp, v_cmp, _additive(self.cmp_visible, q.dtype),
+                                                self.scale)  # mask (G*Q, Nc')
+            self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G, self.scale)
 
     def _heads_to_rows(self, x: Tensor) -> Tensor:
         """(B, KV, G*Q, *E) -> (B, KV, Q, G, *E)."""
@@ -452,9 +483,7 @@ class _Chunk:
         (`nsa_triton.TritonSelection`, same interface) for real CUDA tensors when Triton is installed and l' is a
         power of two >= 16 (the smallest tensor-core tile)."""
         q, l_sel = self._heads_to_rows(self.q_heads), self.k_blocks.shape[3]
-        on_gpu = q.is_cuda and not is_fake(q) and q.device.type != "meta"
-        if ((on_gpu or _forced["triton"]) and l_sel >= 16 and l_sel & (l_sel - 1) == 0
-                and importlib.util.find_spec("triton") is not None):
+        if self.triton and l_sel >= 16 and l_sel & (l_sel - 1) == 0:
             from nsa_triton import TritonSelection
 
             return TritonSelection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
@@ -471,7 +500,7 @@ class _Chunk:
             o_cmp, lse_cmp = torch.zeros_like(self.q_heads), self.q_heads.new_zeros(B, KV, G * Q, dtype=acc)
             p_cmp = self.q_heads.new_zeros(B, KV, Q, 0)
         else:
-            o_cmp, lse_cmp = attend(self.q_heads, self.k_cmp, self.v_cmp, self.cmp_mask, self.scale)
+            o_cmp, lse_cmp = self.compression.forward()
             with torch.no_grad():  # Eqs. 8 and 10: probabilities of the compressed blocks summed over the group
                 p = _probabilities(self.q_heads, self.k_cmp, None, lse_cmp, self.scale)  # (B, KV, G*Q, Nc')
                 p[..., self.n_full:].masked_fill_(~self.cmp_visible[:, self.n_full:], 0.0)  # invisible: exp(...) -> 0
@@ -499,8 +528,7 @@ class _Chunk:
         if self.k_cmp.shape[2] > 0:
             grad_cmp = grad_outs[0].clone()
             grad_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0  # those rows' output is the constant 0
-            dq, dk_cmp, dv_cmp = attend_backward(grad_cmp, self.q_heads, self.k_cmp, self.v_cmp, outs[0], lses[0],
-                                                 self.cmp_mask, self.scale)
+            dq, dk_cmp, dv_cmp = self.compression.backward(grad_cmp, outs[0], lses[0])
         rows = self._heads_to_rows
         dq_slc = self._selection(idx).backward(rows(grad_outs[1]), rows(outs[1]), rows(lses[1]), *grad_blocks)
         dq_win, dk_win, dv_win = self.window.backward(grad_outs[2], outs[2], lses[2])

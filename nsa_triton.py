@@ -1,25 +1,29 @@
-"""Triton kernels for NSA's selection branch (paper section 3.4): the GPU path behind `nsa_attention._Chunk`, used
-for CUDA tensors when Triton is installed. Each query's G heads attend the key blocks the query selected, read in
-place from the (B, KV, S, D) keys: no tile of queries or keys is gathered.
+"""Triton kernels for NSA's three branches: the GPU path of `nsa_attention._Chunk`, used for CUDA tensors when
+Triton is installed. No kernel writes logits or probabilities to memory.
 
+Selection (paper section 3.4; `TritonSelection`): each query's G heads attend the key blocks the query selected, read
+in place from the (B, KV, S, D) keys, no tile of queries or keys gathered.
 - Forward, one program per (query, batch x KV head): the query's G head rows (padded to at least 16, the smallest
   tensor-core tile) walk its selected blocks with an online softmax; output and log-sum-exp per row.
 - Backward, dQ: the same walk, recomputing the probabilities from the saved lse (flash-attention backward,
   dS = P * (dP - rowsum(dO * O))).
 - Backward, dK and dV: one program per (key block, batch x KV head) walks the queries that selected the block, a
   list built by one sort (`_queries_by_block`), in groups of rows; each block has one writer, so no atomics.
-
 A key at position p is visible to the query at t iff p <= t and p lies in one of the query's selected blocks; slots
 whose block lies after the query's own block are unused (the padding of `nsa_attention.select_blocks`).
-Accumulation is in float32 (float64 for float64 inputs, so the tests compare exactly); float32 inputs use IEEE
-products, not TF32.
 
-Without a GPU the kernels run in Triton's interpreter if TRITON_INTERPRET=1 is set before this module is imported
-(tests/conftest.py does so): that is how the tests check them on CPU.
+Compression and window (`RangeAttention`): each query sees one contiguous range of keys (a prefix of the compressed
+blocks; the last w keys), so they are flash attention with per-query bounds: forward and dQ by blocks of 64 rows
+walking the union of their ranges, dK/dV by blocks of 64 keys walking the queries whose ranges meet them (found by
+a binary search, as the bounds never decrease with the query).
+
+Accumulation is in float32 (float64 for float64 inputs, so the tests compare exactly); float32 inputs use IEEE
+products, not TF32. Without a GPU the kernels run in Triton's interpreter if TRITON_INTERPRET=1 is set before this
+module is imported (tests/conftest.py does so): that is how the tests check them on CPU.
 
 Notation: B batch, KV key/value heads, G query heads per KV head, Q queries of the call at positions
-[q_start, q_start + Q), D head dimension, S key positions (whole blocks of l'), n selected blocks per query, NB
-blocks a query of the call can select.
+[q_start, q_start + Q), NR = G * Q rows (head-major), D head dimension, S key positions, n selected blocks per
+query, NB blocks a query of the call can select.
 """
 
 from __future__ import annotations
@@ -146,6 +150,126 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, PTR, ROW, DK, DV, q_start, NQ, S, NB, 
         tl.store(DV + kv_off, (dv_old + dv).to(DV.dtype.element_ty), mask=kv_mask)
 
 
+# ---- attention over a contiguous key range per query: the compression and window branches ----------------------
+
+
+@triton.jit
+def _range_rows(LO, HI, pid, NR, NQ, BLOCK_M: tl.constexpr):
+    """Rows pid * BLOCK_M + [0, BLOCK_M) of the head-major (G * NQ) rows: (rows, in range, key range lo, hi)."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < NR
+    lo = tl.load(LO + rows % NQ, mask=row_ok, other=0)
+    hi = tl.load(HI + rows % NQ, mask=row_ok, other=0)
+    return rows, row_ok, lo, hi
+
+
+@triton.jit
+def _range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows, row_ok, lo, hi = _range_rows(LO, HI, pid, NR, NQ, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    io_off = (bh * NR + rows[:, None]) * D + cols[None, :]  # into (BKV, NR, D)
+    io_mask = row_ok[:, None] & col_ok[None, :]
+    q = tl.load(Q + io_off, mask=io_mask, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), ACC)
+    denom = tl.zeros([BLOCK_M], ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    start = tl.min(tl.where(row_ok, lo, S)) // BLOCK_N * BLOCK_N
+    end = tl.max(tl.where(row_ok, hi, 0))
+    for k0 in range(start, end, BLOCK_N):
+        pos = k0 + tl.arange(0, BLOCK_N)
+        kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
+        kv_mask = (pos < S)[:, None] & col_ok[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+        logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key so far: p = 0, not NaN
+        p = tl.exp(logits - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC)
+        m = m_new
+    denom = tl.where(row_ok, denom, 1.0)  # padding rows saw nothing
+    tl.store(O + io_off, (acc / denom[:, None]).to(O.dtype.element_ty), mask=io_mask)
+    tl.store(LSE + bh * NR + rows, m + tl.log(denom), mask=row_ok)
+
+
+@triton.jit
+def _range_dq_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, DQ, NR, NQ, S, scale,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows, row_ok, lo, hi = _range_rows(LO, HI, pid, NR, NQ, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    io_off = (bh * NR + rows[:, None]) * D + cols[None, :]
+    io_mask = row_ok[:, None] & col_ok[None, :]
+    q = tl.load(Q + io_off, mask=io_mask, other=0.0)
+    do = tl.load(DO + io_off, mask=io_mask, other=0.0)
+    lse = tl.load(LSE + bh * NR + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh * NR + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    start = tl.min(tl.where(row_ok, lo, S)) // BLOCK_N * BLOCK_N
+    end = tl.max(tl.where(row_ok, hi, 0))
+    for k0 in range(start, end, BLOCK_N):
+        pos = k0 + tl.arange(0, BLOCK_N)
+        kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
+        kv_mask = (pos < S)[:, None] & col_ok[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+        p = tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+        ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, ACC)
+    tl.store(DQ + io_off, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, S, scale,
+                       G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    kb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    pos = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
+    kv_mask = (pos < S)[:, None] & col_ok[None, :]
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+    q_first = tl.load(QA + kb)  # the queries [q_first, q_last) see a key of this block
+    q_last = tl.load(QB + kb)
+    for g in range(G):
+        for q0 in range(q_first, q_last, BLOCK_M):
+            qi = q0 + tl.arange(0, BLOCK_M)
+            row_ok = qi < q_last
+            rows = g * NQ + qi
+            io_off = (bh * NR + rows[:, None]) * D + cols[None, :]
+            io_mask = row_ok[:, None] & col_ok[None, :]
+            q = tl.load(Q + io_off, mask=io_mask, other=0.0)
+            do = tl.load(DO + io_off, mask=io_mask, other=0.0)
+            lse = tl.load(LSE + bh * NR + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + bh * NR + rows, mask=row_ok, other=0.0)
+            lo = tl.load(LO + qi, mask=row_ok, other=0)
+            hi = tl.load(HI + qi, mask=row_ok, other=0)
+            visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])  # (BLOCK_M, BLOCK_N)
+            p = tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+            dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
+            ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
+            dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
+    tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
 def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -218,3 +342,49 @@ def _queries_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> t
     counts = group.new_zeros(n_groups + 1).index_add_(0, group, torch.ones_like(group))  # no host sync
     ptr = F.pad(counts.cumsum(0), (1, 0))[: n_groups + 1]
     return ptr, order // n
+
+
+_RANGE_BLOCK = 64  # rows per program and keys per step of the range-attention kernels
+
+
+class RangeAttention:
+    """Softmax attention in which each query sees one contiguous range of keys, on the Triton kernels (no logits in
+    memory): rows q (B, KV, G*Q, D) head-major (row g*Q + i is head g of query i) over keys/values k, v
+    (B, KV, S, D); query i sees keys [lo[i], hi[i]) with lo, hi (Q,) non-decreasing in i and hi > lo. NSA's
+    compression (lo = 0, hi = the visible compressed blocks) and window (the last w keys) are such ranges.
+    Interface of `nsa_attention._Window`: forward() -> (out, lse); backward(grad_out, out, lse) -> (dq, dk, dv)."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float) -> None:
+        B, KV, NR, D = q.shape
+        self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
+        self.lo, self.hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+        self.scale, self.G = scale, NR // lo.shape[0]
+        self.meta = dict(D=D, BLOCK_M=_RANGE_BLOCK, BLOCK_N=_RANGE_BLOCK, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                         ACC=_tl_dtype(_acc_dtype(q)))
+        self.sizes = (NR, lo.shape[0], k.shape[2])  # rows, queries, keys
+        self.grid = (triton.cdiv(NR, _RANGE_BLOCK), B * KV)
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q) in float32, float64 for float64 inputs)."""
+        out = torch.empty_like(self.q)
+        lse = torch.empty(self.q.shape[:3], dtype=_acc_dtype(self.q), device=self.q.device)
+        _range_forward_kernel[self.grid](self.q, self.k, self.v, self.lo, self.hi, out, lse, *self.sizes,
+                                         self.scale, **self.meta)
+        return out, lse
+
+    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q) of this attention: gradients of q
+        (B, KV, G*Q, D) and of k, v (B, KV, S, D)."""
+        acc = _acc_dtype(self.q)
+        grad_out, lse = grad_out.contiguous(), lse.to(acc).contiguous()
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # (B, KV, G*Q): rowsum(dO * O)
+        dq, dk, dv = torch.empty_like(self.q), torch.empty_like(self.k), torch.empty_like(self.v)
+        args = (self.q, self.k, self.v, self.lo, self.hi, grad_out, lse, delta)
+        _range_dq_kernel[self.grid](*args, dq, *self.sizes, self.scale, **self.meta)
+        S = self.k.shape[2]
+        first = torch.arange(0, S, _RANGE_BLOCK, device=self.q.device, dtype=torch.int32)  # (n_key_blocks,)
+        q_first = torch.searchsorted(self.hi, first, right=True).to(torch.int32)  # first query with hi > block start
+        q_last = torch.searchsorted(self.lo, first + _RANGE_BLOCK).to(torch.int32)  # first with lo >= block end
+        _range_dkdv_kernel[(first.numel(), self.grid[1])](*args, q_first, q_last, dk, dv, *self.sizes, self.scale,
+                                                          G=self.G, **self.meta)
+        return dq, dk, dv

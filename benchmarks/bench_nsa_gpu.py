@@ -1,7 +1,7 @@
 """NSA on a CUDA GPU against full causal attention (SDPA, flash backend): forward and forward+backward time and peak
 memory of one attention layer, side by side in one process, bf16, the 4B geometry by default (dim 2560, H=32,
-KV=8, D=128). Our NSA runs its selection branch on the Triton kernels (nsa_triton.py), compression and window on
-the explicit path of nsa_attention.attend.
+KV=8, D=128). Our NSA runs its three branches on the Triton kernels (nsa_triton.py); the importance scores are one
+explicit QK^T per chunk.
 
     python benchmarks/bench_nsa_gpu.py                               # T = 8k, 32k, 64k
     python benchmarks/bench_nsa_gpu.py --seq-lens 8192 --repeats 10
@@ -83,7 +83,7 @@ def main() -> None:
         sys.exit("no CUDA device: this benchmark measures the GPU path (--device cpu only smoke-tests the script)")
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before nsa_triton is imported
-    from nsa_attention import triton_selection
+    from nsa_attention import triton_kernels
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
@@ -97,7 +97,7 @@ def main() -> None:
         for impl in ("sdpa", "nsa"):
             run = build(impl, args, device, dtype)
             x = torch.randn(1, T, args.dim, device=device, dtype=dtype, requires_grad=True)
-            with triton_selection() if device.type == "cpu" else contextlib.nullcontext():
+            with triton_kernels() if device.type == "cpu" else contextlib.nullcontext():
                 with torch.no_grad():
                     fwd, _ = timed(lambda run=run, x=x: run(x), device, args.repeats)
                 both, peak = timed(lambda run=run, x=x: run(x).float().square().mean().backward(), device,

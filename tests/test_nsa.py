@@ -35,7 +35,7 @@ from nsa_attention import (
     selection_pool_weights,
     sparse_attention,
     tile_plan,
-    triton_selection,
+    triton_kernels,
 )
 
 F64 = dict(rtol=0, atol=1e-12)
@@ -486,28 +486,59 @@ def test_gradcheck_sparse_attention_top_n():
     assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config), inputs, fast_mode=True)
 
 
-# ---- the Triton selection kernels (nsa_triton.py), in Triton's interpreter without a GPU ------------------------
+# ---- the Triton kernels (nsa_triton.py), in Triton's interpreter without a GPU ---------------------------------
 
 
 @pytest.mark.parametrize("H,KV", [(2, 2), (8, 2), (16, 1)])  # GQA ratios 1, 4, 16
-def test_triton_selection_matches_naive(H, KV):
-    """sparse_attention with the selection branch on the Triton kernels against the brute-force reference
-    (float64, top-n really choosing, chunks cutting blocks)."""
+def test_triton_matches_naive(H, KV):
+    """sparse_attention with all three branches on the Triton kernels against the brute-force reference
+    (float64, top-n really choosing, chunks cutting blocks, window and compression ranges crossing chunks)."""
     pytest.importorskip("triton")
     config = nsa_config(nsa_query_chunk=24)
     inputs = random_inputs(2, H, KV, 90, 8, config)
-    with triton_selection():
+    with triton_kernels():
         torch.testing.assert_close(sparse_attention(*inputs, config), naive_nsa(*inputs, config), **F64)
 
 
-def test_triton_selection_gradcheck():
+def test_triton_gradcheck():
     """gradcheck of all inputs of sparse_attention through the Triton kernels' backward (dQ query-centric, dK/dV
-    block-centric), top-n choosing 3 of up to 4 blocks, chunks cutting blocks."""
+    key-block-centric, for the selection and the range kernels), top-n choosing 3 of up to 4 blocks, chunks
+    cutting blocks."""
     pytest.importorskip("triton")
     config = nsa_config(nsa_num_selected=3, nsa_window=12, nsa_query_chunk=13)
     leaves = [t.requires_grad_() for t in random_inputs(1, 4, 2, 56, 4, config)]
-    with triton_selection():
+    with triton_kernels():
         assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config), leaves, fast_mode=True)
+
+
+@pytest.mark.parametrize("kind", ["window", "compression"])
+def test_triton_range_attention_matches_dense(kind):
+    """`nsa_triton.RangeAttention` (each query one contiguous key range) against autograd through a dense masked
+    attention, float64: window-like ranges (the last 40 keys, shifted by 80) and compression-like ones (a prefix
+    growing by 3 keys every 2 queries), G = 3 heads, rows and keys not multiples of the kernels' 64-blocks."""
+    pytest.importorskip("triton")
+    from nsa_triton import RangeAttention
+
+    B, KV, G, Q, D, S = 2, 2, 3, 150, 8, 230
+    i = torch.arange(Q)
+    if kind == "window":
+        hi = i + 81
+        lo = (hi - 40).clamp(min=0)
+    else:
+        hi, lo = ((i * 3) // 2 + 1).clamp(max=S), torch.zeros_like(i)
+    q = torch.randn(B, KV, G * Q, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, KV, S, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    pos = torch.arange(S)
+    allowed = ((pos >= lo[:, None]) & (pos < hi[:, None])).repeat(G, 1)  # (G*Q, S), head-major rows
+    logits = (q @ k.transpose(-1, -2) * D**-0.5).masked_fill(~allowed, -math.inf)
+    ref, ref_lse = logits.softmax(-1) @ v, logits.logsumexp(-1)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    attention = RangeAttention(q.detach(), k.detach(), v.detach(), lo, hi, D**-0.5)
+    out, lse = attention.forward()
+    for got, expected in zip((out, lse, *attention.backward(grad, out, lse)), (ref, ref_lse.detach(), *ref_grads),
+                             strict=True):
+        torch.testing.assert_close(got, expected, **F64)
 
 
 def test_triton_selection_half_precision():
@@ -535,13 +566,13 @@ def test_triton_selection_half_precision():
         torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)
 
 
-def test_triton_selection_decode_equals_prefill():
+def test_triton_decode_equals_prefill():
     """The cache path (q_start > 0, the selection reading the whole preallocated cache) on the Triton kernels."""
     pytest.importorskip("triton")
     config = nsa_config(nsa_query_chunk=16)
     layer, rope = make_layer(config)
     x = torch.randn(2, 70, config.dim, dtype=torch.float64)
-    with torch.no_grad(), triton_selection():
+    with torch.no_grad(), triton_kernels():
         full = run_layer(layer, rope, x)
         layer.setup_cache(2, 70, torch.float64, "cpu")
         steps = [(0, 5), (5, 35)] + [(t, t + 1) for t in range(35, 70)]
@@ -555,13 +586,16 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import nsa_triton as nt
-types = dict(IDX="*i64", LSE="*fp32", DELTA="*fp32", PTR="*i64", ROW="*i64", q_start="i32", NQ="i32", S="i32",
-             NB="i32", scale="fp32")
+types = dict(IDX="*i64", LSE="*fp32", DELTA="*fp32", PTR="*i64", ROW="*i64", LO="*i32", HI="*i32", QA="*i32",
+             QB="*i32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32", scale="fp32")
 for D in (64, 128):
     common = dict(G=4, D=D, L_SEL=64, BLOCK_D=D, ACC=tl.float32)
+    ranged = dict(D=D, BLOCK_M=64, BLOCK_N=64, BLOCK_D=D, ACC=tl.float32)
     for fn, consts in ((nt._forward_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
                        (nt._dq_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
-                       (nt._dkdv_kernel, dict(common, QB=16, BLOCK_R=64))):
+                       (nt._dkdv_kernel, dict(common, QB=16, BLOCK_R=64)),
+                       (nt._range_forward_kernel, ranged), (nt._range_dq_kernel, ranged),
+                       (nt._range_dkdv_kernel, dict(ranged, G=4))):
         sig = {a: "constexpr" if a in consts else types.get(a, "*bf16") for a in fn.arg_names}
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         assert kernel.asm["cubin"], fn
@@ -569,7 +603,7 @@ for D in (64, 128):
 
 
 def test_triton_kernels_compile_for_h100():
-    """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all three for
+    """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all six for
     sm_90 in bf16 (Triton's own compiler and ptxas, no device needed), at D = 64 and 128, G = 4, l' = 64, n = 16."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
