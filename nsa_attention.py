@@ -14,8 +14,8 @@ dS = P * (dO V^T - rowsum(dO * O))).
 - Selection: the query's own block is attended densely, block by block, with a causal (l'*G, l') mask; the other
   selected (past, fully visible) blocks are grouped by block into tiles of R queries (`tile_plan`), each tile one
   unmasked attention of its R*G query rows over one l'-key block. The partial results merge through their lse.
-- On CUDA (with Triton installed) all three branches run instead on nsa_triton.py's kernels, which keep no logits
-  and gather no tiles (`_Chunk`); only the importance scores are computed explicitly (under no_grad, forward).
+- On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa_triton.py's
+  kernels, which keep no logits and gather no tiles (`_Chunk`).
 - Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
 
 Memory and time. Queries are processed in chunks of Q = `nsa_query_chunk` tokens. Forward keeps its inputs plus,
@@ -31,7 +31,7 @@ blocks, the peak of one layer's forward+backward, in elements, is
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
 The chunk part is what the explicit path materialises: logits and probabilities of one chunk. With the Triton
-kernels (CUDA) only the compression term's forward importance logits remain. For fixed
+kernels (CUDA) it shrinks to the chunk's importance scores, B * KV * Q * Nsb. For fixed
 Q the peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
@@ -458,9 +458,9 @@ class _Chunk:
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
             from nsa_triton import RangeAttention
 
-            n_visible = (q_pos.clamp(min=l - 1) - (l - 1)) // d + 1  # (Q,) >= 1: block 0 shown to the first l - 1
-            self.compression = RangeAttention(self.q_heads, k_cmp, v_cmp, torch.zeros_like(n_visible), n_visible,
-                                              self.scale)
+            self.n_visible = ((q_pos - (l - 1)).div(d, rounding_mode="floor") + 1).clamp(min=0)  # (Q,) blocks seen
+            shown = self.n_visible.clamp(min=1)  # block 0 shown to the first l - 1 positions
+            self.compression = RangeAttention(self.q_heads, k_cmp, v_cmp, torch.zeros_like(shown), shown, self.scale)
             window_lo = (q_pos - w + 1).clamp(min=win_start) - win_start  # (Q,) into k_win
             self.window = RangeAttention(self.q_heads, k_win, v_win, window_lo, q_pos + 1 - win_start, self.scale)
         else:
@@ -489,26 +489,39 @@ class _Chunk:
             return TritonSelection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
         return _Selection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
 
+    def _importance(self, lse_cmp: Tensor, n_select: int) -> Tensor:
+        """Eqs. 8-10: the compression probabilities of each query (from the branch's lse (B, KV, G*Q)) summed over
+        the group and pooled onto the first n_select selection blocks: (B, KV, Q, n_select); zero for the first
+        l - 1 positions, which see no block. On the Triton path without the probabilities in memory."""
+        cfg, (B, KV, G, Q, _) = self.config, self.shape
+        geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
+        if self.triton:
+            from nsa_triton import importance_scores
+
+            return importance_scores(self.q_heads, self.k_cmp, lse_cmp, self.n_visible, geometry, n_select,
+                                     self.scale)
+        p = _probabilities(self.q_heads, self.k_cmp, None, lse_cmp, self.scale)  # (B, KV, G*Q, Nc')
+        p[..., self.n_full:].masked_fill_(~self.cmp_visible[:, self.n_full:], 0.0)  # invisible: exp(...) -> 0
+        p_cmp = p.view(B, KV, G, Q, -1).sum(2)  # (B, KV, Q, Nc')
+        p_cmp[:, :, : self.n_empty] = 0
+        return pool_to_selection_blocks(p_cmp, *geometry, n_select)
+
     def forward(self) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (branch outputs (3, B, KV, G*Q, D), their lse (3, B, KV, G*Q), selected blocks (B, KV, Q, n));
         unused slots of the selection hold Nsb."""
         cfg, (B, KV, G, Q, D) = self.config, self.shape
-        l, d, l_sel = cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size
-        n_blocks = self.k_blocks.shape[2]
+        l_sel = cfg.nsa_select_block_size
+        n_blocks, n_select = self.k_blocks.shape[2], (self.q_start + Q - 1) // l_sel + 1
+        acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
         if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk
-            acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
             o_cmp, lse_cmp = torch.zeros_like(self.q_heads), self.q_heads.new_zeros(B, KV, G * Q, dtype=acc)
-            p_cmp = self.q_heads.new_zeros(B, KV, Q, 0)
+            importance = self.q_heads.new_zeros(B, KV, Q, n_select, dtype=acc)
         else:
             o_cmp, lse_cmp = self.compression.forward()
-            with torch.no_grad():  # Eqs. 8 and 10: probabilities of the compressed blocks summed over the group
-                p = _probabilities(self.q_heads, self.k_cmp, None, lse_cmp, self.scale)  # (B, KV, G*Q, Nc')
-                p[..., self.n_full:].masked_fill_(~self.cmp_visible[:, self.n_full:], 0.0)  # invisible: exp(...) -> 0
-                p_cmp = p.view(B, KV, G, Q, -1).sum(2)  # (B, KV, Q, Nc')
-                p_cmp[:, :, : self.n_empty] = 0
+            with torch.no_grad():
+                importance = self._importance(lse_cmp, n_select)
             o_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
         with torch.no_grad():
-            importance = pool_to_selection_blocks(p_cmp, l, d, l_sel, (self.q_start + Q - 1) // l_sel + 1)
             idx, valid = select_blocks(importance, self.q_pos, l_sel, cfg.nsa_num_selected)  # (B, KV, Q, n')
             idx = F.pad(idx.masked_fill(~valid, n_blocks), (0, cfg.nsa_num_selected - idx.shape[-1]), value=n_blocks)
         o_slc, lse_slc = self._selection(idx).forward()

@@ -17,6 +17,10 @@ blocks; the last w keys), so they are flash attention with per-query bounds: for
 walking the union of their ranges, dK/dV by blocks of 64 keys walking the queries whose ranges meet them (found by
 a binary search, as the bounds never decrease with the query).
 
+Importance scores (paper Eqs. 8-10; `importance_scores`): the compression probabilities recomputed from the branch's
+lse, summed over the group's heads and pooled onto selection blocks by a product with Eq. 9's weights, one tile of
+compressed blocks at a time: only the (Q, selection blocks) scores reach memory.
+
 Accumulation is in float32 (float64 for float64 inputs, so the tests compare exactly); float32 inputs use IEEE
 products, not TF32. Without a GPU the kernels run in Triton's interpreter if TRITON_INTERPRET=1 is set before this
 module is imported (tests/conftest.py does so): that is how the tests check them on CPU.
@@ -34,7 +38,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_DK_ROWS = 64  # query rows per step of the dK/dV kernel (whole queries of G heads each)
+_DK_ROWS = 64  # query rows per step of the selection's dK/dV kernel (whole queries of G heads each)
+_RANGE_BLOCK = 64  # rows per program and keys per step of the range and importance kernels
 
 
 @triton.jit
@@ -270,6 +275,42 @@ def _range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, 
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
+# ---- importance scores (paper Eqs. 8-10) without the compression probabilities in memory -----------------------
+
+
+@triton.jit
+def _importance_kernel(Q, K, LSE, NVIS, W, IMP, NQ, NC, NS, scale,
+                       G: tl.constexpr, D: tl.constexpr, PER_SEL: tl.constexpr, FIRST: tl.constexpr,
+                       WIDTH: tl.constexpr, J_STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+                       BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    j0 = tl.program_id(2) * J_STEP  # this program's selection blocks: j0 .. j0 + J_STEP - 1
+    qi = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = qi < NQ
+    n_visible = tl.load(NVIS + qi, mask=q_ok, other=0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    cc = tl.arange(0, BLOCK_C)
+    c = j0 * PER_SEL + FIRST + cc  # the compressed blocks that feed them
+    c_ok = (c >= 0) & (c < NC)
+    k = tl.load(K + (bh * NC + c[:, None]) * D + cols[None, :], mask=c_ok[:, None] & col_ok[None, :], other=0.0)
+    visible = c_ok[None, :] & (c[None, :] < n_visible[:, None])  # (BLOCK_M, BLOCK_C)
+    p = tl.zeros([BLOCK_M, BLOCK_C], ACC)  # compression probabilities summed over the group's heads (Eq. 10)
+    for g in range(G):
+        rows = bh * G * NQ + g * NQ + qi  # into (BKV * G * NQ) head-major rows
+        q = tl.load(Q + rows[:, None] * D + cols[None, :], mask=q_ok[:, None] & col_ok[None, :], other=0.0)
+        lse = tl.load(LSE + rows, mask=q_ok, other=0.0)
+        p += tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+    jj = tl.arange(0, BLOCK_J)
+    offset = cc[:, None] - PER_SEL * jj[None, :]  # (BLOCK_C, BLOCK_J): Eq. 9's weight index of (c, j)
+    w = tl.load(W + offset, mask=(offset >= 0) & (offset < WIDTH), other=0.0)
+    importance = _dot(p, w.to(ACC), ACC)  # (BLOCK_M, BLOCK_J)
+    j = j0 + jj
+    tl.store(IMP + (bh * NQ + qi[:, None]) * NS + j[None, :], importance,
+             mask=q_ok[:, None] & ((jj < J_STEP) & (j < NS))[None, :])
+
+
 def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -344,8 +385,6 @@ def _queries_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> t
     return ptr, order // n
 
 
-_RANGE_BLOCK = 64  # rows per program and keys per step of the range-attention kernels
-
 
 class RangeAttention:
     """Softmax attention in which each query sees one contiguous range of keys, on the Triton kernels (no logits in
@@ -388,3 +427,29 @@ class RangeAttention:
         _range_dkdv_kernel[(first.numel(), self.grid[1])](*args, q_first, q_last, dk, dv, *self.sizes, self.scale,
                                                           G=self.G, **self.meta)
         return dq, dk, dv
+
+
+def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, geometry: tuple[int, int, int],
+                      n_select_blocks: int, scale: float) -> Tensor:
+    """Selection-block importance (paper Eqs. 8-10) of queries q (B, KV, G*Q, D) (head-major rows) given the
+    compression branch's lse (B, KV, G*Q) over compressed keys k_cmp (B, KV, Nc, D), query i seeing the first
+    n_visible[i] of them: the probabilities summed over each group's heads and pooled onto n_select_blocks selection
+    blocks with `nsa_attention.selection_pool_weights` for geometry (l, d, l'). Returns (B, KV, Q, n_select_blocks)
+    in float32 (float64 for float64 inputs), as `pool_to_selection_blocks` of the explicit probabilities would."""
+    from nsa_attention import selection_pool_weights
+
+    B, KV, NR, D = q.shape
+    l, d, l_sel = geometry
+    first, weights = selection_pool_weights(l, d, l_sel)
+    per_sel, width, block_c = l_sel // d, len(weights), max(64, triton.next_power_of_2(len(weights)))
+    j_step = (block_c - width) // per_sel + 1  # selection blocks whose compressed blocks fit one tile of block_c
+    nq, acc = n_visible.shape[0], _acc_dtype(q)
+    out = torch.empty(B, KV, nq, n_select_blocks, dtype=acc, device=q.device)
+    grid = (triton.cdiv(nq, _RANGE_BLOCK), B * KV, triton.cdiv(n_select_blocks, j_step))
+    _importance_kernel[grid](q.contiguous(), k_cmp.contiguous(), lse.to(acc).contiguous(),
+                             n_visible.to(torch.int32).contiguous(), torch.tensor(weights, device=q.device), out, nq,
+                             k_cmp.shape[2], n_select_blocks, scale, G=NR // nq, D=D, PER_SEL=per_sel, FIRST=first,
+                             WIDTH=width, J_STEP=j_step, BLOCK_M=_RANGE_BLOCK,
+                             BLOCK_J=max(16, triton.next_power_of_2(j_step)), BLOCK_C=block_c,
+                             BLOCK_D=max(16, triton.next_power_of_2(D)), ACC=_tl_dtype(acc))
+    return out

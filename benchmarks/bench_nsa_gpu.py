@@ -1,7 +1,6 @@
 """NSA on a CUDA GPU against full causal attention (SDPA, flash backend): forward and forward+backward time and peak
 memory of one attention layer, side by side in one process, bf16, the 4B geometry by default (dim 2560, H=32,
-KV=8, D=128). Our NSA runs its three branches on the Triton kernels (nsa_triton.py); the importance scores are one
-explicit QK^T per chunk.
+KV=8, D=128). Our NSA runs its three branches and the importance scores on the Triton kernels (nsa_triton.py).
 
     python benchmarks/bench_nsa_gpu.py                               # T = 8k, 32k, 64k
     python benchmarks/bench_nsa_gpu.py --seq-lens 8192 --repeats 10

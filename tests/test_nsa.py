@@ -541,6 +541,30 @@ def test_triton_range_attention_matches_dense(kind):
         torch.testing.assert_close(got, expected, **F64)
 
 
+@pytest.mark.parametrize("l,d,ls", [(8, 4, 16), (32, 16, 64), (16, 16, 16), (4, 4, 8), (64, 16, 64)])
+def test_triton_importance_matches_pooled_probabilities(l, d, ls):
+    """`nsa_triton.importance_scores` (probabilities recomputed from the lse, summed over the group, pooled by a
+    tile product with Eq. 9's weights) against the explicit probabilities pooled by `pool_to_selection_blocks`,
+    float64, queries from before the first complete block (zero rows) to several selection blocks on."""
+    pytest.importorskip("triton")
+    from nsa_triton import importance_scores
+
+    B, KV, G, D, q_start, Q = 1, 2, 3, 8, 37, 150
+    T = q_start + Q
+    n_cmp, n_select = num_compressed_blocks(T, l, d), (T - 1) // ls + 1
+    pos = torch.arange(q_start, q_start + Q)
+    n_visible = ((pos - l + 1).div(d, rounding_mode="floor") + 1).clamp(min=0)
+    q = torch.randn(B, KV, G * Q, D, dtype=torch.float64)
+    k = torch.randn(B, KV, n_cmp, D, dtype=torch.float64)
+    visible = (torch.arange(n_cmp) < n_visible[:, None]).repeat(G, 1)  # (G*Q, Nc)
+    logits = q @ k.transpose(-1, -2) * D**-0.5
+    lse = logits.masked_fill(~visible, -math.inf).logsumexp(-1)
+    p = torch.exp(logits - lse[..., None]).masked_fill(~visible, 0.0).view(B, KV, G, Q, n_cmp).sum(2)
+    expected = pool_to_selection_blocks(p, l, d, ls, n_select)
+    got = importance_scores(q, k, lse, n_visible, (l, d, ls), n_select, D**-0.5)
+    torch.testing.assert_close(got, expected, **F64)
+
+
 def test_triton_selection_half_precision():
     """The kernels' low-precision path (half inputs and outputs, probabilities cast to half before P @ V, float32
     accumulation and lse) at the 4B block geometry (l' = 64, D = 64 here, G = 4), against the float32 `_Selection`:
@@ -587,7 +611,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import nsa_triton as nt
 types = dict(IDX="*i64", LSE="*fp32", DELTA="*fp32", PTR="*i64", ROW="*i64", LO="*i32", HI="*i32", QA="*i32",
-             QB="*i32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32", scale="fp32")
+             QB="*i32", NVIS="*i32", W="*fp32", IMP="*fp32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32",
+             NC="i32", NS="i32", scale="fp32")
 for D in (64, 128):
     common = dict(G=4, D=D, L_SEL=64, BLOCK_D=D, ACC=tl.float32)
     ranged = dict(D=D, BLOCK_M=64, BLOCK_N=64, BLOCK_D=D, ACC=tl.float32)
@@ -595,7 +620,9 @@ for D in (64, 128):
                        (nt._dq_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
                        (nt._dkdv_kernel, dict(common, QB=16, BLOCK_R=64)),
                        (nt._range_forward_kernel, ranged), (nt._range_dq_kernel, ranged),
-                       (nt._range_dkdv_kernel, dict(ranged, G=4))):
+                       (nt._range_dkdv_kernel, dict(ranged, G=4)),
+                       (nt._importance_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, BLOCK_M=64,
+                                                    BLOCK_J=16, BLOCK_C=64, BLOCK_D=D, ACC=tl.float32))):
         sig = {a: "constexpr" if a in consts else types.get(a, "*bf16") for a in fn.arg_names}
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         assert kernel.asm["cubin"], fn
@@ -603,7 +630,7 @@ for D in (64, 128):
 
 
 def test_triton_kernels_compile_for_h100():
-    """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all six for
+    """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all seven for
     sm_90 in bf16 (Triton's own compiler and ptxas, no device needed), at D = 64 and 128, G = 4, l' = 64, n = 16."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
