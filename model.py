@@ -64,6 +64,7 @@ class ModelConfig:
     nsa_window: int = 512  # w: sliding-window length, counting the query's own token
     nsa_separate_kv: bool = True  # independent K/V projections per branch (paper section 3.3.3)
     nsa_query_chunk: int = 512  # queries processed together; bounds the selection branch's working memory
+    nsa_triton: bool = True  # CUDA tensors: run the branches on nsa_triton.py's kernels when Triton is installed
     init_std: float = 0.02
 
     def __post_init__(self) -> None:

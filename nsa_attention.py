@@ -31,7 +31,8 @@ blocks, the peak of one layer's forward+backward, in elements, is
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
 The chunk part is what the explicit path materialises: logits and probabilities of one chunk. With the Triton
-kernels (CUDA) it shrinks to the chunk's importance scores, B * KV * Q * Nsb. For fixed
+kernels (CUDA) it shrinks to the chunk's importance scores, c_imp * B * Q * KV * Nsb in float32 (c_imp = 6 in the
+test; one 4B layer at 131k: 16.7 GiB on that path against 22.7 GiB explicit, query chunk 2048). For fixed
 Q the peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
@@ -139,14 +140,16 @@ def explicit_attention() -> AbstractContextManager[None]:
 
 def triton_kernels() -> AbstractContextManager[None]:
     """Within the block, the branches run on the Triton kernels (nsa_triton.py) on every device, as they do on
-    CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa_triton is imported), for tests."""
+    CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa_triton is imported), for tests; on
+    fake tensors without launching them (their outputs are allocated), for profile_memory.py's estimates."""
     return _forcing("triton")
 
 
-def _triton_ready(t: Tensor) -> bool:
-    """Whether the Triton kernels run for t: real CUDA tensors (any tensors under `triton_kernels`) and Triton
-    installed."""
-    return (t.is_cuda and not is_fake(t) or _forced["triton"]) and importlib.util.find_spec("triton") is not None
+def _triton_ready(t: Tensor, config: ModelConfig) -> bool:
+    """Whether the Triton kernels run for t: real CUDA tensors when `config.nsa_triton` (any tensors under
+    `triton_kernels`), and Triton installed."""
+    on_gpu = config.nsa_triton and t.is_cuda and not is_fake(t)
+    return (on_gpu or _forced["triton"]) and importlib.util.find_spec("triton") is not None
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
@@ -454,7 +457,7 @@ class _Chunk:
         block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
         self.cmp_visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
         self.n_full = num_compressed_blocks(max(q_start, l - 1) + 1, l, d)  # blocks every query of the chunk sees
-        self.triton = _triton_ready(q)
+        self.triton = _triton_ready(q, config)
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
             from nsa_triton import RangeAttention
 

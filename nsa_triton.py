@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 _DK_ROWS = 64  # query rows per step of the selection's dK/dV kernel (whole queries of G heads each)
 _RANGE_BLOCK = 64  # rows per program and keys per step of the range and importance kernels
@@ -311,6 +312,13 @@ def _importance_kernel(Q, K, LSE, NVIS, W, IMP, NQ, NC, NS, scale,
              mask=q_ok[:, None] & ((jj < J_STEP) & (j < NS))[None, :])
 
 
+def _launch(kernel, grid: tuple[int, ...], *args: object, **meta: object) -> None:
+    """kernel[grid](*args, **meta), except on fake tensors: their outputs are allocated and nothing runs, so
+    FakeTensorMode measures the memory of this path (profile_memory.py)."""
+    if not any(isinstance(a, Tensor) and is_fake(a) for a in args):
+        kernel[grid](*args, **meta)
+
+
 def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -342,8 +350,8 @@ class TritonSelection:
         B, KV, Q, G, D = self.shape
         out = torch.empty_like(self.q)
         lse = torch.empty(B * KV, Q, G, dtype=_acc_dtype(self.q), device=self.q.device)
-        _forward_kernel[self.grid](self.q, self.k, self.v, self.idx, out, lse, self.q_start, Q, self.k.shape[1],
-                                   self.scale, **self.walk, **self.meta)
+        _launch(_forward_kernel, self.grid, self.q, self.k, self.v, self.idx, out, lse, self.q_start, Q,
+                self.k.shape[1], self.scale, **self.walk, **self.meta)
         return out.view(self.shape), lse.view(B, KV, Q, G)
 
     def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
@@ -358,15 +366,14 @@ class TritonSelection:
         delta = (grad_out.to(acc) * out.reshape(B * KV, Q, G, D).to(acc)).sum(-1)  # (BKV, Q, G): rowsum(dO * O)
         S = self.k.shape[1]
         dq = torch.empty_like(self.q)
-        _dq_kernel[self.grid](self.q, self.k, self.v, self.idx, grad_out, lse, delta, dq, self.q_start, Q, S,
-                              self.scale, **self.walk, **self.meta)
+        _launch(_dq_kernel, self.grid, self.q, self.k, self.v, self.idx, grad_out, lse, delta, dq, self.q_start, Q, S,
+                self.scale, **self.walk, **self.meta)
         n_blocks = (self.q_start + Q - 1) // self.l_sel + 1  # blocks a query of this call can select
         ptr, row = _queries_by_block(self.idx, self.q_start, self.l_sel, n_blocks)
         qb = max(1, _DK_ROWS // G)
-        _dkdv_kernel[(n_blocks, B * KV)](
-            self.q, self.k, self.v, grad_out, lse, delta, ptr, row, grad_k_blocks.view(B * KV, S, D),
-            grad_v_blocks.view(B * KV, S, D), self.q_start, Q, S, n_blocks, self.scale, QB=qb,
-            BLOCK_R=max(16, triton.next_power_of_2(qb * G)), **self.meta)
+        _launch(_dkdv_kernel, (n_blocks, B * KV), self.q, self.k, self.v, grad_out, lse, delta, ptr, row,
+                grad_k_blocks.view(B * KV, S, D), grad_v_blocks.view(B * KV, S, D), self.q_start, Q, S, n_blocks,
+                self.scale, QB=qb, BLOCK_R=max(16, triton.next_power_of_2(qb * G)), **self.meta)
         return dq.view(self.shape)
 
 
@@ -407,7 +414,7 @@ class RangeAttention:
         """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q) in float32, float64 for float64 inputs)."""
         out = torch.empty_like(self.q)
         lse = torch.empty(self.q.shape[:3], dtype=_acc_dtype(self.q), device=self.q.device)
-        _range_forward_kernel[self.grid](self.q, self.k, self.v, self.lo, self.hi, out, lse, *self.sizes,
+        _launch(_range_forward_kernel, self.grid, self.q, self.k, self.v, self.lo, self.hi, out, lse, *self.sizes,
                                          self.scale, **self.meta)
         return out, lse
 
@@ -419,13 +426,13 @@ class RangeAttention:
         delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # (B, KV, G*Q): rowsum(dO * O)
         dq, dk, dv = torch.empty_like(self.q), torch.empty_like(self.k), torch.empty_like(self.v)
         args = (self.q, self.k, self.v, self.lo, self.hi, grad_out, lse, delta)
-        _range_dq_kernel[self.grid](*args, dq, *self.sizes, self.scale, **self.meta)
+        _launch(_range_dq_kernel, self.grid, *args, dq, *self.sizes, self.scale, **self.meta)
         S = self.k.shape[2]
         first = torch.arange(0, S, _RANGE_BLOCK, device=self.q.device, dtype=torch.int32)  # (n_key_blocks,)
         q_first = torch.searchsorted(self.hi, first, right=True).to(torch.int32)  # first query with hi > block start
         q_last = torch.searchsorted(self.lo, first + _RANGE_BLOCK).to(torch.int32)  # first with lo >= block end
-        _range_dkdv_kernel[(first.numel(), self.grid[1])](*args, q_first, q_last, dk, dv, *self.sizes, self.scale,
-                                                          G=self.G, **self.meta)
+        _launch(_range_dkdv_kernel, (first.numel(), self.grid[1]), *args, q_first, q_last, dk, dv, *self.sizes,
+                self.scale, G=self.G, **self.meta)
         return dq, dk, dv
 
 
@@ -446,10 +453,9 @@ def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
     nq, acc = n_visible.shape[0], _acc_dtype(q)
     out = torch.empty(B, KV, nq, n_select_blocks, dtype=acc, device=q.device)
     grid = (triton.cdiv(nq, _RANGE_BLOCK), B * KV, triton.cdiv(n_select_blocks, j_step))
-    _importance_kernel[grid](q.contiguous(), k_cmp.contiguous(), lse.to(acc).contiguous(),
-                             n_visible.to(torch.int32).contiguous(), torch.tensor(weights, device=q.device), out, nq,
-                             k_cmp.shape[2], n_select_blocks, scale, G=NR // nq, D=D, PER_SEL=per_sel, FIRST=first,
-                             WIDTH=width, J_STEP=j_step, BLOCK_M=_RANGE_BLOCK,
-                             BLOCK_J=max(16, triton.next_power_of_2(j_step)), BLOCK_C=block_c,
-                             BLOCK_D=max(16, triton.next_power_of_2(D)), ACC=_tl_dtype(acc))
+    _launch(_importance_kernel, grid, q.contiguous(), k_cmp.contiguous(), lse.to(acc).contiguous(),
+            n_visible.to(torch.int32).contiguous(), torch.tensor(weights, device=q.device), out, nq, k_cmp.shape[2],
+            n_select_blocks, scale, G=NR // nq, D=D, PER_SEL=per_sel, FIRST=first, WIDTH=width, J_STEP=j_step,
+            BLOCK_M=_RANGE_BLOCK, BLOCK_J=max(16, triton.next_power_of_2(j_step)), BLOCK_C=block_c,
+            BLOCK_D=max(16, triton.next_power_of_2(D)), ACC=_tl_dtype(acc))
     return out

@@ -257,9 +257,12 @@ def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
     """Replace `nsa.sparse_attention` (the seam nsa_attention.py names for fused kernels) by
     `_SparseAttentionDouble` while the step runs, and describe it. The reference path runs hundreds of small operators
     per query chunk: at 131k tokens, thousands of chunks per step, hours under fake tensors. Its memory is affine in T
-    for a fixed chunk size (see nsa_attention.py), so the double is calibrated on the real function (its explicit
-    path, as on CUDA) for one layer at T itself (T <= 4 chunks) or at 2 and 4 chunks, extrapolated linearly.
-    Projections, compression and gates still run for real."""
+    for a fixed chunk size (see nsa_attention.py), so the double is calibrated on the real function, on the path a
+    CUDA run takes (the Triton kernels' when `nsa_triton` and Triton is installed here, else the explicit one), for
+    one layer at T itself (T <= 4 chunks) or at 2 and 4 chunks, extrapolated linearly. Projections, compression and
+    gates still run for real."""
+    import importlib.util
+
     import nsa
     import nsa_attention
 
@@ -268,7 +271,9 @@ def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
     B, T, Q = config.batch_size, config.context_length, model_config.nsa_query_chunk
     points = [T] if T <= 4 * Q else [2 * Q, 4 * Q]
     dtype, autocast = DTYPES[config.dtype], _autocast(config, device)
-    with nsa_attention.explicit_attention():  # the path CUDA runs (CPU tensors would take the fused CPU kernels)
+    triton = model_config.nsa_triton and importlib.util.find_spec("triton") is not None
+    path = nsa_attention.triton_kernels() if triton else nsa_attention.explicit_attention()  # not the CPU kernels
+    with path:
         measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, dtype, device),
                                              autocast) for t in points]
     spec = measured[-1]
@@ -283,7 +288,8 @@ def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
     nsa.sparse_attention = stand_in
     try:
         yield (f"NSA: nsa.sparse_attention (the three gated branches) is replaced by a memory double calibrated on "
-               f"the real function for one layer at T = {' and '.join(map(str, points))} (fake tensors), "
+               f"the real function ({'Triton kernels' if triton else 'explicit path'}, as on CUDA) for one layer at "
+               f"T = {' and '.join(map(str, points))} (fake tensors), "
                f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}projections, compression and gates run "
                f"as in training")
     finally:

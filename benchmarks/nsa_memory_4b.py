@@ -1,6 +1,7 @@
 """Peak memory of one 4B-geometry NSA layer (dim 2560, 32/8 heads, head_dim 128, bf16) at T = 131,072 tokens,
 forward + backward, under FakeTensorMode (nothing is allocated), for query chunks 512 / 1024 / 2048, on the fused
-CPU path and on the explicit path that CUDA runs. Weights and input are excluded.
+CPU path, on the explicit path and on the Triton kernels' path (what CUDA runs; the kernels allocate nothing beyond
+their outputs, and are not launched on fake tensors). Weights and input are excluded.
 
     python benchmarks/nsa_memory_4b.py    # about 3 minutes on 2 cores
 """
@@ -23,7 +24,11 @@ from nsa import NativeSparseAttention  # noqa: E402
 T = 131072
 
 
-def peak_gib(query_chunk: int, explicit: bool) -> tuple[float, float]:
+PATHS = {"fused": contextlib.nullcontext, "explicit": nsa_attention.explicit_attention,
+         "triton": nsa_attention.triton_kernels}
+
+
+def peak_gib(query_chunk: int, path: str) -> tuple[float, float]:
     """(peak, largest tensor) in GiB of one layer's forward + backward."""
     config = ModelConfig.from_preset("4B", attention_type="nsa", nsa_query_chunk=query_chunk, context_length=T)
     torch.set_default_dtype(torch.bfloat16)
@@ -32,8 +37,7 @@ def peak_gib(query_chunk: int, explicit: bool) -> tuple[float, float]:
             layer = NativeSparseAttention(config)
             x = torch.randn(1, T, config.dim, requires_grad=True)
             cos, sin = torch.randn(T, config.head_dim), torch.randn(T, config.head_dim)
-            path = nsa_attention.explicit_attention() if explicit else contextlib.nullcontext()
-            with path, LiveBytesTracker() as tracker:
+            with PATHS[path](), LiveBytesTracker() as tracker:
                 layer(x, cos, sin).sum().backward()
     finally:
         torch.set_default_dtype(torch.float32)
@@ -41,11 +45,11 @@ def peak_gib(query_chunk: int, explicit: bool) -> tuple[float, float]:
 
 
 def main() -> None:
-    print("| query chunk | fused CPU path | explicit path (CUDA) | largest tensor |")
-    print("|---|---|---|---|")
+    print("| query chunk | fused CPU path | explicit path | Triton kernels (CUDA) | largest tensor |")
+    print("|---|---|---|---|---|")
     for chunk in (512, 1024, 2048):
-        (fused, largest), (explicit, _) = peak_gib(chunk, False), peak_gib(chunk, True)
-        print(f"| {chunk} | {fused:.1f} GiB | {explicit:.1f} GiB | {largest:.1f} GiB |", flush=True)
+        (fused, largest), (explicit, _), (triton, _) = (peak_gib(chunk, path) for path in PATHS)
+        print(f"| {chunk} | {fused:.1f} GiB | {explicit:.1f} GiB | {triton:.1f} GiB | {largest:.1f} GiB |", flush=True)
 
 
 if __name__ == "__main__":

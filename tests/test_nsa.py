@@ -643,14 +643,17 @@ def test_triton_kernels_compile_for_h100():
 # ---- memory ----------------------------------------------------------------------------------------------------------
 
 
-def peak_bound_bytes(config: ModelConfig, B: int, T: int, elem: int) -> tuple[int, int]:
-    """(peak bound, largest-tensor bound) in bytes from nsa_attention.py's docstring formula, constants 8 and 6."""
+def peak_bound_bytes(config: ModelConfig, B: int, T: int, elem: int, triton: bool = False) -> tuple[int, int]:
+    """(peak bound, largest-tensor bound) in bytes from nsa_attention.py's docstring formula, constants 8 and 6;
+    `triton`: the Triton kernels' path, whose chunk part is the importance scores (float32)."""
     H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(config.nsa_query_chunk, T)
     n_sets = 3 if config.nsa_separate_kv else 1
     n_cmp = num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride)
     linear = T * B * (8 * (H + 2 * n_sets * KV) * D + 5 * H + 2 * config.dim)
     n_sel = config.nsa_num_selected * config.nsa_select_block_size
     chunk = B * Q * (6 * H * n_cmp + 6 * KV * n_sel * D + 6 * H * (Q + config.nsa_window - 1))
+    if triton:
+        chunk = 6 * B * Q * KV * -(-T // config.nsa_select_block_size) * 4 // elem
     largest = B * Q * max(H * n_cmp, KV * n_sel * D, H * (Q + config.nsa_window - 1)) * 4  # float32 softmax
     return (linear + chunk) * elem, max(largest, T * B * max(3 * H, 3 * KV * D, config.dim) * elem)
 
@@ -676,10 +679,15 @@ def test_memory_tracker_16k():
     assert peaks[16384] < 4.5 * peaks[4096], peaks  # 4x the tokens: linear growth plus the (fixed) chunk part
 
 
-def test_memory_fake_4b_geometry_131k():
+@pytest.mark.parametrize("path", ["fused", "triton"])
+def test_memory_fake_4b_geometry_131k(path):
     """FakeTensorMode (no real memory): one 4B-geometry layer (dim 2560, 32 q heads, 8 KV heads, head_dim 128) at
-    131,072 tokens in bfloat16, forward + backward, stays within the formula."""
+    131,072 tokens in bfloat16, forward + backward, stays within the formula, on the fused CPU path and on the
+    Triton kernels' path (the kernels are not launched on fake tensors; they allocate nothing but their outputs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if path == "triton":
+        pytest.importorskip("triton")
 
     config = ModelConfig.from_preset("4B", attention_type="nsa", nsa_query_chunk=2048, context_length=131072)
     T = 131072
@@ -688,9 +696,9 @@ def test_memory_fake_4b_geometry_131k():
         layer = NativeSparseAttention(config)
         x = torch.randn(1, T, config.dim, dtype=torch.bfloat16, requires_grad=True)
         cos, sin = torch.randn(T, config.head_dim), torch.randn(T, config.head_dim)
-        with LiveBytesTracker() as tracker:
+        with triton_kernels() if path == "triton" else contextlib.nullcontext(), LiveBytesTracker() as tracker:
             layer(x, cos, sin).sum().backward()
-    bound, largest = peak_bound_bytes(config, 1, T, 2)
+    bound, largest = peak_bound_bytes(config, 1, T, 2, triton=path == "triton")
     assert tracker.peak <= bound, (tracker.peak, bound)
     assert tracker.largest <= largest
     score_matrix = config.n_heads * T * num_compressed_blocks(T, 32, 16) * 2  # (32, T, T/16) bf16: 64 GiB
