@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from layers import RMSNorm, apply_rope
-from nsa_attention import num_compressed_blocks, sparse_attention
+from nsa_attention import sparse_attention
+from nsa_blocks import num_compressed_blocks
 
 if TYPE_CHECKING:
     from model import ModelConfig

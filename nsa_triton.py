@@ -10,7 +10,7 @@ in place from the (B, KV, S, D) keys, no tile of queries or keys gathered.
 - Backward, dK and dV: one program per (key block, batch x KV head) walks the queries that selected the block, a
   list built by one sort (`_queries_by_block`), in groups of rows; each block has one writer, so no atomics.
 A key at position p is visible to the query at t iff p <= t and p lies in one of the query's selected blocks; slots
-whose block lies after the query's own block are unused (the padding of `nsa_attention.select_blocks`).
+whose block lies after the query's own block are unused (the padding of `nsa_blocks.select_blocks`).
 
 Compression and window (`RangeAttention`): each query sees one contiguous range of keys (a prefix of the compressed
 blocks; the last w keys), so they are flash attention with per-query bounds: forward and dQ by blocks of 64 rows
@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+
+from nsa_blocks import selection_pool_weights
 
 _DK_ROWS = 64  # query rows per step of the selection's dK/dV kernel (whole queries of G heads each)
 _RANGE_BLOCK = 64  # rows per program and keys per step of the range and importance kernels
@@ -441,10 +443,8 @@ def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
     """Selection-block importance (paper Eqs. 8-10) of queries q (B, KV, G*Q, D) (head-major rows) given the
     compression branch's lse (B, KV, G*Q) over compressed keys k_cmp (B, KV, Nc, D), query i seeing the first
     n_visible[i] of them: the probabilities summed over each group's heads and pooled onto n_select_blocks selection
-    blocks with `nsa_attention.selection_pool_weights` for geometry (l, d, l'). Returns (B, KV, Q, n_select_blocks)
+    blocks with `nsa_blocks.selection_pool_weights` for geometry (l, d, l'). Returns (B, KV, Q, n_select_blocks)
     in float32 (float64 for float64 inputs), as `pool_to_selection_blocks` of the explicit probabilities would."""
-    from nsa_attention import selection_pool_weights
-
     B, KV, NR, D = q.shape
     l, d, l_sel = geometry
     first, weights = selection_pool_weights(l, d, l_sel)

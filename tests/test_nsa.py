@@ -25,18 +25,8 @@ from memtrack import LiveBytesTracker
 from model import Attention, ModelConfig, Transformer
 from nsa import NativeSparseAttention
 from nsa_attention import _as_blocks as as_blocks
-from nsa_attention import (
-    attend,
-    attend_backward,
-    explicit_attention,
-    num_compressed_blocks,
-    pool_to_selection_blocks,
-    select_blocks,
-    selection_pool_weights,
-    sparse_attention,
-    tile_plan,
-    triton_kernels,
-)
+from nsa_attention import attend, attend_backward, explicit_attention, sparse_attention, tile_plan, triton_kernels
+from nsa_blocks import num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights
 
 F64 = dict(rtol=0, atol=1e-12)
 EXACT = dict(rtol=0, atol=0)
