@@ -162,13 +162,24 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, PTR, ROW, DK, DV, q_start, NQ, S, NB, 
 
 
 @triton.jit
-def _range_rows(LO, HI, pid, NR, NQ, BLOCK_M: tl.constexpr):
-    """Rows pid * BLOCK_M + [0, BLOCK_M) of the head-major (G * NQ) rows: (rows, in range, key range lo, hi)."""
+def _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows pid * BLOCK_M + [0, BLOCK_M) of the head-major (G * NQ) rows: (rows, in range, each row's key range
+    lo, hi, and the union of the ranges as [start, end) with start a multiple of BLOCK_N)."""
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < NR
     lo = tl.load(LO + rows % NQ, mask=row_ok, other=0)
     hi = tl.load(HI + rows % NQ, mask=row_ok, other=0)
-    return rows, row_ok, lo, hi
+    start = tl.min(tl.where(row_ok, lo, S)) // BLOCK_N * BLOCK_N
+    return rows, row_ok, lo, hi, start, tl.max(tl.where(row_ok, hi, 0))
+
+
+@triton.jit
+def _key_block(K, V, bh, S, k0, cols, col_ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions k0 + [0, BLOCK_N) and their keys and values (BLOCK_N, BLOCK_D), zero past S."""
+    pos = k0 + tl.arange(0, BLOCK_N)
+    off = (bh * S + pos[:, None]) * D + cols[None, :]  # into (BKV, S, D)
+    mask = (pos < S)[:, None] & col_ok[None, :]
+    return pos, tl.load(K + off, mask=mask, other=0.0), tl.load(V + off, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -177,7 +188,7 @@ def _range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
                           ACC: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rows, row_ok, lo, hi = _range_rows(LO, HI, pid, NR, NQ, BLOCK_M)
+    rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     io_off = (bh * NR + rows[:, None]) * D + cols[None, :]  # into (BKV, NR, D)
@@ -186,14 +197,8 @@ def _range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
     m = tl.full([BLOCK_M], float("-inf"), ACC)
     denom = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-    start = tl.min(tl.where(row_ok, lo, S)) // BLOCK_N * BLOCK_N
-    end = tl.max(tl.where(row_ok, hi, 0))
     for k0 in range(start, end, BLOCK_N):
-        pos = k0 + tl.arange(0, BLOCK_N)
-        kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
-        kv_mask = (pos < S)[:, None] & col_ok[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        pos, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
         visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
         logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, 1))
@@ -214,7 +219,7 @@ def _range_dq_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, DQ, NR, NQ, S, scale,
                      ACC: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rows, row_ok, lo, hi = _range_rows(LO, HI, pid, NR, NQ, BLOCK_M)
+    rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     io_off = (bh * NR + rows[:, None]) * D + cols[None, :]
@@ -224,14 +229,8 @@ def _range_dq_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, DQ, NR, NQ, S, scale,
     lse = tl.load(LSE + bh * NR + rows, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh * NR + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-    start = tl.min(tl.where(row_ok, lo, S)) // BLOCK_N * BLOCK_N
-    end = tl.max(tl.where(row_ok, hi, 0))
     for k0 in range(start, end, BLOCK_N):
-        pos = k0 + tl.arange(0, BLOCK_N)
-        kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
-        kv_mask = (pos < S)[:, None] & col_ok[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        pos, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
         visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
         p = tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
         ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
@@ -247,11 +246,7 @@ def _range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, 
     bh = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    pos = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
-    kv_mask = (pos < S)[:, None] & col_ok[None, :]
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    pos, k, v = _key_block(K, V, bh, S, kb * BLOCK_N, cols, col_ok, D, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     q_first = tl.load(QA + kb)  # the queries [q_first, q_last) see a key of this block
@@ -274,6 +269,8 @@ def _range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, 
             dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
             ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
             dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
+    kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
+    kv_mask = (pos < S)[:, None] & col_ok[None, :]
     tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
