@@ -1,9 +1,10 @@
 """NSA on a CUDA GPU against full causal attention (SDPA, flash backend): forward and forward+backward time and peak
 memory of one attention layer, side by side in one process, bf16, the 4B geometry by default (dim 2560, H=32,
-KV=8, D=128). Our NSA runs its three branches and the importance scores on the Triton kernels (nsa_triton.py).
+KV=8, D=128). `nsa` runs its three branches and the importance scores on the Triton kernels (nsa_triton.py);
+`nsa-torch` is the same layer with `nsa_triton=False` (the explicit PyTorch path, tiles for the selection).
 
     python benchmarks/bench_nsa_gpu.py                               # T = 8k, 32k, 64k
-    python benchmarks/bench_nsa_gpu.py --seq-lens 8192 --repeats 10
+    python benchmarks/bench_nsa_gpu.py --seq-lens 8192 --repeats 10 --impls sdpa nsa
     python benchmarks/bench_nsa_gpu.py --device cpu --seq-lens 256 --dim 64 --heads 4 --kv-heads 2 --head-dim 16
         # a smoke run of this script without a GPU (Triton's interpreter; times meaningless)
 
@@ -26,6 +27,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
+IMPLS = ("sdpa", "nsa", "nsa-torch")  # full attention, NSA on the Triton kernels, NSA with nsa_triton=False
+
+
 def build(impl: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Callable:
     """The layer as a function x (1, T, dim) -> (1, T, dim) on device, in dtype."""
     from layers import RotaryEmbedding
@@ -33,9 +37,9 @@ def build(impl: str, args: argparse.Namespace, device: torch.device, dtype: torc
     from nsa import NativeSparseAttention
 
     cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      n_layers=1, attention_type=impl if impl == "nsa" else "full", context_length=max(args.seq_lens),
-                      nsa_query_chunk=args.query_chunk)
-    layer = (NativeSparseAttention(cfg) if impl == "nsa" else Attention(cfg)).to(device)
+                      n_layers=1, attention_type="full" if impl == "sdpa" else "nsa", context_length=max(args.seq_lens),
+                      nsa_query_chunk=args.query_chunk, nsa_triton=impl == "nsa")
+    layer = (Attention(cfg) if impl == "sdpa" else NativeSparseAttention(cfg)).to(device)
     layer.init_weights()
     layer.to(dtype)
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, 1024)
@@ -76,6 +80,7 @@ def main() -> None:
     parser.add_argument("--query-chunk", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -88,24 +93,23 @@ def main() -> None:
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
           f"{dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}; NSA l=32 d=16 l'=64 n=16 "
           f"w=512, query chunk {args.query_chunk}; median of {args.repeats}")
-    print("| T | SDPA fwd ms | NSA fwd ms | SDPA fwd+bwd ms | NSA fwd+bwd ms | SDPA peak MiB | NSA peak MiB | "
-          "fwd speed-up | fwd+bwd speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| T | layer | fwd ms | fwd+bwd ms | peak MiB | SDPA fwd / this | SDPA fwd+bwd / this |")
+    print("|---|---|---|---|---|---|---|")
     for T in args.seq_lens:
-        row = {}
-        for impl in ("sdpa", "nsa"):
+        sdpa = None
+        for impl in args.impls:
             run = build(impl, args, device, dtype)
             x = torch.randn(1, T, args.dim, device=device, dtype=dtype, requires_grad=True)
-            with triton_kernels() if device.type == "cpu" else contextlib.nullcontext():
+            forced = impl == "nsa" and device.type == "cpu"  # the interpreter stands in for the GPU
+            with triton_kernels() if forced else contextlib.nullcontext():
                 with torch.no_grad():
                     fwd, _ = timed(lambda run=run, x=x: run(x), device, args.repeats)
                 both, peak = timed(lambda run=run, x=x: run(x).float().square().mean().backward(), device,
                                    args.repeats)
-            row[impl] = (fwd, both, peak)
             del run, x
-        (sf, sb, sp), (nf, nb, np_) = row["sdpa"], row["nsa"]
-        print(f"| {T} | {sf * 1e3:.1f} | {nf * 1e3:.1f} | {sb * 1e3:.1f} | {nb * 1e3:.1f} | {sp / 2**20:.0f} | "
-              f"{np_ / 2**20:.0f} | {sf / nf:.2f}x | {sb / nb:.2f}x |", flush=True)
+            sdpa = (fwd, both) if impl == "sdpa" else sdpa
+            ratios = f"{sdpa[0] / fwd:.2f}x | {sdpa[1] / both:.2f}x" if sdpa else "- | -"
+            print(f"| {T} | {impl} | {fwd * 1e3:.1f} | {both * 1e3:.1f} | {peak / 2**20:.0f} | {ratios} |", flush=True)
 
 
 if __name__ == "__main__":
