@@ -14,9 +14,9 @@ dS = P * (dO V^T - rowsum(dO * O))).
 - Selection: the query's own block is attended densely, block by block, with a causal (l'*G, l') mask; the other
   selected (past, fully visible) blocks are grouped by block into tiles of R queries (`tile_plan`), each tile one
   unmasked attention of its R*G query rows over one l'-key block. The partial results merge through their lse.
+- Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
 - On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa_triton.py's
   kernels, which keep no logits and gather no tiles (`_Chunk`).
-- Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
 
 Memory and time. Queries are processed in chunks of Q = `nsa_query_chunk` tokens. Forward keeps its inputs plus,
 when gradients are needed, each branch's output (3, B, H, T, D), its lse (3, B, H, T) and the selected block indices
@@ -32,7 +32,7 @@ with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
 The chunk part is what the explicit path materialises: logits and probabilities of one chunk. With the Triton
 kernels (CUDA) it shrinks to the chunk's importance scores, c_imp * B * Q * KV * Nsb in float32 (c_imp = 6 in the
-test; one 4B layer at 131k: 16.7 GiB on that path against 22.7 GiB explicit, query chunk 2048). For fixed
+test; one 4B layer at 131k: 16.6 GiB on that path against 22.7 GiB explicit, query chunk 2048). For fixed
 Q the peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
@@ -404,9 +404,6 @@ class _Chunk:
         # Compression: block i visible to t iff i*d + l - 1 <= t. The first l - 1 positions see no block: they are
         # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
         self.n_empty = min(Q, max(0, l - 1 - q_start))
-        block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
-        self.cmp_visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
-        self.n_full = num_compressed_blocks(max(q_start, l - 1) + 1, l, d)  # blocks every query of the chunk sees
         self.triton = _triton_ready(q, config)
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
             from nsa_triton import RangeAttention
@@ -417,6 +414,9 @@ class _Chunk:
             window_lo = (q_pos - w + 1).clamp(min=win_start) - win_start  # (Q,) into k_win
             self.window = RangeAttention(self.q_heads, k_win, v_win, window_lo, q_pos + 1 - win_start, self.scale)
         else:
+            block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
+            self.cmp_visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
+            self.n_full = num_compressed_blocks(max(q_start, l - 1) + 1, l, d)  # blocks all queries of the chunk see
             self.compression = _MaskedAttention(self.q_heads, k_cmp, v_cmp, _additive(self.cmp_visible, q.dtype),
                                                 self.scale)  # mask (G*Q, Nc')
             self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G, self.scale)
