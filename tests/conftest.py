@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels (nsa_triton.py) run in Triton's interpreter; read at their import
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The Triton kernels (nsa_triton.py) run in Triton's interpreter in this process, on any machine (read when the module
+# is imported); on a GPU, test_triton_kernels_on_gpu runs them for real in a subprocess.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

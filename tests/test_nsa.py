@@ -630,6 +630,17 @@ def test_triton_kernels_compile_for_h100():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the Triton kernels on a CUDA device")
+def test_triton_kernels_on_gpu():
+    """The real kernels on the GPU (this process runs them in the interpreter): tests/nsa_triton_gpu_check.py
+    compares them with the PyTorch path on the same device, float32 and bfloat16, forward and all gradients."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parent / "nsa_triton_gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 # ---- memory ----------------------------------------------------------------------------------------------------------
 
 
