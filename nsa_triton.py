@@ -322,8 +322,12 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _tl_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+def _precision(t: Tensor) -> dict:
+    """Launch parameters set by the inputs' dtype: the accumulator type, and 2 pipeline stages instead of Triton's 3
+    for float32 / float64 inputs (their D = 128 tiles would otherwise need up to 215 KB of shared memory, more than
+    an A100's 164 KB; compiled for sm_80: at most 148 KB)."""
+    wide = t.element_size() >= 4
+    return dict(ACC=tl.float64 if t.dtype == torch.float64 else tl.float32, num_stages=2 if wide else 3)
 
 
 class TritonSelection:
@@ -340,7 +344,7 @@ class TritonSelection:
         self.v = v_blocks.view(B * KV, -1, D)
         self.idx = idx.contiguous()
         self.meta = dict(G=G, D=D, L_SEL=self.l_sel, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                         ACC=_tl_dtype(_acc_dtype(q)))
+                         **_precision(q))
         self.walk = dict(N_SEL=idx.shape[-1], BLOCK_G=max(16, triton.next_power_of_2(G)))  # query-centric kernels
         self.grid = (Q, B * KV)
 
@@ -405,7 +409,7 @@ class RangeAttention:
         self.lo, self.hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
         self.scale, self.G = scale, NR // lo.shape[0]
         self.meta = dict(D=D, BLOCK_M=_RANGE_BLOCK, BLOCK_N=_RANGE_BLOCK, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                         ACC=_tl_dtype(_acc_dtype(q)))
+                         **_precision(q))
         self.sizes = (NR, lo.shape[0], k.shape[2])  # rows, queries, keys
         self.grid = (triton.cdiv(NR, _RANGE_BLOCK), B * KV)
 
@@ -454,5 +458,5 @@ def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
             n_visible.to(torch.int32).contiguous(), torch.tensor(weights, device=q.device), out, nq, k_cmp.shape[2],
             n_select_blocks, scale, G=NR // nq, D=D, PER_SEL=per_sel, FIRST=first, WIDTH=width, J_STEP=j_step,
             BLOCK_M=_RANGE_BLOCK, BLOCK_J=max(16, triton.next_power_of_2(j_step)), BLOCK_C=block_c,
-            BLOCK_D=max(16, triton.next_power_of_2(D)), ACC=_tl_dtype(acc))
+            BLOCK_D=max(16, triton.next_power_of_2(D)), **_precision(q))
     return out
