@@ -52,6 +52,37 @@ def _dot(a, b, ACC: tl.constexpr):
 
 
 @triton.jit
+def _backward_rows(Q, DO, LSE, DELTA, off, io_mask, row, row_ok):
+    """A tile of query rows for backward: q and dO at offsets off (masked by io_mask), lse and delta = rowsum(dO * O)
+    at row (masked by row_ok)."""
+    return (tl.load(Q + off, mask=io_mask, other=0.0), tl.load(DO + off, mask=io_mask, other=0.0),
+            tl.load(LSE + row, mask=row_ok, other=0.0), tl.load(DELTA + row, mask=row_ok, other=0.0))
+
+
+@triton.jit
+def _probs(q, k, lse, visible, scale, ACC: tl.constexpr):
+    """Attention probabilities of a tile from its rows' saved lse: exp(q k^T * scale - lse) where visible, else 0."""
+    return tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+
+
+@triton.jit
+def _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC: tl.constexpr):
+    """The flash-attention backward of one tile: P (`_probs`) and dS = P * (dO v^T - delta)."""
+    p = _probs(q, k, lse, visible, scale, ACC)
+    return p, p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
+
+
+@triton.jit
+def _key_block(K, V, bh, S, k0, cols, col_ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions k0 + [0, BLOCK_N), their offsets into (BKV, S, D) and mask (nothing past S), and their keys and
+    values (BLOCK_N, BLOCK_D)."""
+    pos = k0 + tl.arange(0, BLOCK_N)
+    off = (bh * S + pos[:, None]) * D + cols[None, :]
+    mask = (pos < S)[:, None] & col_ok[None, :]
+    return pos, off, mask, tl.load(K + off, mask=mask, other=0.0), tl.load(V + off, mask=mask, other=0.0)
+
+
+@triton.jit
 def _block(K, V, bh, S, j, t, cols, col_ok, D: tl.constexpr, L_SEL: tl.constexpr):
     """Keys and values (L_SEL, BLOCK_D) of block j of batch x KV head bh, zero where not visible from position t,
     and the visibility (L_SEL,)."""
@@ -102,17 +133,13 @@ def _dq_kernel(Q, K, V, IDX, DO, LSE, DELTA, DQ, q_start, NQ, S, scale,
     row_ok, col_ok = rows < G, cols < D
     q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]
     io_mask = row_ok[:, None] & col_ok[None, :]
-    q = tl.load(Q + q_off, mask=io_mask, other=0.0)
-    do = tl.load(DO + q_off, mask=io_mask, other=0.0)
-    lse = tl.load(LSE + (bh * NQ + i) * G + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + (bh * NQ + i) * G + rows, mask=row_ok, other=0.0)
+    q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, q_off, io_mask, (bh * NQ + i) * G + rows, row_ok)
     dq = tl.zeros([BLOCK_G, BLOCK_D], ACC)
     for s in range(N_SEL):
         j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
         if j * L_SEL <= t:
             k, v, visible = _block(K, V, bh, S, j, t, cols, col_ok, D, L_SEL)
-            p = tl.where(visible[None, :], tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
-            ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])  # (BLOCK_G, L_SEL)
+            _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible[None, :], scale, ACC)  # (BLOCK_G, L_SEL)
             dq += _dot(ds.to(k.dtype), k, ACC)
     tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -126,13 +153,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, PTR, ROW, DK, DV, q_start, NQ, S, NB, 
     start = tl.load(PTR + bh * NB + jb)  # the block's (query, slot) pairs: ROW[start:end]
     end = tl.load(PTR + bh * NB + jb + 1)
     if start < end:
-        r, cols, keys = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D), tl.arange(0, L_SEL)
+        r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
         col_ok = cols < D
-        pos = jb * L_SEL + keys
-        kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
-        kv_mask = (pos < S)[:, None] & col_ok[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, jb * L_SEL, cols, col_ok, D, L_SEL)
         dk = tl.zeros([L_SEL, BLOCK_D], ACC)
         dv = tl.zeros([L_SEL, BLOCK_D], ACC)
         head = r % G
@@ -143,14 +166,11 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, PTR, ROW, DK, DV, q_start, NQ, S, NB, 
             t = q_start + query - bh * NQ
             row_off = query * G + head
             io_mask = ok[:, None] & col_ok[None, :]
-            q = tl.load(Q + row_off[:, None] * D + cols[None, :], mask=io_mask, other=0.0)
-            do = tl.load(DO + row_off[:, None] * D + cols[None, :], mask=io_mask, other=0.0)
-            lse = tl.load(LSE + row_off, mask=ok, other=0.0)
-            delta = tl.load(DELTA + row_off, mask=ok, other=0.0)
+            q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, row_off[:, None] * D + cols[None, :], io_mask,
+                                               row_off, ok)
             visible = ok[:, None] & (pos[None, :] <= t[:, None])  # (BLOCK_R, L_SEL)
-            p = tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+            p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
             dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
-            ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
             dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
         dk_old = tl.load(DK + kv_off, mask=kv_mask, other=0.0)
         dv_old = tl.load(DV + kv_off, mask=kv_mask, other=0.0)
@@ -174,15 +194,6 @@ def _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _key_block(K, V, bh, S, k0, cols, col_ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Positions k0 + [0, BLOCK_N) and their keys and values (BLOCK_N, BLOCK_D), zero past S."""
-    pos = k0 + tl.arange(0, BLOCK_N)
-    off = (bh * S + pos[:, None]) * D + cols[None, :]  # into (BKV, S, D)
-    mask = (pos < S)[:, None] & col_ok[None, :]
-    return pos, tl.load(K + off, mask=mask, other=0.0), tl.load(V + off, mask=mask, other=0.0)
-
-
-@triton.jit
 def _range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           ACC: tl.constexpr):
@@ -198,7 +209,7 @@ def _range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
     denom = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for k0 in range(start, end, BLOCK_N):
-        pos, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
+        pos, _, _, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
         visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
         logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, 1))
@@ -224,16 +235,12 @@ def _range_dq_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, DQ, NR, NQ, S, scale,
     col_ok = cols < D
     io_off = (bh * NR + rows[:, None]) * D + cols[None, :]
     io_mask = row_ok[:, None] & col_ok[None, :]
-    q = tl.load(Q + io_off, mask=io_mask, other=0.0)
-    do = tl.load(DO + io_off, mask=io_mask, other=0.0)
-    lse = tl.load(LSE + bh * NR + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh * NR + rows, mask=row_ok, other=0.0)
+    q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for k0 in range(start, end, BLOCK_N):
-        pos, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
+        pos, _, _, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
         visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
-        p = tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
-        ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
+        _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
         dq += _dot(ds.to(k.dtype), k, ACC)
     tl.store(DQ + io_off, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
 
@@ -246,7 +253,7 @@ def _range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, 
     bh = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    pos, k, v = _key_block(K, V, bh, S, kb * BLOCK_N, cols, col_ok, D, BLOCK_N)
+    pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, kb * BLOCK_N, cols, col_ok, D, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     q_first = tl.load(QA + kb)  # the queries [q_first, q_last) see a key of this block
@@ -258,19 +265,13 @@ def _range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, 
             rows = g * NQ + qi
             io_off = (bh * NR + rows[:, None]) * D + cols[None, :]
             io_mask = row_ok[:, None] & col_ok[None, :]
-            q = tl.load(Q + io_off, mask=io_mask, other=0.0)
-            do = tl.load(DO + io_off, mask=io_mask, other=0.0)
-            lse = tl.load(LSE + bh * NR + rows, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + bh * NR + rows, mask=row_ok, other=0.0)
+            q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok)
             lo = tl.load(LO + qi, mask=row_ok, other=0)
             hi = tl.load(HI + qi, mask=row_ok, other=0)
             visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])  # (BLOCK_M, BLOCK_N)
-            p = tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+            p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
             dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
-            ds = p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
             dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
-    kv_off = (bh * S + pos[:, None]) * D + cols[None, :]
-    kv_mask = (pos < S)[:, None] & col_ok[None, :]
     tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -301,7 +302,7 @@ def _importance_kernel(Q, K, LSE, NVIS, W, IMP, NQ, NC, NS, scale,
         rows = bh * G * NQ + g * NQ + qi  # into (BKV * G * NQ) head-major rows
         q = tl.load(Q + rows[:, None] * D + cols[None, :], mask=q_ok[:, None] & col_ok[None, :], other=0.0)
         lse = tl.load(LSE + rows, mask=q_ok, other=0.0)
-        p += tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+        p += _probs(q, k, lse, visible, scale, ACC)
     jj = tl.arange(0, BLOCK_J)
     offset = cc[:, None] - PER_SEL * jj[None, :]  # (BLOCK_C, BLOCK_J): Eq. 9's weight index of (c, j)
     w = tl.load(W + offset, mask=(offset >= 0) & (offset < WIDTH), other=0.0)
@@ -322,12 +323,24 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _tile(n: int) -> int:
+    """A tile dimension covering n: a power of two, at least tl.dot's minimum of 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _backward_inputs(grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The flash backward's per-row inputs for an attention's grad_out and out (..., D) and lse (...):
+    (grad_out contiguous, lse and delta = rowsum(dO * O), both contiguous in the accumulator dtype)."""
+    acc = _acc_dtype(grad_out)
+    return grad_out.contiguous(), lse.to(acc).contiguous(), (grad_out.to(acc) * out.to(acc)).sum(-1)
+
+
 def _precision(t: Tensor) -> dict:
     """Launch parameters set by the inputs' dtype: the accumulator type, and 2 pipeline stages instead of Triton's 3
     for float32 / float64 inputs (their D = 128 tiles would otherwise need up to 215 KB of shared memory, more than
     an A100's 164 KB; compiled for sm_80: at most 148 KB)."""
     wide = t.element_size() >= 4
-    return dict(ACC=tl.float64 if t.dtype == torch.float64 else tl.float32, num_stages=2 if wide else 3)
+    return dict(ACC=tl.float64 if _acc_dtype(t) == torch.float64 else tl.float32, num_stages=2 if wide else 3)
 
 
 class TritonSelection:
@@ -343,9 +356,8 @@ class TritonSelection:
         self.k = k_blocks.view(B * KV, -1, D)  # (BKV, S, D), S = Nsb * l'
         self.v = v_blocks.view(B * KV, -1, D)
         self.idx = idx.contiguous()
-        self.meta = dict(G=G, D=D, L_SEL=self.l_sel, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                         **_precision(q))
-        self.walk = dict(N_SEL=idx.shape[-1], BLOCK_G=max(16, triton.next_power_of_2(G)))  # query-centric kernels
+        self.meta = dict(G=G, D=D, L_SEL=self.l_sel, BLOCK_D=_tile(D), **_precision(q))
+        self.walk = dict(N_SEL=idx.shape[-1], BLOCK_G=_tile(G))  # query-centric kernels
         self.grid = (Q, B * KV)
 
     def forward(self) -> tuple[Tensor, Tensor]:
@@ -363,10 +375,7 @@ class TritonSelection:
         grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D, contiguous) and returns the gradient of q
         (B, KV, Q, G, D)."""
         B, KV, Q, G, D = self.shape
-        acc = _acc_dtype(self.q)
-        grad_out = grad_out.contiguous().view(B * KV, Q, G, D)
-        lse = lse.to(acc).contiguous()
-        delta = (grad_out.to(acc) * out.reshape(B * KV, Q, G, D).to(acc)).sum(-1)  # (BKV, Q, G): rowsum(dO * O)
+        grad_out, lse, delta = _backward_inputs(grad_out, out, lse)  # (B, KV, Q, G, D), (B, KV, Q, G) x 2
         S = self.k.shape[1]
         dq = torch.empty_like(self.q)
         _launch(_dq_kernel, self.grid, self.q, self.k, self.v, self.idx, grad_out, lse, delta, dq, self.q_start, Q, S,
@@ -376,7 +385,7 @@ class TritonSelection:
         qb = max(1, _DK_ROWS // G)
         _launch(_dkdv_kernel, (n_blocks, B * KV), self.q, self.k, self.v, grad_out, lse, delta, ptr, row,
                 grad_k_blocks.view(B * KV, S, D), grad_v_blocks.view(B * KV, S, D), self.q_start, Q, S, n_blocks,
-                self.scale, QB=qb, BLOCK_R=max(16, triton.next_power_of_2(qb * G)), **self.meta)
+                self.scale, QB=qb, BLOCK_R=_tile(qb * G), **self.meta)
         return dq.view(self.shape)
 
 
@@ -395,7 +404,6 @@ def _queries_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> t
     return ptr, order // n
 
 
-
 class RangeAttention:
     """Softmax attention in which each query sees one contiguous range of keys, on the Triton kernels (no logits in
     memory): rows q (B, KV, G*Q, D) head-major (row g*Q + i is head g of query i) over keys/values k, v
@@ -408,8 +416,7 @@ class RangeAttention:
         self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
         self.lo, self.hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
         self.scale, self.G = scale, NR // lo.shape[0]
-        self.meta = dict(D=D, BLOCK_M=_RANGE_BLOCK, BLOCK_N=_RANGE_BLOCK, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                         **_precision(q))
+        self.meta = dict(D=D, BLOCK_M=_RANGE_BLOCK, BLOCK_N=_RANGE_BLOCK, BLOCK_D=_tile(D), **_precision(q))
         self.sizes = (NR, lo.shape[0], k.shape[2])  # rows, queries, keys
         self.grid = (triton.cdiv(NR, _RANGE_BLOCK), B * KV)
 
@@ -418,15 +425,13 @@ class RangeAttention:
         out = torch.empty_like(self.q)
         lse = torch.empty(self.q.shape[:3], dtype=_acc_dtype(self.q), device=self.q.device)
         _launch(_range_forward_kernel, self.grid, self.q, self.k, self.v, self.lo, self.hi, out, lse, *self.sizes,
-                                         self.scale, **self.meta)
+                self.scale, **self.meta)
         return out, lse
 
     def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q) of this attention: gradients of q
         (B, KV, G*Q, D) and of k, v (B, KV, S, D)."""
-        acc = _acc_dtype(self.q)
-        grad_out, lse = grad_out.contiguous(), lse.to(acc).contiguous()
-        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # (B, KV, G*Q): rowsum(dO * O)
+        grad_out, lse, delta = _backward_inputs(grad_out, out, lse)  # (B, KV, G*Q, D), (B, KV, G*Q) x 2
         dq, dk, dv = torch.empty_like(self.q), torch.empty_like(self.k), torch.empty_like(self.v)
         args = (self.q, self.k, self.v, self.lo, self.hi, grad_out, lse, delta)
         _launch(_range_dq_kernel, self.grid, *args, dq, *self.sizes, self.scale, **self.meta)
@@ -457,6 +462,5 @@ def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
     _launch(_importance_kernel, grid, q.contiguous(), k_cmp.contiguous(), lse.to(acc).contiguous(),
             n_visible.to(torch.int32).contiguous(), torch.tensor(weights, device=q.device), out, nq, k_cmp.shape[2],
             n_select_blocks, scale, G=NR // nq, D=D, PER_SEL=per_sel, FIRST=first, WIDTH=width, J_STEP=j_step,
-            BLOCK_M=_RANGE_BLOCK, BLOCK_J=max(16, triton.next_power_of_2(j_step)), BLOCK_C=block_c,
-            BLOCK_D=max(16, triton.next_power_of_2(D)), **_precision(q))
+            BLOCK_M=_RANGE_BLOCK, BLOCK_J=_tile(j_step), BLOCK_C=block_c, BLOCK_D=_tile(D), **_precision(q))
     return out
