@@ -52,6 +52,17 @@ def _dot(a, b, ACC: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(m, denom, acc, logits, v, ACC: tl.constexpr):
+    """One key tile of flash attention's forward: the running row max m, denominator and unnormalised output acc
+    updated with the tile's masked logits (-inf where not visible) and values v. Returns (m, denom, acc)."""
+    m_new = tl.maximum(m, tl.max(logits, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key so far: p = 0, not NaN
+    p = tl.exp(logits - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    return m_new, denom * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC)
+
+
+@triton.jit
 def _backward_rows(Q, DO, LSE, DELTA, off, io_mask, row, row_ok):
     """A tile of query rows for backward: q and dO at offsets off (masked by io_mask), lse and delta = rowsum(dO * O)
     at row (masked by row_ok)."""
@@ -112,12 +123,7 @@ def _forward_kernel(Q, K, V, IDX, O, LSE, q_start, NQ, S, scale,
         if j * L_SEL <= t:  # a used slot: the block starts at or before the query
             k, v, visible = _block(K, V, bh, S, j, t, cols, col_ok, D, L_SEL)
             logits = tl.where(visible[None, :], _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(logits, 1))  # finite: key j * L_SEL is visible
-            p = tl.exp(logits - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC)
-            m = m_new
+            m, denom, acc = _online_softmax(m, denom, acc, logits, v, ACC)
     tl.store(O + q_off, (acc / denom[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     tl.store(LSE + (bh * NQ + i) * G + rows, m + tl.log(denom), mask=row_ok)
 
@@ -194,6 +200,12 @@ def _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
+def _row_tile(bh, NR, rows, row_ok, cols, col_ok, D: tl.constexpr):
+    """Offsets into (BKV, NR, D) and mask of the tile of rows x cols of batch x KV head bh."""
+    return (bh * NR + rows[:, None]) * D + cols[None, :], row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
 def _range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           ACC: tl.constexpr):
@@ -202,8 +214,7 @@ def _range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
     rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    io_off = (bh * NR + rows[:, None]) * D + cols[None, :]  # into (BKV, NR, D)
-    io_mask = row_ok[:, None] & col_ok[None, :]
+    io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
     q = tl.load(Q + io_off, mask=io_mask, other=0.0)
     m = tl.full([BLOCK_M], float("-inf"), ACC)
     denom = tl.zeros([BLOCK_M], ACC)
@@ -212,13 +223,7 @@ def _range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
         pos, _, _, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
         visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
         logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(logits, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key so far: p = 0, not NaN
-        p = tl.exp(logits - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC)
-        m = m_new
+        m, denom, acc = _online_softmax(m, denom, acc, logits, v, ACC)
     denom = tl.where(row_ok, denom, 1.0)  # padding rows saw nothing
     tl.store(O + io_off, (acc / denom[:, None]).to(O.dtype.element_ty), mask=io_mask)
     tl.store(LSE + bh * NR + rows, m + tl.log(denom), mask=row_ok)
@@ -233,8 +238,7 @@ def _range_dq_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, DQ, NR, NQ, S, scale,
     rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    io_off = (bh * NR + rows[:, None]) * D + cols[None, :]
-    io_mask = row_ok[:, None] & col_ok[None, :]
+    io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
     q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for k0 in range(start, end, BLOCK_N):
@@ -263,8 +267,7 @@ def _range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, 
             qi = q0 + tl.arange(0, BLOCK_M)
             row_ok = qi < q_last
             rows = g * NQ + qi
-            io_off = (bh * NR + rows[:, None]) * D + cols[None, :]
-            io_mask = row_ok[:, None] & col_ok[None, :]
+            io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
             q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok)
             lo = tl.load(LO + qi, mask=row_ok, other=0)
             hi = tl.load(HI + qi, mask=row_ok, other=0)
