@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from nsa_blocks import num_compressed_blocks, pool_to_selection_blocks, select_blocks
+from nsa_blocks import num_compressed_blocks, pairs_by_block, pool_to_selection_blocks, select_blocks
 
 if TYPE_CHECKING:
     from model import ModelConfig
@@ -183,12 +183,9 @@ def tile_plan(idx: Tensor, current: Tensor, n_blocks: int) -> TilePlan:
     so n_tiles <= P / R + (distinct blocks selected)."""
     B, KV, Q, n = idx.shape
     P, BKQ, n_groups, dev = idx.numel(), B * KV * Q, B * KV * n_blocks, idx.device
-    gid = torch.arange(B * KV, device=dev).view(B, KV, 1, 1) * n_blocks + idx  # (B, KV, Q, n) block of each pair
-    gid = gid.masked_fill(idx >= current[:, None], n_groups).view(-1)  # (P,); not past: bucket n_groups
-    counts = gid.new_zeros(n_groups + 1).index_add_(0, gid, torch.ones_like(gid))  # pairs per block
+    gid, order, counts = pairs_by_block(idx, idx < current[:, None], n_blocks)  # not past: group n_groups, last
     R, tiles, n_tiles = _tiles_per_block(counts[:n_groups], P)
     tile_end = tiles.cumsum(0)
-    order = torch.argsort(gid, stable=True)  # pairs grouped by block, those not past last
     g_sorted = gid[order]
     rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[g_sorted]  # rank of a pair within its block
     first_row = F.pad((tile_end - tiles) * R, (0, 1), value=n_tiles * R)  # (n_groups + 1,); the rest: one spare row

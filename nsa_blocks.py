@@ -1,6 +1,7 @@
 """NSA's block geometry and top-n selection (Yuan et al. 2025, sections 3.3.1-3.3.2), 0-based: how many compressed
 blocks are complete, how compressed-block probabilities map onto selection blocks (Eq. 9), and which blocks each
-query selects. Used by nsa.py (the layer, the decoding cache), nsa_attention.py and nsa_triton.py.
+query selects, and the grouping of (query, selected block) pairs by block that both selection paths use. Used by
+nsa.py (the layer, the decoding cache), nsa_attention.py and nsa_triton.py.
 
 Notation: B batch, KV key/value heads, Q queries, Nc compressed blocks, Ns selection blocks, n selected blocks per
 query. Block geometry: l (`nsa_block_size`), d (`nsa_stride`), l' (`nsa_select_block_size`).
@@ -62,3 +63,16 @@ def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_sel
     scores = scores.masked_fill(forced, math.inf).masked_fill(block > current, -math.inf)
     idx = scores.topk(min(num_selected, Ns), dim=-1, sorted=False).indices  # (B, KV, Q, n')
     return idx, idx <= current
+
+
+def pairs_by_block(idx: Tensor, keep: Tensor, n_blocks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Group the (query, slot) pairs of idx (B, KV, Q, n) for which keep (same shape) holds by their block, one of
+    n_blocks per batch x KV head. Returns (group (P,): each pair's block among the B*KV*n_blocks, n_groups for pairs
+    not kept; order (P,): the pairs sorted by group, stable; counts (n_groups + 1,): pairs per group, the last
+    counting those not kept). No host sync."""
+    B, KV = idx.shape[:2]
+    n_groups = B * KV * n_blocks
+    bkv = torch.arange(B * KV, device=idx.device).view(B, KV, 1, 1)
+    group = torch.where(keep, bkv * n_blocks + idx, n_groups).view(-1)
+    counts = group.new_zeros(n_groups + 1).index_add_(0, group, torch.ones_like(group))
+    return group, torch.argsort(group, stable=True), counts

@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from nsa_blocks import selection_pool_weights
+from nsa_blocks import pairs_by_block, selection_pool_weights
 
 _DK_ROWS = 64  # query rows per step of the selection's dK/dV kernel (whole queries of G heads each)
 _RANGE_BLOCK = 64  # rows per program and keys per step of the range and importance kernels
@@ -398,12 +398,8 @@ def _queries_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> t
     g // n_blocks."""
     B, KV, Q, n = idx.shape
     current = (torch.arange(q_start, q_start + Q, device=idx.device) // l_sel)[:, None]  # (Q, 1) own block
-    bkv = torch.arange(B * KV, device=idx.device).view(B, KV, 1, 1)
-    n_groups = B * KV * n_blocks
-    group = torch.where(idx <= current, bkv * n_blocks + idx, n_groups).view(-1)  # (P,); unused slots: last group
-    order = torch.argsort(group, stable=True)
-    counts = group.new_zeros(n_groups + 1).index_add_(0, group, torch.ones_like(group))  # no host sync
-    ptr = F.pad(counts.cumsum(0), (1, 0))[: n_groups + 1]
+    _, order, counts = pairs_by_block(idx, idx <= current, n_blocks)  # unused slots: the last group
+    ptr = F.pad(counts.cumsum(0), (1, 0))[: B * KV * n_blocks + 1]
     return ptr, order // n
 
 
