@@ -18,8 +18,8 @@ Each query head attends through three branches whose outputs are mixed by per-to
 
 The attention itself (selection, the three branches, chunking, the custom backward, the memory formula) is in
 nsa_attention.py (`sparse_attention`: q, per-branch keys/values, gates, positions -> output); on CUDA its branches
-run on the Triton kernels of nsa_triton.py. This module holds the layer: projections,
-gates, the block compressor and the decoding cache. Measured with FakeTensorMode for one 4B-geometry layer
+run on the Triton kernels of nsa_triton.py. This module holds the layer: projections, gates, the block compressor
+and the decoding cache. Measured with FakeTensorMode for one 4B-geometry layer
 (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072, forward+backward, weights and input excluded
 (`memtrack.LiveBytesTracker`, worst-case tile count): see benchmarks/RESULTS.md.
 

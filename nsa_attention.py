@@ -95,11 +95,16 @@ def triton_kernels() -> AbstractContextManager[None]:
     return _forcing("triton")
 
 
+def triton_installed() -> bool:
+    """Whether Triton can be imported here (nsa_triton.py needs it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def _triton_ready(t: Tensor, config: ModelConfig) -> bool:
     """Whether the Triton kernels run for t: real CUDA tensors when `config.nsa_triton` (any tensors under
     `triton_kernels`), and Triton installed."""
     on_gpu = config.nsa_triton and t.is_cuda and not is_fake(t)
-    return (on_gpu or _forced["triton"]) and importlib.util.find_spec("triton") is not None
+    return (on_gpu or _forced["triton"]) and triton_installed()
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:

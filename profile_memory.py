@@ -254,15 +254,13 @@ def _sparse_attention_memory(sparse_attention, args: tuple, kwargs: dict, autoca
 
 @contextmanager
 def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
-    """Replace `nsa.sparse_attention` (the seam nsa_attention.py names for fused kernels) by
-    `_SparseAttentionDouble` while the step runs, and describe it. The reference path runs hundreds of small operators
-    per query chunk: at 131k tokens, thousands of chunks per step, hours under fake tensors. Its memory is affine in T
-    for a fixed chunk size (see nsa_attention.py), so the double is calibrated on the real function, on the path a
-    CUDA run takes (the Triton kernels' when `nsa_triton` and Triton is installed here, else the explicit one), for
-    one layer at T itself (T <= 4 chunks) or at 2 and 4 chunks, extrapolated linearly. Projections, compression and
-    gates still run for real."""
-    import importlib.util
-
+    """Replace `nsa.sparse_attention` (nsa_attention.py's three gated branches) by `_SparseAttentionDouble` while
+    the step runs, and describe it. The reference path runs hundreds of small operators per query chunk: at 131k
+    tokens, thousands of chunks per step, hours under fake tensors. Its memory is affine in T for a fixed chunk size
+    (see nsa_attention.py), so the double is calibrated on the real function, on the path a CUDA run takes (the
+    Triton kernels' when `nsa_triton` and Triton is installed here, else the explicit one), for one layer at T itself
+    (T <= 4 chunks) or at 2 and 4 chunks, extrapolated linearly. Projections, compression and gates still run for
+    real."""
     import nsa
     import nsa_attention
 
@@ -271,7 +269,7 @@ def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
     B, T, Q = config.batch_size, config.context_length, model_config.nsa_query_chunk
     points = [T] if T <= 4 * Q else [2 * Q, 4 * Q]
     dtype, autocast = DTYPES[config.dtype], _autocast(config, device)
-    triton = model_config.nsa_triton and importlib.util.find_spec("triton") is not None
+    triton = model_config.nsa_triton and nsa_attention.triton_installed()
     path = nsa_attention.triton_kernels() if triton else nsa_attention.explicit_attention()  # not the CPU kernels
     with path:
         measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, dtype, device),

@@ -623,15 +623,20 @@ for D in (64, 128):
 """
 
 
+def run_without_interpreter(args: list[str]) -> subprocess.CompletedProcess:
+    """python args in a subprocess at the repository root whose Triton compiles for real (no TRITON_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when unset
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=600)
+
+
 def test_triton_kernels_compile_for_gpus():
     """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all seven with
     Triton's own compiler and ptxas (no device needed) in bf16 for sm_90 (H100) at D = 64 and 128, and in float32
     for sm_80 (A100) at D = 128, each within the A100's 164 KB of shared memory; G = 4, l' = 64, n = 16."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns when unset
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_GPUS], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parent.parent, timeout=600)
+    proc = run_without_interpreter(["-c", _COMPILE_FOR_GPUS])
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -640,9 +645,7 @@ def test_triton_kernels_on_gpu():
     """The real kernels on the GPU (this process runs them in the interpreter): tests/nsa_triton_gpu_check.py
     compares them with the PyTorch path on the same device, float32 and bfloat16, forward and all gradients."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parent / "nsa_triton_gpu_check.py"
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_without_interpreter(["tests/nsa_triton_gpu_check.py"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
