@@ -31,15 +31,15 @@ import time
 IMPLS = ("sdpa", "nsa", "lucidrains")
 
 
-def build(impl: str, args: argparse.Namespace):
-    """The layer as a function x (1, T, dim) -> (1, T, dim)."""
+def build(impl: str, args: argparse.Namespace, **overrides: object):
+    """(layer, the layer as a function x (1, T, dim) -> (1, T, dim)); `overrides`: more ModelConfig fields."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from layers import RotaryEmbedding
     from model import Attention, ModelConfig
 
     cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
                       n_layers=1, attention_type="nsa" if impl == "nsa" else "full", context_length=65536,
-                      nsa_query_chunk=args.query_chunk)
+                      nsa_query_chunk=args.query_chunk, **overrides)
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, 1024)
     if impl == "lucidrains":
         from native_sparse_attention_pytorch import SparseAttention

@@ -24,30 +24,17 @@ from collections.abc import Callable
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
+import bench_nsa  # noqa: E402
 
 IMPLS = ("sdpa", "nsa", "nsa-torch")  # full attention, NSA on the Triton kernels, NSA with nsa_triton=False
 
 
 def build(impl: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Callable:
-    """The layer as a function x (1, T, dim) -> (1, T, dim) on device, in dtype."""
-    from layers import RotaryEmbedding
-    from model import Attention, ModelConfig
-    from nsa import NativeSparseAttention
-
-    cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      n_layers=1, attention_type="full" if impl == "sdpa" else "nsa", context_length=max(args.seq_lens),
-                      nsa_query_chunk=args.query_chunk, nsa_triton=impl == "nsa")
-    layer = (Attention(cfg) if impl == "sdpa" else NativeSparseAttention(cfg)).to(device)
-    layer.init_weights()
-    layer.to(dtype)
-    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, 1024)
-
-    def run(x):
-        cos, sin = rope(x.shape[1], 0, x.device)
-        return layer(x, cos, sin)
-
+    """The layer as a function x (1, T, dim) -> (1, T, dim) on device, in dtype (bench_nsa.py's layers)."""
+    layer, run = bench_nsa.build("sdpa" if impl == "sdpa" else "nsa", args, nsa_triton=impl == "nsa")
+    layer.to(device, dtype)
     return run
 
 
