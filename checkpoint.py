@@ -148,7 +148,7 @@ def gather_model(model: Transformer) -> Transformer | None:
     if _rank() != 0:
         return None
     with torch.device("meta"):
-        plain = Transformer(model.config)
+        plain = Transformer(model.config, model.compute)
     plain.load_state_dict(full, assign=True)
     if model.config.tie_embeddings:  # assign=True replaced the shared Parameter by two tensors
         plain.lm_head.weight = plain.embed_tokens.weight

@@ -17,7 +17,6 @@ https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import uuid
@@ -28,7 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from model import ModelConfig, Transformer
+from config import ComputeConfig, ModelConfig, check_fields
+from model import Transformer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 CONFIG_NAME = "config.json"
@@ -96,7 +96,7 @@ def _rope_from_hf(hf_config: dict) -> tuple[float, dict | None]:
 
 def config_from_hf(hf_config: dict, **overrides: object) -> ModelConfig:
     """A Hugging Face `config.json` dict (model_type "qwen3" or "llama") -> ModelConfig, with `overrides` (any
-    ModelConfig field, e.g. context_length or loss_mode) applied on top. Features the Transformer lacks (biases,
+    ModelConfig field, e.g. context_length or attention_type) applied on top. Features the Transformer lacks (biases,
     sliding windows, other activations or rope scalings) raise ValueError."""
     model_type = hf_config.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -126,10 +126,7 @@ def config_from_hf(hf_config: dict, **overrides: object) -> ModelConfig:
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),  # the default of both HF config classes
         qk_norm=model_type == "qwen3", init_std=float(hf_config.get("initializer_range", 0.02)),
     )
-    valid = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(overrides) - valid)
-    if unknown:
-        raise ValueError(f"unknown ModelConfig field(s) {unknown}; valid fields: {sorted(valid)}")
+    check_fields(ModelConfig, overrides)
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -242,13 +239,13 @@ def _check_keys(found: dict[str, tuple[Path, tuple[int, ...]]], model: Transform
 
 
 def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                       **config_overrides: object) -> Transformer:
+                       compute: ComputeConfig | None = None, **config_overrides: object) -> Transformer:
     """Build a Transformer from the Hugging Face checkpoint directory `path` (Qwen3 or Llama).
 
     The model is built on the meta device and the safetensors tensors are assigned to it directly on `device`, so
     peak memory is one copy of the weights (plus one tensor in its stored dtype when casting). `dtype` None keeps
     the stored dtype (that of the embedding); the RoPE tables stay float32. `config_overrides` are ModelConfig
-    fields applied over config.json (see `config_from_hf`).
+    fields applied over config.json (see `config_from_hf`); `compute` how the model runs (default ComputeConfig()).
     Every tensor name and shape is checked against the config before any tensor data is read.
     """
     path = Path(path)
@@ -256,7 +253,7 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dty
     _check_tokenizer_vocab(path, config.vocab_size)
     found = _read_headers(path, _checkpoint_files(path))
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, compute)
     _check_keys(found, model, path)
 
     state: dict[str, Tensor] = {}

@@ -57,6 +57,6 @@ def init_sharded_weights(model: Transformer, device: torch.device, seed: int) ->
     if device.type == "cuda":
         model.init_weights()
         return
-    full = Transformer(model.config)  # built on the CPU and initialised in __init__ from the seeded RNG
+    full = Transformer(model.config, model.compute)  # built on the CPU and initialised in __init__ from the seeded RNG
     set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
     model.rope.init_weights()  # to_empty left the (non-persistent) RoPE tables uninitialised

@@ -54,8 +54,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from config import PRESETS, ComputeConfig, ModelConfig
 from layers import RotaryEmbedding
-from model import PRESETS, ModelConfig, Transformer
+from model import Transformer
 from parallel import apply_fsdp
 
 GiB = 1024**3
@@ -73,7 +74,7 @@ PHASES = ("forward", "backward", "optimizer step")
 STAND_INS = {
     "full": "full attention: the CPU flash SDPA kernel (fake) stands in for CUDA flash/cuDNN; both save only the "
             "output and log-sum-exp for backward (no T x T matrix)",
-    "nsa": "NSA: nsa.py's pure-PyTorch path runs unchanged (no stand-in)",
+    "nsa": "NSA: nsa/layer.py's pure-PyTorch path runs unchanged (no stand-in)",
 }
 _HARMLESS_WARNINGS = ("DTensor random operators may not have complete support on cpu device mesh",
                       "FSDP2-wrapped module .* returned a view tensor")
@@ -91,7 +92,8 @@ class StepConfig:
     gradient_checkpointing: bool = False
     loss: str = "auto"  # "auto" | "standard" | "chunked" (ModelConfig.loss_mode)
     dtype: str = "bfloat16"  # compute dtype; master weights, gradients and AdamW state stay float32
-    ffn_chunk_size: int | None = None  # tiled MLP (ModelConfig.ffn_chunk_size); None: untiled
+    ffn_chunk_size: int | None = None  # tiled MLP (ComputeConfig.ffn_chunk_size); None: untiled
+    query_chunk: int = 512  # ComputeConfig.attention_query_chunk
 
     def __post_init__(self) -> None:
         if self.model_size not in PRESETS:
@@ -104,12 +106,15 @@ class StepConfig:
             raise ValueError(f"context_length must be >= 2 (next-token targets), got {self.context_length}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        self.model_config()  # validates attention_type and loss
+        self.model_config(), self.compute_config()  # validate attention_type and loss
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_preset(self.model_size, context_length=self.context_length,
-                                       attention_type=self.attention_type, loss_mode=self.loss,
-                                       ffn_chunk_size=self.ffn_chunk_size)
+                                       attention_type=self.attention_type)
+
+    def compute_config(self) -> ComputeConfig:
+        return ComputeConfig(loss_mode=self.loss, ffn_chunk_size=self.ffn_chunk_size,
+                             attention_query_chunk=self.query_chunk)
 
     def describe(self) -> str:
         return (f"{self.model_size}, {self.batch_size} x {self.context_length} tokens per rank, {self.attention_type} "
@@ -254,22 +259,23 @@ def _sparse_attention_memory(sparse_attention, args: tuple, kwargs: dict, autoca
 
 @contextmanager
 def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
-    """Replace `nsa.sparse_attention` (nsa_attention.py's three gated branches) by `_SparseAttentionDouble` while
+    """Replace `nsa.sparse_attention` (nsa/attention.py's three gated branches) by `_SparseAttentionDouble` while
     the step runs, and describe it. The reference path runs hundreds of small operators per query chunk: at 131k
     tokens, thousands of chunks per step, hours under fake tensors. Its memory is affine in T for a fixed chunk size
-    (see nsa_attention.py), so the double is calibrated on the real function, on the path a CUDA run takes (the
+    (see nsa/attention.py), so the double is calibrated on the real function, on the path a CUDA run takes (the
     Triton kernels' when `nsa_triton` and Triton is installed here, else the explicit one), for one layer at T itself
     (T <= 4 chunks) or at 2 and 4 chunks, extrapolated linearly. Projections, compression and gates still run for
     real."""
-    import nsa
-    import nsa_attention
+    from nsa import attention as nsa_attention
+    from nsa import layer as nsa
 
     real = nsa.sparse_attention
     model_config = config.model_config()
-    B, T, Q = config.batch_size, config.context_length, model_config.nsa_query_chunk
+    compute = config.compute_config()
+    B, T, Q = config.batch_size, config.context_length, compute.attention_query_chunk
     points = [T] if T <= 4 * Q else [2 * Q, 4 * Q]
     dtype, autocast = DTYPES[config.dtype], _autocast(config, device)
-    triton = model_config.nsa_triton and nsa_attention.triton_installed()
+    triton = compute.triton_kernels and nsa_attention.triton_installed()
     path = nsa_attention.triton_kernels() if triton else nsa_attention.explicit_attention()  # not the CPU kernels
     with path:
         measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, dtype, device),
@@ -298,7 +304,7 @@ def _sparse_attention_args(model_config: ModelConfig, B: int, T: int, dtype: tor
                            ) -> tuple[tuple, dict]:
     """The arguments one NSA layer computing in `dtype` passes to `nsa.sparse_attention` for B x T tokens (captured
     from its forward)."""
-    import nsa
+    from nsa import layer as nsa
 
     captured: list[tuple[tuple, dict]] = []
 
@@ -342,7 +348,7 @@ def build(config: StepConfig, device: str, mesh: DeviceMesh | None) -> tuple[Tra
     (forward then runs under autocast, see `_autocast`). AdamW with train.py's groups but foreach=False (its
     foreach/fused temporaries are not yet checked against a GPU)."""
     with torch.device("meta" if mesh is not None else device):
-        model = Transformer(config.model_config())
+        model = Transformer(config.model_config(), config.compute_config())
     model.gradient_checkpointing_enable(config.gradient_checkpointing)
     if mesh is not None:
         dtype = DTYPES[config.dtype]

@@ -43,9 +43,10 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from checkpoint import export_weights, latest_checkpoint, load_checkpoint, save_checkpoint
+from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, attention_class, split_overrides
 from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files
 from loss import IGNORE_INDEX, shift_labels
-from model import PRESETS, ModelConfig, Transformer
+from model import Transformer
 from parallel import apply_fsdp, init_sharded_weights
 from tokenizer import Tokenizer, check_vocab
 
@@ -53,9 +54,6 @@ GiB = 1024**3
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
 BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per micro-batch
 TILED_FFN_CHUNK = 8192  # FFN tile from LONG_CONTEXT on: one tile's (T, ffn_dim) intermediates at a time
-# "demo": the "tiny" preset widened to a model that visibly learns Python in a few CPU minutes (0.8M parameters
-# besides the 8192 x 128 tied embedding).
-DEMO_MODEL = dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=384)
 DEFAULT_DATA_DIR = "data/stdlib"
 TOKENIZER_VOCAB = 8192  # vocabulary of the tokenizer trained for the default corpus
 # Dense bf16 peak FLOP/s per GPU for the MFU estimate, matched against torch.cuda.get_device_name().
@@ -74,9 +72,10 @@ class TrainConfig:
     """Every training option; `--name value` on the command line, or a key of the `--config` JSON/TOML file."""
 
     # model
-    model_size: str = _opt("auto", f"preset: {', '.join(PRESETS)}; 'demo' (tiny widened, the CPU demo); 'auto' = "
+    model_size: str = _opt("auto", f"preset: {', '.join(PRESETS)}; 'auto' = "
                                    f"4B on CUDA from {LONG_CONTEXT} tokens of context, else demo")
-    attention_type: str = _opt("auto", f"'full', 'nsa', or 'auto' = nsa from {LONG_CONTEXT} tokens, else full")
+    attention_type: str = _opt("auto", f"a registered type (config.ATTENTION_TYPES: 'full', 'nsa', ...) or 'auto' = "
+                                       f"nsa from {LONG_CONTEXT} tokens, else full")
     context_length: int = _opt(256, "T: tokens per training sequence")
     model_overrides: dict = _opt({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = _opt(None, f"recompute blocks in backward (default: on from "
@@ -109,7 +108,7 @@ class TrainConfig:
     sample_prompt: str = _opt("def ", "prompt of the final sample")
 
     def __post_init__(self) -> None:
-        choices = {"model_size": [*PRESETS, "demo", "auto"], "attention_type": ["auto", "full", "nsa"],
+        choices = {"model_size": [*PRESETS, "auto"], "attention_type": ["auto", *ATTENTION_TYPES],
                    "dtype": ["auto", "float32", "bfloat16"]}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -129,11 +128,10 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        unknown = sorted(set(self.model_overrides) - model_fields)
-        if unknown:
-            raise ValueError(f"--model_overrides: unknown ModelConfig field(s) {unknown}; valid: "
-                             f"{sorted(model_fields)}")
+        try:
+            split_overrides(self.model_overrides)
+        except ValueError as e:
+            raise ValueError(f"--model_overrides: {e}") from e
 
 
 # ---- configuration: defaults < file < command line -----------------------------------------------------------
@@ -226,17 +224,18 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     return dataclasses.replace(cfg, **values)
 
 
-def build_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
-    """The resolved run's ModelConfig: preset (+ DEMO_MODEL), then context length, attention type, a vocabulary
+def build_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> tuple[ModelConfig, ComputeConfig]:
+    """The resolved run's (ModelConfig, ComputeConfig): preset, then context length, attention type, a vocabulary
     that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger) and, from LONG_CONTEXT
     tokens on, a tiled FFN (TILED_FFN_CHUNK tokens per tile) and the chunked loss (at 32k the 10 GiB logits rule of
     loss_mode="auto" would still pick the standard loss, whose float32 copies cost ~47 GiB), then model_overrides."""
-    preset = "tiny" if cfg.model_size == "demo" else cfg.model_size
-    base = {**PRESETS[preset], **(DEMO_MODEL if cfg.model_size == "demo" else {})}
-    vocab = max(ModelConfig.from_preset(preset).vocab_size, -(-tokenizer_vocab // 64) * 64)
+    model_overrides, compute_overrides = split_overrides(cfg.model_overrides)
+    vocab = max(ModelConfig.from_preset(cfg.model_size).vocab_size, -(-tokenizer_vocab // 64) * 64)
     long = {"ffn_chunk_size": TILED_FFN_CHUNK, "loss_mode": "chunked"} if cfg.context_length >= LONG_CONTEXT else {}
-    return ModelConfig(**{**base, "vocab_size": vocab, "context_length": cfg.context_length,
-                          "attention_type": cfg.attention_type, **long, **cfg.model_overrides})
+    model_config = ModelConfig.from_preset(cfg.model_size, **{
+        "vocab_size": vocab, "context_length": cfg.context_length, "attention_type": cfg.attention_type,
+        **model_overrides})
+    return model_config, ComputeConfig(**{**long, **compute_overrides})
 
 
 # ---- runtime: devices, processes, data, model ----------------------------------------------------------------
@@ -288,17 +287,17 @@ def ensure_default_data(cfg: TrainConfig, rt: Runtime) -> None:
         dist.barrier()
 
 
-def build_model(model_config: ModelConfig, cfg: TrainConfig, rt: Runtime) -> Transformer:
+def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainConfig, rt: Runtime) -> Transformer:
     """The model on its device, identically initialised from cfg.seed in every process layout. With a mesh: built
     on the meta device, sharded by apply_fsdp (bf16 compute when dtype is bfloat16, float32 reduction), then
     materialised (parallel.init_sharded_weights)."""
     if rt.mesh is None:
         torch.manual_seed(cfg.seed)
         with rt.device:
-            model = Transformer(model_config)
+            model = Transformer(model_config, compute)
     else:
         with torch.device("meta"):
-            model = Transformer(model_config)
+            model = Transformer(model_config, compute)
     model.gradient_checkpointing_enable(cfg.gradient_checkpointing)
     if cfg.compile:
         for block in model.layers:
@@ -330,19 +329,12 @@ def build_optimizer(model: Transformer, cfg: TrainConfig) -> tuple[torch.optim.A
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward = 3x forward) per token: 6 x the matmul parameters (all but the
-    embedding lookup; the output projection counts even when tied) plus attention scores and values, 6 x L x H x D
-    x (keys per query), with T/2 keys on average under a causal mask, or for NSA the compressed (T/2 / stride),
-    selected (n l') and window (w) keys, each capped at T/2."""
+    """Training FLOPs (forward + backward = 3x forward) per token: 6 x the FFN and output-projection weights
+    (the output projection counts even when tied; the embedding lookup is free) plus each layer's attention, as its
+    type counts it (`AttentionLayer.flops_per_token`: projections, scores and values over its keys)."""
     c = config
-    per_layer = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.dim * c.ffn_dim
-    dense = 6 * (c.n_layers * per_layer + c.vocab_size * c.dim)
-    half = seq_len / 2
-    if c.attention_type == "nsa":
-        keys = half / c.nsa_stride + min(half, c.nsa_num_selected * c.nsa_select_block_size) + min(half, c.nsa_window)
-    else:
-        keys = half
-    return dense + 6 * c.n_layers * c.n_heads * c.head_dim * keys
+    attention = attention_class(c.attention_type).flops_per_token(c, seq_len)
+    return 6 * (c.n_layers * 3 * c.dim * c.ffn_dim + c.vocab_size * c.dim) + c.n_layers * attention
 
 
 def memory_gib(device: torch.device) -> tuple[float, float]:
@@ -422,7 +414,8 @@ def start_run(out_dir: Path, cfg: TrainConfig, model: Transformer, world_size: i
     """Rank 0: print the resolved configuration and save it as out_dir/config.json; on resume, drop the metrics
     lines of steps after the checkpoint (written by the interrupted run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    resolved = {"train": dataclasses.asdict(cfg), "model": model.config.to_dict(), "world_size": world_size,
+    resolved = {"train": dataclasses.asdict(cfg), "model": model.config.to_dict(),
+                "compute": model.compute.to_dict(), "world_size": world_size,
                 "parameters": model.num_parameters()}
     print(json.dumps(resolved, indent=1))
     (out_dir / "config.json").write_text(json.dumps(resolved, indent=1))
@@ -478,14 +471,14 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
     tokenizer = Tokenizer(tokenizer_path(cfg))
     check_tokenizer(loader.index, tokenizer)
-    model_config = build_model_config(cfg, tokenizer.vocab_size)
+    model_config, compute = build_model_config(cfg, tokenizer.vocab_size)
     check_vocab(tokenizer, model_config.vocab_size)
 
     resume_from = latest_checkpoint(out_dir) if cfg.resume == "auto" else cfg.resume and Path(cfg.resume)
     if cfg.resume is None and latest_checkpoint(out_dir) is not None:
         raise FileExistsError(f"{out_dir} already holds checkpoints ({latest_checkpoint(out_dir).name}); pass "
                               "--resume to continue that run, or choose another --out_dir")
-    model = build_model(model_config, cfg, rt)
+    model = build_model(model_config, compute, cfg, rt)
     optimizer, scheduler = build_optimizer(model, cfg)
     step, bad_steps = 0, 0
     if resume_from:
@@ -512,7 +505,7 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
     def save(at_step: int) -> Path:
         train_state = {"step": at_step, "bad_steps": bad_steps, "scheduler": scheduler.state_dict(),
                        "loader": loader.state_dict(), "config": dataclasses.asdict(cfg),
-                       "model_config": model_config.to_dict(), "world_size": W}
+                       "model_config": model_config.to_dict(), "compute": compute.to_dict(), "world_size": W}
         return save_checkpoint(out_dir, at_step, model, optimizer, train_state)
 
     bar = tqdm(total=cfg.max_steps, initial=step, desc="training", unit="step", disable=not main_rank or None,

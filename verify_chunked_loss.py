@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from loss import IGNORE_INDEX, chunked_linear_cross_entropy, standard_linear_cross_entropy
 from memtrack import LiveBytesTracker
-from model import ModelConfig, Transformer
+from model import ComputeConfig, ModelConfig, Transformer
 
 GiB = 1024**3
 SEQ_LENS = (4096, 40_000, 131_072)
@@ -50,21 +50,21 @@ class Report:
 
 def check_path_selection(report: Report) -> None:
     """For the 4B geometry, the path `Transformer.compute_loss` takes at each sequence length (B=1, bf16)."""
-    config = ModelConfig.from_preset("4B")
-    print(f"\n4B: V={config.vocab_size}, C={config.dim}, threshold {config.loss_chunk_threshold_bytes / GiB:g} GiB "
-          f"of logits in the compute dtype (bf16), loss_mode={config.loss_mode!r}")
+    config, compute = ModelConfig.from_preset("4B"), ComputeConfig()
+    print(f"\n4B: V={config.vocab_size}, C={config.dim}, threshold {compute.loss_chunk_threshold_bytes / GiB:g} GiB "
+          f"of logits in the compute dtype (bf16), loss_mode={compute.loss_mode!r}")
     fake_mode = FakeTensorMode()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: Module.to cannot swap fake parameters afterwards
     try:
         with fake_mode:
-            model = Transformer(config)  # 4B parameters, all fake
+            model = Transformer(config, compute)  # 4B parameters, all fake
     finally:
         torch.set_default_dtype(default_dtype)
     with fake_mode:
         for T in SEQ_LENS:
             logits_gib = T * config.vocab_size * 2 / GiB
-            expect_chunked = logits_gib * GiB > config.loss_chunk_threshold_bytes
+            expect_chunked = logits_gib * GiB > compute.loss_chunk_threshold_bytes
             hidden = torch.empty(1, T, config.dim, dtype=torch.bfloat16, requires_grad=True)  # (B, T, C)
             labels = torch.zeros(1, T, dtype=torch.long)  # (B, T)
             with (mock.patch.object(Transformer, "_compute_loss_chunked", autospec=True,

@@ -1,5 +1,6 @@
-"""Forward+backward time and peak memory of one attention layer: our NSA (nsa.py), full causal SDPA (model.Attention)
-and lucidrains' `native-sparse-attention-pytorch` (if installed; benchmark-only, never a dependency), on CPU.
+"""Forward+backward time and peak memory of one attention layer: our NSA (nsa/layer.py), full causal
+SDPA (attention.FullAttention) and lucidrains' `native-sparse-attention-pytorch` (if installed; benchmark-only,
+never a dependency), on CPU.
 
 Each (implementation, T) runs in a fresh subprocess: time of one forward+backward (after a warm-up at T=512),
 and peak memory as the growth of the process's peak RSS over its RSS before the measured step (inputs and weights
@@ -31,15 +32,16 @@ import time
 IMPLS = ("sdpa", "nsa", "lucidrains")
 
 
-def build(impl: str, args: argparse.Namespace, **overrides: object):
-    """(layer, the layer as a function x (1, T, dim) -> (1, T, dim)); `overrides`: more ModelConfig fields."""
+def build(impl: str, args: argparse.Namespace, **compute: object):
+    """(layer, the layer as a function x (1, T, dim) -> (1, T, dim)); `compute`: ComputeConfig fields."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from attention import FullAttention
+    from config import ComputeConfig, ModelConfig
     from layers import RotaryEmbedding
-    from model import Attention, ModelConfig
 
     cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      n_layers=1, attention_type="nsa" if impl == "nsa" else "full", context_length=65536,
-                      nsa_query_chunk=args.query_chunk, **overrides)
+                      n_layers=1, attention_type="nsa" if impl == "nsa" else "full", context_length=65536)
+    computing = ComputeConfig(attention_query_chunk=args.query_chunk, **compute)
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, 1024)
     if impl == "lucidrains":
         from native_sparse_attention_pytorch import SparseAttention
@@ -51,11 +53,11 @@ def build(impl: str, args: argparse.Namespace, **overrides: object):
                                 num_selected_blocks=cfg.nsa_num_selected, causal=True, use_triton_kernel=False)
         return layer, layer
     if impl == "nsa":
-        from nsa import NativeSparseAttention
+        from nsa.layer import NativeSparseAttention
 
-        layer = NativeSparseAttention(cfg)
+        layer = NativeSparseAttention(cfg, computing)
     else:
-        layer = Attention(cfg)
+        layer = FullAttention(cfg, computing)
     layer.init_weights()
 
     def run(x):

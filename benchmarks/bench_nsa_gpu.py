@@ -1,7 +1,8 @@
 """NSA on a CUDA GPU against full causal attention (SDPA, flash backend): forward and forward+backward time and peak
 memory of one attention layer, side by side in one process, bf16, the 4B geometry by default (dim 2560, H=32,
-KV=8, D=128). `nsa` runs its three branches and the importance scores on the Triton kernels (nsa_triton.py);
-`nsa-torch` is the same layer with `nsa_triton=False` (the explicit PyTorch path, tiles for the selection).
+KV=8, D=128). `nsa` runs its three branches and the importance scores on the Triton kernels (nsa/kernels.py);
+`nsa-torch` is the same layer with `ComputeConfig.triton_kernels=False` (the explicit PyTorch path, tiles for the
+selection).
 
     python benchmarks/bench_nsa_gpu.py                               # T = 8k, 32k, 64k
     python benchmarks/bench_nsa_gpu.py --seq-lens 8192 --repeats 10 --impls sdpa nsa
@@ -28,12 +29,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_nsa  # noqa: E402
 
-IMPLS = ("sdpa", "nsa", "nsa-torch")  # full attention, NSA on the Triton kernels, NSA with nsa_triton=False
+IMPLS = ("sdpa", "nsa", "nsa-torch")  # full attention, NSA on the Triton kernels, NSA without them
 
 
 def build(impl: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Callable:
     """The layer as a function x (1, T, dim) -> (1, T, dim) on device, in dtype (bench_nsa.py's layers)."""
-    layer, run = bench_nsa.build("sdpa" if impl == "sdpa" else "nsa", args, nsa_triton=impl == "nsa")
+    layer, run = bench_nsa.build("sdpa" if impl == "sdpa" else "nsa", args, triton_kernels=impl == "nsa")
     layer.to(device, dtype)
     return run
 
@@ -73,8 +74,8 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark measures the GPU path (--device cpu only smoke-tests the script)")
     if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before nsa_triton is imported
-    from nsa_attention import triton_kernels
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before nsa.kernels is imported
+    from nsa.attention import triton_kernels
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "

@@ -14,14 +14,16 @@ Notation: B batch, T tokens, C model width, F FFN width, r rank, L layers.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import torch
 
-from model import Block, ModelConfig, Transformer
-from npt.convert import convert, np_parameters
-from npt.layer import NPBlock
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from anywhere: the repository's modules
+from model import Block, ModelConfig, Transformer  # noqa: E402
+from npt.convert import convert, np_parameters  # noqa: E402
+from npt.layer import NPBlock  # noqa: E402
 from npt.memory import layer_memory, llama_like_config, offload_memory
 
 GiB, MiB = 1024**3, 1024**2

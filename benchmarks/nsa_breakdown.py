@@ -1,7 +1,7 @@
 """Where NSA's time goes, on CPU: (1) forward and backward seconds of each branch's attention kernel calls
-(`nsa_attention.attend` / `attend_backward`, grouped by the rows per call) inside one forward+backward of the
+(`nsa.attention.attend` / `attend_backward`, grouped by the rows per call) inside one forward+backward of the
 benchmark layer of bench_nsa.py; (2) the fused CPU flash kernels on selection tiles of 64 and 128 rows (R = 16 and
-32 queries of 4 heads) at equal total rows, the measurement behind `nsa_attention._SMALL_TILE_COST`.
+32 queries of 4 heads) at equal total rows, the measurement behind `nsa.attention._SMALL_TILE_COST`.
 
     MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_THRESHOLD_=33554432 python benchmarks/nsa_breakdown.py   # ~1 min
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_nsa  # noqa: E402
 
-import nsa_attention  # noqa: E402
+from nsa import attention as nsa_attention  # noqa: E402
 
 
 def kernel_seconds(T: int) -> tuple[float, dict[tuple[str, int], float]]:

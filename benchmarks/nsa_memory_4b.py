@@ -16,10 +16,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import nsa_attention  # noqa: E402
+from config import ComputeConfig, ModelConfig  # noqa: E402
 from memtrack import LiveBytesTracker  # noqa: E402
-from model import ModelConfig  # noqa: E402
-from nsa import NativeSparseAttention  # noqa: E402
+from nsa import attention as nsa_attention  # noqa: E402
+from nsa.layer import NativeSparseAttention  # noqa: E402
 
 T = 131072
 
@@ -30,11 +30,11 @@ PATHS = {"fused": contextlib.nullcontext, "explicit": nsa_attention.explicit_att
 
 def peak_gib(query_chunk: int, path: str) -> tuple[float, float]:
     """(peak, largest tensor) in GiB of one layer's forward + backward."""
-    config = ModelConfig.from_preset("4B", attention_type="nsa", nsa_query_chunk=query_chunk, context_length=T)
+    config = ModelConfig.from_preset("4B", attention_type="nsa", context_length=T)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with FakeTensorMode():
-            layer = NativeSparseAttention(config)
+            layer = NativeSparseAttention(config, ComputeConfig(attention_query_chunk=query_chunk))
             x = torch.randn(1, T, config.dim, requires_grad=True)
             cos, sin = torch.randn(T, config.head_dim), torch.randn(T, config.head_dim)
             with PATHS[path](), LiveBytesTracker() as tracker:

@@ -119,7 +119,7 @@ def build_converted_model(cfg: TrainConfig, npt_cfg: NPTConfig, rt: Runtime, voc
                                    context_length=cfg.context_length)
         model.gradient_checkpointing_enable(cfg.gradient_checkpointing)
     else:
-        model = build_model(build_model_config(cfg, vocab_size), cfg, rt)
+        model = build_model(*build_model_config(cfg, vocab_size), cfg, rt)
     convert(model, npt_cfg.layers, rank=npt_cfg.rank, targets=tuple(npt_cfg.targets.split(",")),
             residual_mode=npt_cfg.residual_mode, base_dtype=base_dtype, offload=npt_cfg.offload)
     return model

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-# The Triton kernels (nsa_triton.py) run in Triton's interpreter in this process, on any machine (read when the module
+# The Triton kernels (nsa/kernels.py) run in Triton's interpreter in this process, on any machine (read when the module
 # is imported); on a GPU, test_triton_kernels_on_gpu runs them for real in a subprocess.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -22,18 +22,19 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from model import ModelConfig  # noqa: E402
-from nsa_attention import sparse_attention, triton_kernels  # noqa: E402
-from nsa_blocks import num_compressed_blocks  # noqa: E402
+from config import ComputeConfig, ModelConfig  # noqa: E402
+from nsa.attention import sparse_attention, triton_kernels  # noqa: E402
+from nsa.blocks import num_compressed_blocks  # noqa: E402
 
 
-def run(config: ModelConfig, inputs: list[torch.Tensor], grad: torch.Tensor, triton: bool) -> list[torch.Tensor]:
+def run(config: ModelConfig, chunk: int, inputs: list[torch.Tensor], grad: torch.Tensor, triton: bool
+        ) -> list[torch.Tensor]:
     """(output, gradients of the inputs) of sparse_attention on the Triton kernels or on the PyTorch path."""
-    config = dataclasses.replace(config, nsa_triton=triton)
+    compute = ComputeConfig(attention_query_chunk=chunk, triton_kernels=triton)
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     forced = triton and not inputs[0].is_cuda  # CPU: the interpreter stands in for the GPU
     with triton_kernels() if forced else contextlib.nullcontext():
-        out = sparse_attention(*leaves, config)
+        out = sparse_attention(*leaves, config, compute=compute)
         out.backward(grad)
     return [out.detach()] + [leaf.grad for leaf in leaves]
 
@@ -63,21 +64,21 @@ def main() -> None:
 
     names = ["out", "dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates"]
     # every block selected: n >= the number of blocks
-    config = dataclasses.replace(base, nsa_num_selected=max(16, -(-sizes[0] // 64)), nsa_query_chunk=chunk)
+    config = dataclasses.replace(base, nsa_num_selected=max(16, -(-sizes[0] // 64)))
     inputs = random_inputs(config, sizes[0], H, KV, D, device)
     grad = torch.randn(1, H, sizes[0], D, device=device)
-    reference = run(config, inputs, grad, triton=False)
-    for name, got, want in zip(names, run(config, inputs, grad, triton=True), reference, strict=True):
+    reference = run(config, chunk, inputs, grad, triton=False)
+    for name, got, want in zip(names, run(config, chunk, inputs, grad, triton=True), reference, strict=True):
         check(f"float32 T={sizes[0]} {name}", got, want, atol=1e-5, rtol=1e-4)
     if device == "cuda":  # bfloat16: the interpreter cannot compute it
-        low = run(config, [t.bfloat16() for t in inputs], grad.bfloat16(), triton=True)
+        low = run(config, chunk, [t.bfloat16() for t in inputs], grad.bfloat16(), triton=True)
         for name, got, want in zip(names, low, reference, strict=True):
             check(f"bfloat16 T={sizes[0]} {name}", got, want, atol=5e-2, rtol=5e-2)
     # top-n really choosing: forward rows only (a differently broken near-tie changes a row's blocks)
-    config = dataclasses.replace(base, nsa_num_selected=16 if device == "cuda" else 4, nsa_query_chunk=chunk)
+    config = dataclasses.replace(base, nsa_num_selected=16 if device == "cuda" else 4)
     inputs = random_inputs(config, sizes[1], H, KV, D, device)
     grad = torch.randn(1, H, sizes[1], D, device=device)
-    got, want = run(config, inputs, grad, triton=True)[0], run(config, inputs, grad, triton=False)[0]
+    got, want = run(config, chunk, inputs, grad, triton=True)[0], run(config, chunk, inputs, grad, triton=False)[0]
     check(f"float32 T={sizes[1]} out (top-n choosing)", got, want, atol=1e-5, rtol=1e-4, rows=0.995)
     if failures:
         sys.exit(f"mismatch: {failures}")

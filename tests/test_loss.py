@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, standard_linear_cross_entropy
-from model import ModelConfig, Transformer
+from model import ComputeConfig, ModelConfig, Transformer
 from verify_chunked_loss import fake_loss_peak, float64_reference
 
 GiB = 1024**3
@@ -167,14 +167,15 @@ def test_auto_selection_from_shapes_and_forced_modes(monkeypatch):
     threshold = 2 * 16 * V * 4  # exactly the float32 logits of B=2, T=16
     for mode, T, want in (("auto", 16, "_compute_loss_standard"), ("auto", 17, "_compute_loss_chunked"),
                           ("chunked", 4, "_compute_loss_chunked"), ("standard", 64, "_compute_loss_standard")):
-        model = Transformer(ModelConfig.from_preset("tiny", loss_mode=mode, loss_chunk_threshold_bytes=threshold))
+        model = Transformer(ModelConfig.from_preset("tiny"),
+                            ComputeConfig(loss_mode=mode, loss_chunk_threshold_bytes=threshold))
         assert model.config.vocab_size == V
         ids = torch.randint(0, V, (2, T))
         calls.clear()
         out = model(ids, labels=ids)
         assert calls == [want], (mode, T, calls)
         assert (out.logits is None) == (want == "_compute_loss_chunked")
-    auto = Transformer(ModelConfig.from_preset("tiny", loss_chunk_threshold_bytes=threshold))
+    auto = Transformer(ModelConfig.from_preset("tiny"), ComputeConfig(loss_chunk_threshold_bytes=threshold))
     assert auto.use_chunked_loss(2 * 17, torch.float32)
     assert not auto.use_chunked_loss(2 * 17, torch.bfloat16)  # the compute dtype's element size counts
 
@@ -184,7 +185,7 @@ def test_model_chunked_equals_standard_and_rowwise_reference(tie):
     """B=2 with ignored labels: both paths give the same loss and parameter gradients (tied or untied output
     weight), equal to a per-row float64 reference that shifts each row on its own (no mixing across rows)."""
     torch.manual_seed(0)
-    cfg = ModelConfig.from_preset("tiny", tie_embeddings=tie, loss_chunk_size=5, z_loss_coef=1e-3)
+    cfg = ModelConfig.from_preset("tiny", tie_embeddings=tie)
     ids = torch.randint(0, cfg.vocab_size, (2, 23))
     labels = ids.clone()
     labels[0, :4] = IGNORE_INDEX
@@ -192,7 +193,7 @@ def test_model_chunked_equals_standard_and_rowwise_reference(tie):
     results = {}
     for mode in ("chunked", "standard"):
         torch.manual_seed(1)
-        model = Transformer(ModelConfig(**{**cfg.to_dict(), "loss_mode": mode}))
+        model = Transformer(cfg, ComputeConfig(loss_mode=mode, loss_chunk_size=5, z_loss_coef=1e-3))
         loss = model(ids, labels=labels).loss
         loss.backward()
         results[mode] = (loss, {n: p.grad for n, p in model.named_parameters()})

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from model import GiB, ModelConfig, Transformer
+from config import GiB
+from model import ComputeConfig, ModelConfig, Transformer
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -75,16 +76,26 @@ class OutputShapes(torch.utils._python_dispatch.TorchDispatchMode):
     (dict(dim=0), "dim"),
     (dict(n_layers=-1), "n_layers"),
     (dict(attention_type="linear"), "attention_type"),
-    (dict(loss_mode="fast"), "loss_mode"),
     (dict(head_dim=15), "head_dim"),
-    (dict(nsa_block_size=10, nsa_stride=4), "nsa_stride"),
-    (dict(nsa_num_selected=2), "nsa_num_selected"),
+    (dict(attention_type="nsa", nsa_block_size=10, nsa_stride=4), "nsa_stride"),
+    (dict(attention_type="nsa", nsa_num_selected=2), "nsa_num_selected"),
     (dict(logit_softcap=-1.0), "logit_softcap"),
     (dict(hidden_size=3), "hidden_size"),
 ])
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         tiny(**overrides)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(loss_mode="fast"), "loss_mode"),
+    (dict(ffn_chunk_size=0), "ffn_chunk_size"),
+    (dict(attention_query_chunk=-1), "attention_query_chunk"),
+    (dict(z_loss_coef=-1.0), "z_loss_coef"),
+])
+def test_invalid_compute_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        ComputeConfig(**overrides)
 
 
 def test_unknown_preset_lists_the_valid_ones():
@@ -113,7 +124,7 @@ def test_4b_geometry():
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size) == (
         2560, 36, 32, 8, 128, 9728, 151936)
     assert cfg.rope_theta == 1e6 and cfg.tie_embeddings and cfg.qk_norm and cfg.norm_eps == 1e-6
-    assert cfg.loss_chunk_threshold_bytes == 10 * GiB
+    assert ComputeConfig().loss_chunk_threshold_bytes == 10 * GiB
 
 
 def test_meta_init_flow_is_deterministic_and_matches_eager_init():
@@ -264,7 +275,7 @@ def test_tiled_ffn_equals_untiled_with_gradients():
 
 def test_tiled_ffn_never_holds_more_than_one_tile_of_intermediates():
     """Forward + backward of a model with ffn_chunk_size=256 at T=4096: no (., ffn_dim) tensor beyond one tile."""
-    model = Transformer(tiny(n_layers=1, vocab_size=64, context_length=4096, ffn_chunk_size=256))
+    model = Transformer(tiny(n_layers=1, vocab_size=64, context_length=4096), ComputeConfig(ffn_chunk_size=256))
     model.gradient_checkpointing_enable()
     ffn_dim = model.config.ffn_dim
     ids = torch.randint(0, 64, (1, 4096))

@@ -1,14 +1,13 @@
-"""Tests of nsa.py and nsa_attention.py against independent references: dense causal attention (explicit T x T
-masks, allowed in tests only), a per-query brute-force NSA written from the paper's definitions (overlap-weighted
-importance instead of Eq. 9), hand-made tables, gradcheck, causality at block boundaries, decode == prefill, and
-memory trackers. The fused CPU path and the explicit path (the one CUDA runs) are both checked.
+"""Tests of the nsa/ package against independent references: dense causal attention (explicit T x T
+masks, allowed in tests only), nsa/reference.py's per-query brute-force NSA written from the paper's definitions
+(overlap-weighted importance instead of Eq. 9), hand-made tables, gradcheck, causality at block boundaries,
+decode == prefill, and memory trackers. The fused CPU path and the explicit path (the one CUDA runs) are both checked.
 
 Tolerances: float64 comparisons use atol=1e-12 (different but equivalent reduction orders); causality checks are
 exact (masked keys contribute exp(-inf) = 0 exactly); float32 model-level checks use 1e-5.
 """
 
 import contextlib
-import dataclasses
 import math
 import os
 import subprocess
@@ -19,26 +18,30 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import nsa_attention
+from attention import FullAttention
+from config import ComputeConfig
 from layers import RotaryEmbedding
 from memtrack import LiveBytesTracker
-from model import Attention, ModelConfig, Transformer
-from nsa import NativeSparseAttention
-from nsa_attention import _as_blocks as as_blocks
-from nsa_attention import attend, attend_backward, explicit_attention, sparse_attention, tile_plan, triton_kernels
-from nsa_blocks import num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights
+from model import ModelConfig, Transformer
+from nsa import attention as nsa_attention
+from nsa.attention import _as_blocks as as_blocks
+from nsa.attention import attend, attend_backward, explicit_attention, sparse_attention, tile_plan, triton_kernels
+from nsa.blocks import num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights
+from nsa.layer import NativeSparseAttention
+from nsa.reference import naive_nsa
 
 F64 = dict(rtol=0, atol=1e-12)
 EXACT = dict(rtol=0, atol=0)
 
 
 def nsa_config(**overrides) -> ModelConfig:
-    """Tiny geometry: l=8, d=4, l'=16, n=4, w=32, chunk 64, H=4, KV=2, D=16, dim 64."""
+    """Tiny geometry: l=8, d=4, l'=16, n=4, w=32, H=4, KV=2, D=16, dim 64 (query chunk: ComputeConfig's)."""
     return ModelConfig.from_preset("tiny", attention_type="nsa", **overrides)
 
 
-def make_layer(config: ModelConfig, dtype=torch.float64) -> tuple[NativeSparseAttention, RotaryEmbedding]:
-    layer = NativeSparseAttention(config).to(dtype)
+def make_layer(config: ModelConfig, dtype=torch.float64, compute: ComputeConfig | None = None
+               ) -> tuple[NativeSparseAttention, RotaryEmbedding]:
+    layer = NativeSparseAttention(config, compute).to(dtype)
     layer.init_weights()
     with torch.no_grad():  # a non-trivial position encoding and norm weights, so wiring mistakes show
         for p in (layer.k_compress.pos, layer.v_compress.pos):
@@ -64,45 +67,6 @@ def dense_causal(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> 
         mask &= i[None, :] > i[:, None] - window
     logits = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
     return logits.softmax(-1) @ v
-
-
-def naive_nsa(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config: ModelConfig) -> Tensor:
-    """Query-by-query NSA straight from the paper's definitions, positions from 0. Importance of selection block j
-    is sum_i p_cmp[i] * overlap(compressed block i, selection block j) / d, summed over the group's heads."""
-    B, H, T, D = q.shape
-    KV, G = k_slc.shape[1], H // k_slc.shape[1]
-    l, d, ls, n, w = (config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size,
-                      config.nsa_num_selected, config.nsa_window)
-    scale = D**-0.5
-    Ns = (T - 1) // ls + 1
-    overlap = torch.tensor([[len(set(range(i * d, i * d + l)) & set(range(j * ls, (j + 1) * ls))) / d
-                             for j in range(Ns)] for i in range(k_cmp.shape[2])], dtype=q.dtype)
-    out = torch.zeros_like(q)
-    for b in range(B):
-        for t in range(T):
-            cur = t // ls
-            for kv in range(KV):
-                heads = range(kv * G, (kv + 1) * G)
-                nv = sum(1 for i in range(k_cmp.shape[2]) if i * d + l - 1 <= t)
-                importance = torch.zeros(Ns, dtype=q.dtype)
-                o_cmp = {}
-                for h in heads:
-                    if nv == 0:
-                        o_cmp[h] = torch.zeros(D, dtype=q.dtype)
-                        continue
-                    p = (k_cmp[b, kv, :nv] @ q[b, h, t] * scale).softmax(-1)
-                    o_cmp[h] = p @ v_cmp[b, kv, :nv]
-                    importance += p @ overlap[:nv]
-                score = {j: (math.inf if j in (0, cur, cur - 1) else importance[j].item()) for j in range(cur + 1)}
-                chosen = sorted(score, key=score.get, reverse=True)[:n]
-                sel = [s for j in chosen for s in range(j * ls, (j + 1) * ls) if s <= t]
-                win = list(range(max(0, t - w + 1), t + 1))
-                for h in heads:
-                    p_s = (k_slc[b, kv, sel] @ q[b, h, t] * scale).softmax(-1)
-                    p_w = (k_win[b, kv, win] @ q[b, h, t] * scale).softmax(-1)
-                    g = gates[b, h, t]
-                    out[b, h, t] = g[0] * o_cmp[h] + g[1] * (p_s @ v_slc[b, kv, sel]) + g[2] * (p_w @ v_win[b, kv, win])
-    return out
 
 
 def random_inputs(B, H, KV, T, D, config, dtype=torch.float64):
@@ -158,16 +122,17 @@ def test_select_blocks_forced_and_future():
 # ---- oracles: each branch alone equals dense causal attention ---------------------------------------------------
 
 
-def _module_vs_full_attention(config: ModelConfig, branch: int, T: int, compressor=None):
-    """NSA with the gates pinned to `branch` against model.Attention sharing that branch's K/V projection."""
-    layer, rope = make_layer(config)
+def _module_vs_full_attention(config: ModelConfig, branch: int, T: int, compressor=None,
+                              compute: ComputeConfig | None = None):
+    """NSA with the gates pinned to `branch` against attention.FullAttention sharing that branch's K/V projection."""
+    layer, rope = make_layer(config, compute=compute)
     if compressor is not None:
         layer.k_compress, layer.v_compress = compressor, compressor
     with torch.no_grad():
         layer.gate_proj.weight.zero_()
         layer.gate_proj.bias.fill_(-200.0)
         layer.gate_proj.bias.view(-1, 3)[:, branch] = 200.0  # sigmoid(+-200) is 1 / ~1e-87 in float64
-    full = Attention(config).to(torch.float64)
+    full = FullAttention(config).to(torch.float64)
     KV, D = config.n_kv_heads, config.head_dim
     s = branch if config.nsa_separate_kv else 0
     with torch.no_grad():
@@ -189,8 +154,8 @@ class SqueezeBlock(nn.Module):
 
 @pytest.mark.parametrize("separate", [True, False])
 def test_selection_all_blocks_equals_dense(separate):
-    config = nsa_config(nsa_num_selected=7, nsa_separate_kv=separate, nsa_query_chunk=32)  # 7 blocks of 16 >= T
-    _module_vs_full_attention(config, branch=1, T=100)
+    config = nsa_config(nsa_num_selected=7, nsa_separate_kv=separate)  # 7 blocks of 16 >= T
+    _module_vs_full_attention(config, branch=1, T=100, compute=ComputeConfig(attention_query_chunk=32))
 
 
 @pytest.mark.parametrize("separate", [True, False])
@@ -204,10 +169,11 @@ def test_compression_identity_l1_equals_dense():
 
 
 def test_window_is_w_keys_including_own_token():
-    config = nsa_config(nsa_window=5, nsa_query_chunk=16)
+    config = nsa_config(nsa_window=5)
+    compute = ComputeConfig(attention_query_chunk=16)
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, _ = random_inputs(1, 4, 2, 40, 8, config)
     gates = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64).expand(1, 4, 40, 3)
-    out = sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config)
+    out = sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, compute=compute)
     torch.testing.assert_close(out, dense_causal(q, k_win, v_win, window=5), **F64)
 
 
@@ -216,18 +182,20 @@ def test_window_is_w_keys_including_own_token():
 
 @pytest.mark.parametrize("H,KV", [(2, 2), (4, 2), (8, 2), (16, 1)])  # GQA ratios 1, 2, 4, 16
 def test_sparse_attention_matches_naive(H, KV):
-    config = nsa_config(nsa_query_chunk=24)
+    config = nsa_config()
+    compute = ComputeConfig(attention_query_chunk=24)
     T = 90  # 6 selection blocks > n = 4, so top-n really chooses; 21 compressed blocks
     inputs = random_inputs(2, H, KV, T, 8, config)
-    torch.testing.assert_close(sparse_attention(*inputs, config), naive_nsa(*inputs, config), **F64)
+    torch.testing.assert_close(sparse_attention(*inputs, config, compute=compute), naive_nsa(*inputs, config), **F64)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 100])
 def test_chunk_size_does_not_change_results(chunk):
-    config = nsa_config(nsa_query_chunk=chunk)
-    layer, rope = make_layer(config)
+    config = nsa_config()
+    compute = ComputeConfig(attention_query_chunk=chunk)
+    layer, rope = make_layer(config, compute=compute)
     x = torch.randn(2, 100, config.dim, dtype=torch.float64)
-    ref_layer = NativeSparseAttention(dataclasses.replace(config, nsa_query_chunk=100)).to(torch.float64)
+    ref_layer = NativeSparseAttention(config, ComputeConfig(attention_query_chunk=100)).to(torch.float64)
     ref_layer.load_state_dict(layer.state_dict())
     torch.testing.assert_close(run_layer(layer, rope, x), run_layer(ref_layer, rope, x), **F64)
 
@@ -252,9 +220,10 @@ def test_no_compressed_block_gives_zero_and_finite_gradients():
 
 @pytest.mark.parametrize("separate", [True, False])
 def test_causality_at_block_boundaries(separate):
-    config = nsa_config(nsa_separate_kv=separate, nsa_query_chunk=24)
+    config = nsa_config(nsa_separate_kv=separate)
+    compute = ComputeConfig(attention_query_chunk=24)
     l, d, ls, w = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_window
-    layer, rope = make_layer(config)
+    layer, rope = make_layer(config, compute=compute)
     T = 5 * ls + 7
     x = torch.randn(1, T, config.dim, dtype=torch.float64)
     base = run_layer(layer, rope, x)
@@ -287,8 +256,9 @@ def test_model_causality_and_generate():
 
 @pytest.mark.parametrize("separate", [True, False])
 def test_decode_equals_prefill(separate):
-    config = nsa_config(nsa_separate_kv=separate, nsa_query_chunk=16)
-    layer, rope = make_layer(config)
+    config = nsa_config(nsa_separate_kv=separate)
+    compute = ComputeConfig(attention_query_chunk=16)
+    layer, rope = make_layer(config, compute=compute)
     T = 90  # beyond w = 32 (window ring wraps) and several compressed / selection blocks
     x = torch.randn(2, T, config.dim, dtype=torch.float64)
     full = run_layer(layer, rope, x)
@@ -321,8 +291,8 @@ def test_gradcheck_layer_all_blocks_selected():
     """Whole layer; n >= number of selection blocks, so the top-n set cannot flip under finite differences. No
     QK-norm: layers.RMSNorm computes in float32, too coarse for finite differences."""
     config = nsa_config(dim=8, n_heads=4, n_kv_heads=2, head_dim=4, qk_norm=False, nsa_block_size=4,
-                        nsa_stride=2, nsa_select_block_size=8, nsa_num_selected=3, nsa_window=5, nsa_query_chunk=7)
-    layer = NativeSparseAttention(config).to(torch.float64)
+                        nsa_stride=2, nsa_select_block_size=8, nsa_num_selected=3, nsa_window=5)
+    layer = NativeSparseAttention(config, ComputeConfig(attention_query_chunk=7)).to(torch.float64)
     layer.init_weights()
     rope = RotaryEmbedding(config.head_dim, config.rope_theta, 64)
     T = 20  # queries 0..2 see no compressed block
@@ -395,7 +365,7 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
     """The selection branch against autograd through a dense masked attention, float64, fixed random indices with
     unused slots, chunks that start inside a block. `_Selection` (own block dense, past blocks in tiles, partial
     results merged by lse, the backward from the merged output and lse) with both tile sizes on the fused CPU and
-    explicit paths; `nsa_triton.TritonSelection` in Triton's interpreter."""
+    explicit paths; `nsa.kernels.TritonSelection` in Triton's interpreter."""
     if impl == "triton":
         pytest.importorskip("triton")
     monkeypatch.setattr(nsa_attention, "_SMALL_TILE_COST", small_tile_cost)
@@ -410,7 +380,7 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
         with explicit_attention() if impl == "explicit" else contextlib.nullcontext():
             blocks = [as_blocks(t.detach(), ls) for t in (k, v)]
             if impl == "triton":
-                from nsa_triton import TritonSelection
+                from nsa.kernels import TritonSelection
 
                 sel = TritonSelection(q.detach(), *blocks, idx, q_start, D**-0.5)
             else:
@@ -457,26 +427,29 @@ def test_window_pieces_and_explicit_path_match_naive(monkeypatch, window_rows):
     """Whole kernel against the brute-force reference with the window cut into pieces of 1, 5 or the whole chunk,
     on the fused CPU and the explicit (CUDA) paths, plus gradcheck of the explicit path's backward."""
     monkeypatch.setattr(nsa_attention, "_WINDOW_ROWS", window_rows)
-    config = nsa_config(nsa_query_chunk=24, nsa_window=12)
+    config, compute = nsa_config(nsa_window=12), ComputeConfig(attention_query_chunk=24)
     inputs = random_inputs(1, 4, 2, 90, 8, config)
     ref = naive_nsa(*inputs, config)
-    torch.testing.assert_close(sparse_attention(*inputs, config), ref, **F64)
+    torch.testing.assert_close(sparse_attention(*inputs, config, compute=compute), ref, **F64)
     with explicit_attention():
-        torch.testing.assert_close(sparse_attention(*inputs, config), ref, **F64)
-        small = nsa_config(nsa_num_selected=3, nsa_window=7, nsa_query_chunk=13)
+        torch.testing.assert_close(sparse_attention(*inputs, config, compute=compute), ref, **F64)
+        small = nsa_config(nsa_num_selected=3, nsa_window=7)
+        small_compute = ComputeConfig(attention_query_chunk=13)
         leaves = [t.requires_grad_() for t in random_inputs(1, 4, 2, 40, 4, small)]
-        assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, small), leaves, fast_mode=True)
+        assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, small, compute=small_compute), leaves,
+                                        fast_mode=True)
 
 
 def test_gradcheck_sparse_attention_top_n():
     """The custom backward (chunk-wise recomputation, gradients added in place) of all eight inputs, with top-n
     really choosing (n=3 of up to 6 blocks) and chunks that cut selection and compression blocks."""
-    config = nsa_config(nsa_num_selected=3, nsa_window=12, nsa_query_chunk=13)
+    config = nsa_config(nsa_num_selected=3, nsa_window=12)
+    compute = ComputeConfig(attention_query_chunk=13)
     inputs = [t.requires_grad_() for t in random_inputs(1, 4, 2, 90, 4, config)]
-    assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config), inputs, fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config, compute=compute), inputs, fast_mode=True)
 
 
-# ---- the Triton kernels (nsa_triton.py), in Triton's interpreter without a GPU ---------------------------------
+# ---- the Triton kernels (nsa/kernels.py), in Triton's interpreter without a GPU ---------------------------------
 
 
 @pytest.mark.parametrize("H,KV", [(2, 2), (8, 2), (16, 1)])  # GQA ratios 1, 4, 16
@@ -484,10 +457,12 @@ def test_triton_matches_naive(H, KV):
     """sparse_attention with all three branches on the Triton kernels against the brute-force reference
     (float64, top-n really choosing, chunks cutting blocks, window and compression ranges crossing chunks)."""
     pytest.importorskip("triton")
-    config = nsa_config(nsa_query_chunk=24)
+    config = nsa_config()
+    compute = ComputeConfig(attention_query_chunk=24)
     inputs = random_inputs(2, H, KV, 90, 8, config)
     with triton_kernels():
-        torch.testing.assert_close(sparse_attention(*inputs, config), naive_nsa(*inputs, config), **F64)
+        torch.testing.assert_close(sparse_attention(*inputs, config, compute=compute), naive_nsa(*inputs, config),
+                                   **F64)
 
 
 def test_triton_gradcheck():
@@ -495,19 +470,21 @@ def test_triton_gradcheck():
     key-block-centric, for the selection and the range kernels), top-n choosing 3 of up to 4 blocks, chunks
     cutting blocks."""
     pytest.importorskip("triton")
-    config = nsa_config(nsa_num_selected=3, nsa_window=12, nsa_query_chunk=13)
+    config = nsa_config(nsa_num_selected=3, nsa_window=12)
+    compute = ComputeConfig(attention_query_chunk=13)
     leaves = [t.requires_grad_() for t in random_inputs(1, 4, 2, 56, 4, config)]
     with triton_kernels():
-        assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config), leaves, fast_mode=True)
+        assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config, compute=compute), leaves,
+                                        fast_mode=True)
 
 
 @pytest.mark.parametrize("kind", ["window", "compression"])
 def test_triton_range_attention_matches_dense(kind):
-    """`nsa_triton.RangeAttention` (each query one contiguous key range) against autograd through a dense masked
+    """`nsa.kernels.RangeAttention` (each query one contiguous key range) against autograd through a dense masked
     attention, float64: window-like ranges (the last 40 keys, shifted by 80) and compression-like ones (a prefix
     growing by 3 keys every 2 queries), G = 3 heads, rows and keys not multiples of the kernels' 64-blocks."""
     pytest.importorskip("triton")
-    from nsa_triton import RangeAttention
+    from nsa.kernels import RangeAttention
 
     B, KV, G, Q, D, S = 2, 2, 3, 150, 8, 230
     i = torch.arange(Q)
@@ -533,11 +510,11 @@ def test_triton_range_attention_matches_dense(kind):
 
 @pytest.mark.parametrize("l,d,ls", [(8, 4, 16), (32, 16, 64), (16, 16, 16), (4, 4, 8), (64, 16, 64)])
 def test_triton_importance_matches_pooled_probabilities(l, d, ls):
-    """`nsa_triton.importance_scores` (probabilities recomputed from the lse, summed over the group, pooled by a
+    """`nsa.kernels.importance_scores` (probabilities recomputed from the lse, summed over the group, pooled by a
     tile product with Eq. 9's weights) against the explicit probabilities pooled by `pool_to_selection_blocks`,
     float64, queries from before the first complete block (zero rows) to several selection blocks on."""
     pytest.importorskip("triton")
-    from nsa_triton import importance_scores
+    from nsa.kernels import importance_scores
 
     B, KV, G, D, q_start, Q = 1, 2, 3, 8, 37, 150
     T = q_start + Q
@@ -561,7 +538,7 @@ def test_triton_selection_half_precision():
     errors within 2e-3, the size of half rounding on O(1) values. float16 stands in for bfloat16, which Triton's
     interpreter cannot compute (numpy has no bfloat16); both take the same code path in the kernels."""
     pytest.importorskip("triton")
-    from nsa_triton import TritonSelection
+    from nsa.kernels import TritonSelection
 
     B, KV, G, Q, D, S, ls, n = 1, 2, 4, 40, 64, 256, 64, 4
     q = torch.randn(B, KV, Q, G, D)
@@ -583,8 +560,9 @@ def test_triton_selection_half_precision():
 def test_triton_decode_equals_prefill():
     """The cache path (q_start > 0, the selection reading the whole preallocated cache) on the Triton kernels."""
     pytest.importorskip("triton")
-    config = nsa_config(nsa_query_chunk=16)
-    layer, rope = make_layer(config)
+    config = nsa_config()
+    compute = ComputeConfig(attention_query_chunk=16)
+    layer, rope = make_layer(config, compute=compute)
     x = torch.randn(2, 70, config.dim, dtype=torch.float64)
     with torch.no_grad(), triton_kernels():
         full = run_layer(layer, rope, x)
@@ -599,7 +577,7 @@ _COMPILE_FOR_GPUS = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import nsa_triton as nt
+from nsa import kernels as nt
 types = dict(IDX="*i64", LSE="*fp32", DELTA="*fp32", PTR="*i64", ROW="*i64", LO="*i32", HI="*i32", QA="*i32",
              QB="*i32", NVIS="*i32", W="*fp32", IMP="*fp32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32",
              NC="i32", NS="i32", scale="fp32")
@@ -614,7 +592,7 @@ for D in (64, 128):
                        (nt._importance_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, BLOCK_M=64,
                                                     BLOCK_J=16, BLOCK_C=64, BLOCK_D=D, ACC=tl.float32))):
         # bf16 for the H100 (training's dtype); float32 at D = 128, the largest tiles, for the A100 with the
-        # 2 pipeline stages nsa_triton._precision gives it
+        # 2 pipeline stages nsa.kernels._precision gives it
         for dtype, arch, stages in (("bf16", 90, 3), ("fp32", 80, 2))[: 2 if D == 128 else 1]:
             sig = {a: "constexpr" if a in consts else types.get(a, "*" + dtype) for a in fn.arg_names}
             kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
@@ -652,10 +630,12 @@ def test_triton_kernels_on_gpu():
 # ---- memory ----------------------------------------------------------------------------------------------------------
 
 
-def peak_bound_bytes(config: ModelConfig, B: int, T: int, elem: int, triton: bool = False) -> tuple[int, int]:
-    """(peak bound, largest-tensor bound) in bytes from nsa_attention.py's docstring formula, constants 8 and 6;
-    `triton`: the Triton kernels' path, whose chunk part is the importance scores (float32)."""
-    H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(config.nsa_query_chunk, T)
+def peak_bound_bytes(config: ModelConfig, chunk: int, B: int, T: int, elem: int, triton: bool = False
+                     ) -> tuple[int, int]:
+    """(peak bound, largest-tensor bound) in bytes from nsa/attention.py's docstring formula, constants 8 and 6;
+    `chunk`: the query chunk; `triton`: the Triton kernels' path, whose chunk part is the importance scores
+    (float32)."""
+    H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(chunk, T)
     n_sets = 3 if config.nsa_separate_kv else 1
     n_cmp = num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride)
     linear = T * B * (8 * (H + 2 * n_sets * KV) * D + 5 * H + 2 * config.dim)
@@ -672,15 +652,15 @@ def test_memory_tracker_16k():
     head's (T, T/d) score matrix, and the peak grows linearly in T (compared with T = 4k). Paper block geometry
     (l=32, d=16, l'=64); n=4 and w=128 keep the CPU time low (the chunk term of the formula covers any n, w)."""
     config = nsa_config(dim=16, n_heads=2, n_kv_heads=1, head_dim=8, nsa_block_size=32, nsa_stride=16,
-                        nsa_select_block_size=64, nsa_num_selected=4, nsa_window=128, nsa_query_chunk=512)
-    layer, rope = make_layer(config, torch.float32)
+                        nsa_select_block_size=64, nsa_num_selected=4, nsa_window=128)
+    layer, rope = make_layer(config, torch.float32, ComputeConfig(attention_query_chunk=512))
     peaks = {}
     for T in (4096, 16384):
         x = torch.randn(1, T, config.dim, requires_grad=True)
         cos, sin = rope(T, 0, x.device)
         with LiveBytesTracker() as tracker:
             layer(x, cos, sin).sum().backward()
-        bound, largest = peak_bound_bytes(config, 1, T, 4)
+        bound, largest = peak_bound_bytes(config, 512, 1, T, 4)
         assert tracker.peak <= bound, (T, tracker.peak, bound)
         assert tracker.largest <= largest
         peaks[T] = tracker.peak
@@ -698,16 +678,16 @@ def test_memory_fake_4b_geometry_131k(path):
     if path == "triton":
         pytest.importorskip("triton")
 
-    config = ModelConfig.from_preset("4B", attention_type="nsa", nsa_query_chunk=2048, context_length=131072)
+    config = ModelConfig.from_preset("4B", attention_type="nsa", context_length=131072)
     T = 131072
     torch.set_default_dtype(torch.bfloat16)  # parameters in bfloat16 (the conftest fixture restores the default)
     with FakeTensorMode():
-        layer = NativeSparseAttention(config)
+        layer = NativeSparseAttention(config, ComputeConfig(attention_query_chunk=2048))
         x = torch.randn(1, T, config.dim, dtype=torch.bfloat16, requires_grad=True)
         cos, sin = torch.randn(T, config.head_dim), torch.randn(T, config.head_dim)
         with triton_kernels() if path == "triton" else contextlib.nullcontext(), LiveBytesTracker() as tracker:
             layer(x, cos, sin).sum().backward()
-    bound, largest = peak_bound_bytes(config, 1, T, 2, triton=path == "triton")
+    bound, largest = peak_bound_bytes(config, 2048, 1, T, 2, triton=path == "triton")
     assert tracker.peak <= bound, (tracker.peak, bound)
     assert tracker.largest <= largest
     score_matrix = config.n_heads * T * num_compressed_blocks(T, 32, 16) * 2  # (32, T, T/16) bf16: 64 GiB

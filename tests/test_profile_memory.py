@@ -1,6 +1,6 @@
 """profile_memory.py: the fake-tensor estimate against real runs of the same step, full-size 4B / 131k numbers against
-arithmetic, the logits blow-up of the standard loss, the NSA memory double against nsa.py's reference path, the fit
-advice and the command line. Memory in bytes; GiB = 2**30.
+arithmetic, the logits blow-up of the standard loss, the NSA memory double against the nsa/ package's reference path,
+the fit advice and the command line. Memory in bytes; GiB = 2**30.
 """
 
 import json
@@ -86,7 +86,7 @@ def test_fsdp_estimate_matches_real_step_and_sharding_arithmetic(dtype):
 
 def test_nsa_double_matches_reference_path():
     # 5 query chunks of 64: the double is calibrated at 2 and 4 chunks and extrapolated.
-    config = pm.StepConfig("tiny", 320, attention_type="nsa", world_size=2, loss="standard")
+    config = pm.StepConfig("tiny", 320, attention_type="nsa", world_size=2, loss="standard", query_chunk=64)
     double = pm.profile_step(config, stand_in=True)
     assert "extrapolated" in double["stand_in"]
     assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])

@@ -30,7 +30,7 @@ import train
 from checkpoint import latest_checkpoint
 from data import TokenLoader, iter_documents, prepare, stdlib_files
 from hf import load_hf_checkpoint
-from model import ModelConfig, Transformer
+from model import ComputeConfig, ModelConfig, Transformer
 from tokenizer import Tokenizer
 
 STEPS = 4
@@ -175,9 +175,9 @@ def _gradient_parity(data_dir: str) -> None:
     close loss."""
     rt = train.init_runtime()
     cfg = train.resolve_config(train.TrainConfig(model_size="tiny", context_length=32, batch_size=2), rt.device)
-    config = train.build_model_config(cfg, 512)
-    sharded = train.build_model(config, cfg, rt)
-    reference = train.build_model(config, cfg, train.Runtime(0, 1, rt.device, None))
+    config, compute = train.build_model_config(cfg, 512)
+    sharded = train.build_model(config, compute, cfg, rt)
+    reference = train.build_model(config, compute, cfg, train.Runtime(0, 1, rt.device, None))
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q), f"{name}: the sharded initialisation differs"
     local = next(TokenLoader(data_dir, 32, 2, rt.rank, 2))  # this rank's (input_ids, labels), (2, 32) each
@@ -190,14 +190,14 @@ def _gradient_parity(data_dir: str) -> None:
         # float32 sums over ranks in another order: 1e-5 relative is ~100 ulps
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=name)
     # The chunked loss reads the FSDP2-sharded (tied) output weight through the root module: same loss and grads.
-    chunked = train.build_model(dataclasses.replace(config, loss_mode="chunked", loss_chunk_size=24), cfg, rt)
+    chunked = train.build_model(config, ComputeConfig(loss_mode="chunked", loss_chunk_size=24), cfg, rt)
     loss_chunked = train.forward_backward(chunked, [list(local)], torch.autocast("cpu", enabled=False))
     dist.all_reduce(loss_chunked)
     torch.testing.assert_close(loss_chunked, loss, rtol=1e-6, atol=0)
     for (name, p), q in zip(chunked.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=f"chunked {name}")
     # bf16 mixed precision: the blocks still get float32 RoPE tables, and the loss stays close to float32's.
-    bf16 = train.build_model(config, dataclasses.replace(cfg, dtype="bfloat16"), rt)
+    bf16 = train.build_model(config, compute, dataclasses.replace(cfg, dtype="bfloat16"), rt)
     seen = []
     bf16.layers[0].attn.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1].dtype)))
     loss_bf16 = train.forward_backward(bf16, [list(local)], torch.autocast("cpu", enabled=False))
@@ -231,25 +231,25 @@ def test_auto_options_resolve_by_device_and_context() -> None:
     gpu = train.resolve_config(cfg, torch.device("cuda", 0))
     assert (gpu.model_size, gpu.attention_type, gpu.gradient_checkpointing, gpu.dtype, gpu.batch_size, gpu.lr) == (
         "4B", "nsa", True, "bfloat16", 1, 3e-4)
-    model = train.build_model_config(gpu, 8192)
+    model, compute = train.build_model_config(gpu, 8192)
     assert model.vocab_size == 151936 and model.context_length == 131072
-    assert model.ffn_chunk_size == train.TILED_FFN_CHUNK and model.loss_mode == "chunked"  # from LONG_CONTEXT on
+    assert compute.ffn_chunk_size == train.TILED_FFN_CHUNK and compute.loss_mode == "chunked"  # from LONG_CONTEXT on
     with torch.device("meta"):  # (full attention: only the loss rule matters here)
-        full = Transformer(dataclasses.replace(model, attention_type="full"))
+        full = Transformer(dataclasses.replace(model, attention_type="full"), compute)
     assert full.use_chunked_loss(131072, torch.bfloat16)  # 131072 x 151936 bf16 logits > 10 GiB
     cpu = train.resolve_config(train.TrainConfig(), torch.device("cpu"))
     assert (cpu.model_size, cpu.attention_type, cpu.gradient_checkpointing, cpu.dtype, cpu.batch_size, cpu.lr) == (
         "demo", "full", False, "float32", 16, 3e-3)
-    assert train.build_model_config(cpu, 8192).vocab_size == 8192  # tiny's 512 raised to the tokenizer's
-    short = train.build_model_config(cpu, 8192)
-    assert short.ffn_chunk_size is None and short.loss_mode == "auto"
+    short, short_compute = train.build_model_config(cpu, 8192)
+    assert short.vocab_size == 8192  # demo's 512 raised to the tokenizer's
+    assert short_compute.ffn_chunk_size is None and short_compute.loss_mode == "auto"
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--batch_size", "0"], "--batch_size must be >= 1"),
     (["--model_size", "5B"], "--model_size must be one of"),
     (["--lr", "-1"], "--lr must be positive"),
-    (["--model_overrides", '{"n_layer": 2}'], "unknown ModelConfig field"),
+    (["--model_overrides", '{"n_layer": 2}'], "unknown field(s) ['n_layer']"),
     (["--max_steps", "ten"], "invalid int value"),
     (["--config", "missing.json"], "does not exist"),
 ])
@@ -343,5 +343,5 @@ def test_flops_per_token_counts_every_matmul() -> None:
     ids = torch.randint(0, config.vocab_size, (1, T))
     with FlopCounterMode(display=False) as counter:
         model(ids, ids).loss.backward()
-    attention = 6 * config.n_layers * config.n_heads * config.head_dim * T / 2
+    attention = 12 * config.n_layers * config.n_heads * config.head_dim * (T + 1) / 2  # QK^T and PV, (T+1)/2 keys
     assert train.flops_per_token(config, T) - attention == counter.get_total_flops() / T

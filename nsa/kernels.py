@@ -1,4 +1,4 @@
-"""Triton kernels for NSA's three branches: the GPU path of `nsa_attention._Chunk`, used for CUDA tensors when
+"""Triton kernels for NSA's three branches: the GPU path of `nsa.attention._Chunk`, used for CUDA tensors when
 Triton is installed. No kernel writes logits or probabilities to memory.
 
 Selection (paper section 3.4; `TritonSelection`): each query's G heads attend the key blocks the query selected, read
@@ -10,7 +10,7 @@ in place from the (B, KV, S, D) keys, no tile of queries or keys gathered.
 - Backward, dK and dV: one program per (key block, batch x KV head) walks the queries that selected the block, a
   list built by one sort (`_queries_by_block`), in groups of rows; each block has one writer, so no atomics.
 A key at position p is visible to the query at t iff p <= t and p lies in one of the query's selected blocks; slots
-whose block lies after the query's own block are unused (the padding of `nsa_blocks.select_blocks`).
+whose block lies after the query's own block are unused (the padding of `nsa.blocks.select_blocks`).
 
 Compression and window (`RangeAttention`): each query sees one contiguous range of keys (a prefix of the compressed
 blocks; the last w keys), so they are flash attention with per-query bounds: forward and dQ by blocks of 64 rows
@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from nsa_blocks import pairs_by_block, selection_pool_weights
+from nsa.blocks import pairs_by_block, selection_pool_weights
 
 _DK_ROWS = 64  # query rows per step of the selection's dK/dV kernel (whole queries of G heads each)
 _RANGE_BLOCK = 64  # rows per program and keys per step of the range and importance kernels
@@ -347,9 +347,9 @@ def _precision(t: Tensor) -> dict:
 
 
 class TritonSelection:
-    """Drop-in for `nsa_attention._Selection` on the Triton kernels: queries q (B, KV, Q, G, D) at positions
+    """Drop-in for `nsa.attention._Selection` on the Triton kernels: queries q (B, KV, Q, G, D) at positions
     [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) among the key/value blocks k_blocks, v_blocks
-    (B, KV, Nsb, l', D) (contiguous, as `nsa_attention._as_blocks` makes them)."""
+    (B, KV, Nsb, l', D) (contiguous, as `nsa.attention._as_blocks` makes them)."""
 
     def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
         B, KV, Q, G, D = q.shape
@@ -408,7 +408,7 @@ class RangeAttention:
     memory): rows q (B, KV, G*Q, D) head-major (row g*Q + i is head g of query i) over keys/values k, v
     (B, KV, S, D); query i sees keys [lo[i], hi[i]) with lo, hi (Q,) non-decreasing in i and hi > lo. NSA's
     compression (lo = 0, hi = the visible compressed blocks) and window (the last w keys) are such ranges.
-    Interface of `nsa_attention._Window`: forward() -> (out, lse); backward(grad_out, out, lse) -> (dq, dk, dv)."""
+    Interface of `nsa.attention._Window`: forward() -> (out, lse); backward(grad_out, out, lse) -> (dq, dk, dv)."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float) -> None:
         B, KV, NR, D = q.shape
@@ -448,7 +448,7 @@ def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
     """Selection-block importance (paper Eqs. 8-10) of queries q (B, KV, G*Q, D) (head-major rows) given the
     compression branch's lse (B, KV, G*Q) over compressed keys k_cmp (B, KV, Nc, D), query i seeing the first
     n_visible[i] of them: the probabilities summed over each group's heads and pooled onto n_select_blocks selection
-    blocks with `nsa_blocks.selection_pool_weights` for geometry (l, d, l'). Returns (B, KV, Q, n_select_blocks)
+    blocks with `nsa.blocks.selection_pool_weights` for geometry (l, d, l'). Returns (B, KV, Q, n_select_blocks)
     in float32 (float64 for float64 inputs), as `pool_to_selection_blocks` of the explicit probabilities would."""
     B, KV, NR, D = q.shape
     l, d, l_sel = geometry

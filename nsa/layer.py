@@ -17,8 +17,8 @@ Each query head attends through three branches whose outputs are mixed by per-to
 - Sliding window (3.3.3): the w keys (t - w, t], i.e. w keys counting the query's own token.
 
 The attention itself (selection, the three branches, chunking, the custom backward, the memory formula) is in
-nsa_attention.py (`sparse_attention`: q, per-branch keys/values, gates, positions -> output); on CUDA its branches
-run on the Triton kernels of nsa_triton.py. This module holds the layer: projections, gates, the block compressor
+nsa/attention.py (`sparse_attention`: q, per-branch keys/values, gates, positions -> output); on CUDA its branches
+run on the Triton kernels of nsa/kernels.py. This module holds the layer: projections, gates, the block compressor
 and the decoding cache. Measured with FakeTensorMode for one 4B-geometry layer
 (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072, forward+backward, weights and input excluded
 (`memtrack.LiveBytesTracker`, worst-case tile count): see benchmarks/RESULTS.md.
@@ -31,18 +31,17 @@ l' (`nsa_select_block_size`), w (`nsa_window`).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attention import attention_flops, projection_flops
+from config import ComputeConfig, ModelConfig
 from layers import RMSNorm, apply_rope
-from nsa_attention import sparse_attention
-from nsa_blocks import num_compressed_blocks
-
-if TYPE_CHECKING:
-    from model import ModelConfig
+from nsa.attention import sparse_attention
+from nsa.blocks import num_compressed_blocks
 
 
 class BlockCompressor(nn.Module):
@@ -105,16 +104,16 @@ class NSACache(nn.Module):
 
 
 class NativeSparseAttention(nn.Module):
-    """NSA layer implementing the attention-module protocol of model.py (see the module docstring).
+    """NSA layer, the "nsa" attention type (an `attention.AttentionLayer`; see the module docstring).
 
     Parameters: q_proj, k_proj/v_proj (C -> nb*KV*D: compression, selection, window sets when separate), o_proj,
     gate_proj (C -> 3*H, with bias), k_compress/v_compress (`BlockCompressor`), q_norm/k_norm (RMSNorm over D, when
     qk_norm; k_norm applies to every key a query meets, compressed keys after compression, always before RoPE).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.compute = config, compute or ComputeConfig()
         c, h, kv, d = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
         self.n_sets = 3 if config.nsa_separate_kv else 1
         self.q_proj = nn.Linear(c, h * d, bias=False)
@@ -164,7 +163,7 @@ class NativeSparseAttention(nn.Module):
 
         if start_pos is None:
             k_cmp, v_cmp = self._compress(k_cmp_raw, v_cmp_raw, 0, cos, sin, 0)
-            out = sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg)
+            out = sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, compute=self.compute)
         else:
             cache = self._check_cache(B, start_pos, T)
             end = start_pos + T
@@ -185,7 +184,7 @@ class NativeSparseAttention(nn.Module):
             else:
                 k_win, v_win = k_slc[:, :, win_start:end], v_slc[:, :, win_start:end]
             out = sparse_attention(q, cache.cmp_k[:, :, :n_cmp], cache.cmp_v[:, :, :n_cmp], k_slc, v_slc, k_win,
-                                   v_win, gates, cfg, q_start=start_pos, win_start=win_start)
+                                   v_win, gates, cfg, q_start=start_pos, win_start=win_start, compute=self.compute)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)
 
@@ -219,3 +218,33 @@ class NativeSparseAttention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if isinstance(norm, RMSNorm):
                 norm.init_weights()
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
+        if l % d or l_sel % d or l > l_sel:
+            raise ValueError(f"NSA blocks need nsa_stride | nsa_block_size, nsa_stride | nsa_select_block_size and "
+                             f"nsa_block_size <= nsa_select_block_size; got l={l}, d={d}, l'={l_sel}")
+        if config.nsa_num_selected < 3:
+            raise ValueError(f"ModelConfig.nsa_num_selected must be >= 3 (block 0 and the two most recent blocks "
+                             f"are always selected), got {config.nsa_num_selected}")
+
+    @classmethod
+    def flops_per_token(cls, config: ModelConfig, seq_len: int) -> float:
+        """Projections (q, o, nb K/V sets, gates), the compressors' MLPs (one block every d tokens, for k and v)
+        and attention over the compressed ((T+1)/2 / d on average), selected (n l') and window (w) keys, each
+        capped at the (T+1)/2 keys of a causal average."""
+        c, half = config, (seq_len + 1) / 2
+        n_sets = 3 if c.nsa_separate_kv else 1
+        gates = 6 * c.dim * 3 * c.n_heads
+        compress = 2 * 6 * c.n_kv_heads * (c.nsa_block_size * c.head_dim + c.head_dim) * c.head_dim / c.nsa_stride
+        keys = (half / c.nsa_stride + min(half, c.nsa_num_selected * c.nsa_select_block_size)
+                + min(half, c.nsa_window))
+        return projection_flops(c, n_sets) + gates + compress + attention_flops(c, keys)
+
+    @classmethod
+    def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
+                        dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
+        from nsa.memory import sparse_attention_stand_in
+
+        return sparse_attention_stand_in(config, compute, batch_size, seq_len, dtype, device)

@@ -1,5 +1,5 @@
-"""The attention of Native Sparse Attention (nsa.py holds the layer, nsa_blocks.py the block geometry and top-n): the
-three gated branches over given queries, keys and values, chunk by chunk, with a custom backward.
+"""The attention of Native Sparse Attention (nsa/layer.py holds the layer, nsa/blocks.py the block geometry and
+top-n): the three gated branches over given queries, keys and values, chunk by chunk, with a custom backward.
 
 Every branch is one primitive, `attend`: softmax attention over a key set with an additive mask, returning its
 output and each row's log-sum-exp (lse). On CPU tensors it is PyTorch's fused flash-attention kernel
@@ -15,10 +15,11 @@ dS = P * (dO V^T - rowsum(dO * O))).
   selected (past, fully visible) blocks are grouped by block into tiles of R queries (`tile_plan`), each tile one
   unmasked attention of its R*G query rows over one l'-key block. The partial results merge through their lse.
 - Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
-- On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa_triton.py's
+- On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa/kernels.py's
   kernels, which keep no logits and gather no tiles (`_Chunk`).
 
-Memory and time. Queries are processed in chunks of Q = `nsa_query_chunk` tokens. Forward keeps its inputs plus,
+Memory and time. Queries are processed in chunks of Q = `ComputeConfig.attention_query_chunk` tokens. Forward keeps
+its inputs plus,
 when gradients are needed, each branch's output (3, B, H, T, D), its lse (3, B, H, T) and the selected block indices
 (B, KV, T, n); backward walks the chunks again, rebuilding only the tiles, and adds gradients in place. Nothing
 T x T and no T x (T/d) score matrix for all queries is allocated. With Nc = floor((T - l) / d) + 1 compressed
@@ -54,11 +55,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from nsa_blocks import num_compressed_blocks, pairs_by_block, pool_to_selection_blocks, select_blocks
+from config import ComputeConfig
+from nsa.blocks import num_compressed_blocks, pairs_by_block, pool_to_selection_blocks, select_blocks
 
 if TYPE_CHECKING:
-    from model import ModelConfig
-    from nsa_triton import TritonSelection
+    from config import ModelConfig
+    from nsa.kernels import TritonSelection
 
 
 # ---- attention with log-sum-exp: the primitive of every branch ---------------------------------------------------
@@ -89,21 +91,21 @@ def explicit_attention() -> AbstractContextManager[None]:
 
 
 def triton_kernels() -> AbstractContextManager[None]:
-    """Within the block, the branches run on the Triton kernels (nsa_triton.py) on every device, as they do on
-    CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa_triton is imported), for tests; on
+    """Within the block, the branches run on the Triton kernels (nsa/kernels.py) on every device, as they do on
+    CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa.kernels is imported), for tests; on
     fake tensors without launching them (their outputs are allocated), for profile_memory.py's estimates."""
     return _forcing("triton")
 
 
 def triton_installed() -> bool:
-    """Whether Triton can be imported here (nsa_triton.py needs it)."""
+    """Whether Triton can be imported here (nsa/kernels.py needs it)."""
     return importlib.util.find_spec("triton") is not None
 
 
-def _triton_ready(t: Tensor, config: ModelConfig) -> bool:
-    """Whether the Triton kernels run for t: real CUDA tensors when `config.nsa_triton` (any tensors under
-    `triton_kernels`), and Triton installed."""
-    on_gpu = config.nsa_triton and t.is_cuda and not is_fake(t)
+def _triton_ready(t: Tensor, compute: ComputeConfig) -> bool:
+    """Whether the Triton kernels run for t: real CUDA tensors when `compute.triton_kernels` (any tensors under
+    `triton_kernels()`), and Triton installed."""
+    on_gpu = compute.triton_kernels and t.is_cuda and not is_fake(t)
     return (on_gpu or _forced["triton"]) and triton_installed()
 
 
@@ -300,7 +302,7 @@ class _Selection:
 class _MaskedAttention:
     """`attend` of q (B, KV, L, D) over k, v (B, KV, S, D) under an additive mask, with the forward() ->
     (out, lse) / backward(grad_out, out, lse) -> (dq, dk, dv) interface of `_Window` and
-    `nsa_triton.RangeAttention`."""
+    `nsa.kernels.RangeAttention`."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> None:
         self.q, self.k, self.v, self.mask, self.scale = q, k, v, mask, scale
@@ -393,7 +395,7 @@ class _Chunk:
     (B, KV, G*Q, D) rows (head-major); selection as (B, KV, Q, G, D)."""
 
     def __init__(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
-                 v_win: Tensor, q_start: int, win_start: int, config: ModelConfig) -> None:
+                 v_win: Tensor, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig) -> None:
         B, H, Q, D = q.shape
         KV = k_cmp.shape[1]
         G = H // KV
@@ -406,9 +408,9 @@ class _Chunk:
         # Compression: block i visible to t iff i*d + l - 1 <= t. The first l - 1 positions see no block: they are
         # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
         self.n_empty = min(Q, max(0, l - 1 - q_start))
-        self.triton = _triton_ready(q, config)
+        self.triton = _triton_ready(q, compute)
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
-            from nsa_triton import RangeAttention
+            from nsa.kernels import RangeAttention
 
             self.n_visible = ((q_pos - (l - 1)).div(d, rounding_mode="floor") + 1).clamp(min=0)  # (Q,) blocks seen
             shown = self.n_visible.clamp(min=1)  # block 0 shown to the first l - 1 positions
@@ -435,11 +437,11 @@ class _Chunk:
 
     def _selection(self, idx: Tensor) -> _Selection | TritonSelection:
         """The selection branch over the blocks idx (B, KV, Q, n): `_Selection`, or the Triton kernels
-        (`nsa_triton.TritonSelection`, same interface) for real CUDA tensors when Triton is installed and l' is a
+        (`nsa.kernels.TritonSelection`, same interface) for real CUDA tensors when Triton is installed and l' is a
         power of two >= 16 (the smallest tensor-core tile)."""
         q, l_sel = self._heads_to_rows(self.q_heads), self.k_blocks.shape[3]
         if self.triton and l_sel >= 16 and l_sel & (l_sel - 1) == 0:
-            from nsa_triton import TritonSelection
+            from nsa.kernels import TritonSelection
 
             return TritonSelection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
         return _Selection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
@@ -451,7 +453,7 @@ class _Chunk:
         cfg, (B, KV, G, Q, _) = self.config, self.shape
         geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
         if self.triton:
-            from nsa_triton import importance_scores
+            from nsa.kernels import importance_scores
 
             return importance_scores(self.q_heads, self.k_cmp, lse_cmp, self.n_visible, geometry, n_select,
                                      self.scale)
@@ -504,12 +506,12 @@ class _Chunk:
 
 
 def _chunks(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
-            v_win: Tensor, q_start: int, win_start: int, config: ModelConfig
+            v_win: Tensor, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig
             ) -> Iterator[tuple[slice, int, slice, _Chunk]]:
     """Per query chunk of q (B, H, T, D): (its queries as a slice of [0, T), the compressed blocks it can see, its
     window keys as a slice of k_win, the `_Chunk` over those inputs). Arguments as in `_SparseAttention.forward`,
     with the selection keys/values as blocks (`_as_blocks`)."""
-    l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, config.nsa_query_chunk
+    l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, compute.attention_query_chunk
     T = q.shape[2]
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
@@ -517,7 +519,7 @@ def _chunks(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks:
         w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
         qs, n_cmp, ws = slice(c0, c1), num_compressed_blocks(t1, l, d), slice(w0, t1 - win_start)
         yield qs, n_cmp, ws, _Chunk(q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
-                                    k_win[:, :, ws], v_win[:, :, ws], t0, win_start + w0, config)
+                                    k_win[:, :, ws], v_win[:, :, ws], t0, win_start + w0, config, compute)
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -527,7 +529,8 @@ class _SparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
-                v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int, win_start: int) -> Tensor:
+                v_win: Tensor, gates: Tensor, config: ModelConfig, compute: ComputeConfig, q_start: int,
+                win_start: int) -> Tensor:
         B, H, T, D = q.shape
         KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
         k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
@@ -536,14 +539,15 @@ class _SparseAttention(torch.autograd.Function):
         outs = q.new_empty(3, B, H, T, D) if keep else None
         lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
         idx = q.new_empty(B, KV, T, n, dtype=torch.long) if keep else None
-        for qs, _, _, chunk in _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, q_start, win_start, config):
+        chunks = _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, q_start, win_start, config, compute)
+        for qs, _, _, chunk in chunks:
             o, lse, chunk_idx = chunk.forward()  # (3, B, KV, G*Q, D), (3, B, KV, G*Q), (B, KV, Q, n)
             o, lse = o.view(3, B, H, -1, D), lse.view(3, B, H, -1)
             out[:, :, qs] = torch.einsum("bhqs,sbhqd->bhqd", gates[:, :, qs], o)
             if keep:
                 outs[:, :, :, qs], lses[:, :, :, qs], idx[:, :, qs] = o, lse, chunk_idx
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, outs, lses, idx)
-        ctx.config, ctx.q_start, ctx.win_start = config, q_start, win_start
+        ctx.config, ctx.compute, ctx.q_start, ctx.win_start = config, compute, q_start, win_start
         return out
 
     @staticmethod
@@ -557,7 +561,8 @@ class _SparseAttention(torch.autograd.Function):
         g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = (
             torch.zeros_like(t) for t in (k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win))
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
-        chunks = _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, ctx.q_start, ctx.win_start, config)
+        chunks = _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, ctx.q_start, ctx.win_start, config,
+                         ctx.compute)
         for qs, n_cmp, ws, chunk in chunks:
             g_gates[:, :, qs] = torch.einsum("bhqd,sbhqd->bhqs", grad_out[:, :, qs], outs[:, :, :, qs])
             grad_outs = torch.einsum("bhqs,bhqd->sbhqd", gates[:, :, qs], grad_out[:, :, qs])  # (3, B, H, Q, D)
@@ -572,11 +577,12 @@ class _SparseAttention(torch.autograd.Function):
             g_vw[:, :, ws] += dv_win
         S = k_slc.shape[2]
         g_kb, g_vb = (g.flatten(2, 3)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
-        return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None
+        return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None
 
 
 def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
-                     v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int = 0, win_start: int = 0) -> Tensor:
+                     v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int = 0, win_start: int = 0,
+                     compute: ComputeConfig | None = None) -> Tensor:
     """The three gated NSA branches for queries at positions [q_start, q_start + T), chunk by chunk.
 
     Args:
@@ -588,8 +594,11 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
         k_win, v_win: `(B, KV, W, D)` keys/values at positions [win_start, win_start + W), covering each query's
             window.
         gates: `(B, H, T, 3)` branch gates (compression, selection, window).
-        config: block geometry (`nsa_*` fields); `nsa_query_chunk` queries are processed at a time.
+        config: block geometry (`nsa_*` fields).
+        compute: `attention_query_chunk` queries are processed at a time; `triton_kernels` lets CUDA tensors run
+            on nsa/kernels.py (default: ComputeConfig()).
     Returns:
         `(B, H, T, D)`; see `_SparseAttention` for what forward keeps for backward.
     """
-    return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, q_start, win_start)
+    return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config,
+                                  compute or ComputeConfig(), q_start, win_start)

@@ -1,7 +1,7 @@
 """NSA's block geometry and top-n selection (Yuan et al. 2025, sections 3.3.1-3.3.2), 0-based: how many compressed
 blocks are complete, how compressed-block probabilities map onto selection blocks (Eq. 9), and which blocks each
 query selects, and the grouping of (query, selected block) pairs by block that both selection paths use. Used by
-nsa.py (the layer, the decoding cache), nsa_attention.py and nsa_triton.py.
+nsa/layer.py (the layer, the decoding cache), nsa/attention.py and nsa/kernels.py.
 
 Notation: B batch, KV key/value heads, Q queries, Nc compressed blocks, Ns selection blocks, n selected blocks per
 query. Block geometry: l (`nsa_block_size`), d (`nsa_stride`), l' (`nsa_select_block_size`).

@@ -1,0 +1,170 @@
+"""The attention interface every attention type implements, and full attention (SDPA) as its first implementation.
+
+An attention type is a class that satisfies `AttentionLayer`, registered under a name in `config.ATTENTION_TYPES`
+("full" is `FullAttention` below, "nsa" is nsa/layer.py). `model.Block` builds `cls(config, compute)` and calls
+only what the protocol lists; train.py's MFU, profile_memory.py's stand-ins and the choices of `--attention_type`
+come from the same class. Adding a type is one file plus one registry line (see README, "Add your own attention").
+
+Notation: B batch, T new tokens, S cached tokens (keys visible to a query), C model width, H query heads,
+KV key/value heads, D head dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from config import ComputeConfig, ModelConfig
+from layers import RMSNorm, apply_rope
+
+
+@runtime_checkable
+class AttentionLayer(Protocol):
+    """What a decoder block needs from its attention (an nn.Module constructed as `cls(config, compute)`).
+
+    Instance methods:
+        forward(x, cos, sin, start_pos=None) -> (B, T, C): x (B, T, C); cos, sin (T, D) float32 RoPE rows for
+            positions [start_pos or 0, +T). start_pos None: causal attention over x alone (training, scoring);
+            an int: the tokens continue the sequence in the cache set up by `setup_cache`, and are appended to it.
+        setup_cache(batch_size, max_seq_len, dtype, device): preallocate the decoding state (never in state_dict).
+        clear_cache(): drop it.
+        init_weights(): (re)initialise every parameter from the torch RNG (used after building on the meta device).
+    Class methods (used before any module exists):
+        check_config(config): ValueError naming the field when `config` is impossible for this type.
+        flops_per_token(config, seq_len): training FLOPs (forward + backward) per token of one layer, projections
+            included, averaged over a causal sequence of seq_len tokens (train.py's MFU).
+        memory_stand_in(config, compute, batch_size, seq_len, dtype, device): a context manager, entered by
+            profile_memory.py under FakeTensorMode around a whole training step, that yields a one-line description
+            of how this type's memory is modelled (and may swap in a memory double for an operator that would be too
+            slow to run under fake tensors at full size).
+    """
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor: ...
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
+                    device: torch.device | str | None) -> None: ...
+
+    def clear_cache(self) -> None: ...
+
+    def init_weights(self) -> None: ...
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None: ...
+
+    @classmethod
+    def flops_per_token(cls, config: ModelConfig, seq_len: int) -> float: ...
+
+    @classmethod
+    def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
+                        dtype: torch.dtype, device: str) -> AbstractContextManager[str]: ...
+
+
+def projection_flops(config: ModelConfig, kv_sets: int = 1) -> float:
+    """Training FLOPs per token of the q, k, v (`kv_sets` of each) and o projections: 6 x their weights."""
+    c = config
+    return 6 * c.dim * c.head_dim * (2 * c.n_heads + 2 * kv_sets * c.n_kv_heads)
+
+
+def attention_flops(config: ModelConfig, keys_per_query: float) -> float:
+    """Training FLOPs per token of scores and weighted values over `keys_per_query` keys: QK^T and PV are 2 x H x D
+    multiply-adds per key forward, x 3 with backward."""
+    return 12 * config.n_heads * config.head_dim * keys_per_query
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values (B, KV, S_max, D), written in place; non-persistent (never in the state_dict)."""
+
+    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, KV, T, D) at positions [start_pos, start_pos + T); return all keys/values so far
+        (B, KV, start_pos + T, D)."""
+        end = start_pos + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; writing up to {end} does not fit")
+        if k.shape[0] != self.k.shape[0]:
+            raise ValueError(f"KV cache was set up for batch {self.k.shape[0]}, got batch {k.shape[0]}")
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class FullAttention(nn.Module):
+    """Causal grouped-query attention through `scaled_dot_product_attention` (flash-style: no T x T tensor), with
+    QK-norm and RoPE. The "full" attention type."""
+
+    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        c, h, kv, d = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(c, h * d, bias=False)
+        self.k_proj = nn.Linear(c, kv * d, bias=False)
+        self.v_proj = nn.Linear(c, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, c, bias=False)
+        self.q_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else nn.Identity()
+        self.cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor:
+        cfg = self.config
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        mask = None
+        if start_pos is not None:
+            if self.cache is None:
+                raise RuntimeError("start_pos was given but no KV cache is set up; call model.setup_kv_cache()")
+            k, v = self.cache.update(start_pos, k, v)  # (B, KV, S, D), S = start_pos + T
+            if start_pos > 0 and T > 1:
+                # Continuing a cache with several tokens: query i sees keys <= start_pos + i. (T, S), small T.
+                pos_q = torch.arange(start_pos, start_pos + T, device=x.device)
+                mask = pos_q[:, None] >= torch.arange(start_pos + T, device=x.device)[None, :]  # (T, S)
+        is_causal = mask is None and T > 1
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                           enable_gqa=cfg.n_rep > 1)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)  # (B, T, H*D)
+        return self.o_proj(y)
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
+                    device: torch.device | str | None) -> None:
+        cfg = self.config
+        self.cache = KVCache(batch_size, cfg.n_kv_heads, max_seq_len, cfg.head_dim, dtype, device)
+
+    def clear_cache(self) -> None:
+        self.cache = None
+
+    def init_weights(self) -> None:
+        std = self.config.init_std
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.normal_(proj.weight, std=std)
+        nn.init.normal_(self.o_proj.weight, std=std / math.sqrt(2 * self.config.n_layers))
+        for norm in (self.q_norm, self.k_norm):
+            if isinstance(norm, RMSNorm):
+                norm.init_weights()
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        pass  # every geometry ModelConfig accepts works
+
+    @classmethod
+    def flops_per_token(cls, config: ModelConfig, seq_len: int) -> float:
+        return projection_flops(config) + attention_flops(config, (seq_len + 1) / 2)  # causal: (T+1)/2 keys
+
+    @classmethod
+    def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
+                        dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
+        return nullcontext("full attention: the CPU flash SDPA kernel (fake) stands in for CUDA flash/cuDNN; both "
+                           "save only the output and log-sum-exp for backward (no T x T matrix)")

@@ -1,0 +1,222 @@
+"""The model's configuration, in two parts: `ModelConfig`, what the weights mean (geometry, attention type, RoPE),
+and `ComputeConfig`, how a forward runs (tiling, query chunks, kernels, the loss path). A checkpoint is bound to its
+ModelConfig; any ComputeConfig can run it, and changing one never changes the weights' meaning (results agree to
+floating-point rounding; `z_loss_coef` is the one training-objective knob here).
+
+Attention types are looked up by name in `ATTENTION_TYPES`: "full" (attention.py) and "nsa" (nsa/layer.py); the
+interface a type implements is `attention.AttentionLayer`. `register_attention` adds one at run time, e.g. from a
+test or a research script, without editing this file.
+
+Presets are looked up by exact name (`ModelConfig.from_preset("4B", attention_type="nsa")`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GiB = 1024**3
+
+# name -> "module:Class", imported on first use (so this module imports no model code), or the class itself.
+ATTENTION_TYPES: dict[str, str | type] = {
+    "full": "attention:FullAttention",
+    "nsa": "nsa.layer:NativeSparseAttention",
+}
+
+
+def register_attention(name: str, cls: str | type) -> None:
+    """Make `cls` (a class implementing attention.AttentionLayer, or its "module:Class" path) the attention type
+    `name`, usable as `ModelConfig(attention_type=name)` and `train.py --attention_type name`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an attention type needs a non-empty name, got {name!r}")
+    ATTENTION_TYPES[name] = cls
+
+
+def attention_class(name: str) -> type:
+    """The class registered as attention type `name` (imported on first use)."""
+    if name not in ATTENTION_TYPES:
+        raise ValueError(f"unknown attention_type {name!r}; registered: {sorted(ATTENTION_TYPES)} (add one with "
+                         "config.register_attention)")
+    entry = ATTENTION_TYPES[name]
+    if isinstance(entry, str):
+        module, _, cls = entry.partition(":")
+        entry = ATTENTION_TYPES[name] = getattr(importlib.import_module(module), cls)
+    return entry
+
+
+def _positive_int(owner: str, name: str, value: object, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be {'None or ' if optional else ''}a positive integer, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """What the weights mean: everything a checkpoint must match. Bad values raise ValueError naming the field,
+    before anything is allocated. Derived: `n_rep`."""
+
+    vocab_size: int = 151936
+    dim: int = 2560
+    n_layers: int = 36
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    head_dim: int = 128  # Qwen3 keeps 128 even where dim / n_heads differs (0.6B: 16 x 128 > 1024)
+    ffn_dim: int = 9728
+    norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    # None, or Llama 3.1 frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} (the Hugging Face config.json keys; see layers.RotaryEmbedding).
+    rope_scaling: dict[str, float | int | str] | None = None
+    context_length: int = 40960  # longest sequence (prompt + generated tokens) a forward accepts
+    tie_embeddings: bool = True
+    qk_norm: bool = True  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    logit_softcap: float | None = None  # cap * tanh(logits / cap) before the softmax
+    attention_type: str = "full"  # a name in ATTENTION_TYPES
+    # Native Sparse Attention (paper defaults, section 4.1); read when attention_type == "nsa".
+    nsa_block_size: int = 32  # l: compression block length
+    nsa_stride: int = 16  # d: compression stride
+    nsa_select_block_size: int = 64  # l': selection block length
+    nsa_num_selected: int = 16  # n: selected blocks per query, including block 0 and the 2 most recent
+    nsa_window: int = 512  # w: sliding-window length, counting the query's own token
+    nsa_separate_kv: bool = True  # independent K/V projections per branch (paper section 3.3.3)
+    # Options of a registered attention type that has no fields of its own here (checked by its check_config).
+    attention_options: dict[str, Any] = field(default_factory=dict)
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                     "context_length", "nsa_block_size", "nsa_stride", "nsa_select_block_size", "nsa_num_selected",
+                     "nsa_window"):
+            _positive_int("ModelConfig", name, getattr(self, name))
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None:
+            validate_rope_scaling(self.rope_scaling)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be divisible by n_kv_heads "
+                             f"({self.n_kv_heads}); valid n_kv_heads: "
+                             f"{[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"ModelConfig.logit_softcap must be None or positive, got {self.logit_softcap}")
+        if not isinstance(self.attention_options, dict):
+            raise ValueError(f"ModelConfig.attention_options must be a dict, got {self.attention_options!r}")
+        attention_class(self.attention_type).check_config(self)
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per key/value head (the GQA group size)."""
+        return self.n_heads // self.n_kv_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: object) -> ModelConfig:
+        """The preset called exactly `name` with `overrides` applied, e.g. `from_preset("4B", attention_type="nsa")`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+        check_fields(cls, overrides)
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """A ModelConfig from `to_dict()` output (a saved config.json), with a clear error on unknown fields."""
+        check_fields(cls, values)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ComputeConfig:
+    """How the model computes: memory/speed knobs that never change what the weights mean, free to change between
+    runs (resume, load, eval). The defaults suit short sequences; train.py picks the long-context values."""
+
+    ffn_chunk_size: int | None = None  # tokens per FFN tile (tiled MLP, recomputed in backward); None: untiled
+    attention_query_chunk: int = 512  # queries an attention processes together (NSA: bounds its working memory)
+    triton_kernels: bool = True  # CUDA tensors: run NSA's branches on nsa/kernels.py when Triton is installed
+    # Loss: "auto" chunks when B*T*V*element_size would exceed the threshold (decided from shapes only).
+    loss_mode: Literal["auto", "chunked", "standard"] = "auto"
+    loss_chunk_threshold_bytes: int = 10 * GiB
+    loss_chunk_size: int = 4096
+    z_loss_coef: float = 0.0  # weight of the z-loss (lse^2), a training objective term
+
+    def __post_init__(self) -> None:
+        _positive_int("ComputeConfig", "ffn_chunk_size", self.ffn_chunk_size, optional=True)
+        for name in ("attention_query_chunk", "loss_chunk_threshold_bytes", "loss_chunk_size"):
+            _positive_int("ComputeConfig", name, getattr(self, name))
+        if self.loss_mode not in ("auto", "chunked", "standard"):
+            raise ValueError(f"ComputeConfig.loss_mode must be 'auto', 'chunked' or 'standard', got "
+                             f"{self.loss_mode!r}")
+        if not self.z_loss_coef >= 0:
+            raise ValueError(f"ComputeConfig.z_loss_coef must be >= 0, got {self.z_loss_coef}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ComputeConfig:
+        check_fields(cls, values)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_fields(cls: type, values: dict[str, Any]) -> None:
+    """ValueError naming the keys of `values` that are not fields of dataclass `cls`."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; valid fields: {sorted(fields)}")
+
+
+def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a dict of overrides into (ModelConfig fields, ComputeConfig fields); ValueError on any other key."""
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    compute_fields = {f.name for f in dataclasses.fields(ComputeConfig)}
+    unknown = sorted(set(values) - model_fields - compute_fields)
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; valid: ModelConfig {sorted(model_fields)}, ComputeConfig "
+                         f"{sorted(compute_fields)}")
+    return ({k: v for k, v in values.items() if k in model_fields},
+            {k: v for k, v in values.items() if k in compute_fields})
+
+
+LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def validate_rope_scaling(scaling: object) -> None:
+    """ValueError unless `scaling` is a well-formed llama3 rope_scaling dict (the only scaling supported)."""
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        raise ValueError(f"ModelConfig.rope_scaling must be None or a dict with rope_type 'llama3' (the only "
+                         f"supported scaling), got {scaling!r}")
+    if sorted(scaling) != sorted(LLAMA3_ROPE_KEYS):
+        raise ValueError(f"ModelConfig.rope_scaling needs exactly the keys {list(LLAMA3_ROPE_KEYS)}, "
+                         f"got {sorted(scaling)}")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_length = scaling["original_max_position_embeddings"]
+    if not (factor >= 1 and 0 < low < high):
+        raise ValueError(f"ModelConfig.rope_scaling needs factor >= 1 and 0 < low_freq_factor < high_freq_factor, "
+                         f"got factor={factor}, low_freq_factor={low}, high_freq_factor={high}")
+    if not isinstance(original_length, int) or isinstance(original_length, bool) or original_length <= 0:
+        raise ValueError(f"ModelConfig.rope_scaling original_max_position_embeddings must be a positive integer, "
+                         f"got {original_length!r}")
+
+
+# Qwen3 geometry (values from the Hugging Face config.json of each model). "tiny" is for tests: small enough for a
+# CPU step in milliseconds, with NSA blocks small enough that short sequences exercise every branch. "demo" is tiny
+# widened to a model that visibly learns Python in a few CPU minutes (train.py's CPU default).
+PRESETS: dict[str, dict[str, object]] = {
+    "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=192,
+                 context_length=1024, nsa_block_size=8, nsa_stride=4, nsa_select_block_size=16,
+                 nsa_num_selected=4, nsa_window=32),
+    "demo": dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=384,
+                 context_length=1024, nsa_block_size=8, nsa_stride=4, nsa_select_block_size=16,
+                 nsa_num_selected=4, nsa_window=32),
+    "0.6B": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072),
+    "1.7B": dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144),
+    "4B": dict(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=9728),
+    "8B": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288, tie_embeddings=False),
+}

@@ -1,0 +1,8 @@
+"""Native Sparse Attention (Yuan et al. 2025, https://arxiv.org/abs/2502.11089), one concept per module:
+
+    reference.py   the paper's algorithm, one query at a time: the oracle of the tests, and the place to start
+    layer.py       NativeSparseAttention: projections, gates, block compressor, decoding cache
+    attention.py   sparse_attention: the three gated branches chunk by chunk, custom backward (CPU fused / explicit)
+    blocks.py      block geometry, Eq. 9's score pooling, top-n selection
+    kernels.py     Triton kernels of the three branches, used for CUDA tensors when Triton is installed
+"""
