@@ -465,6 +465,7 @@ def test_triton_matches_naive(H, KV):
                                    **F64)
 
 
+@pytest.mark.slow
 def test_triton_gradcheck():
     """gradcheck of all inputs of sparse_attention through the Triton kernels' backward (dQ query-centric, dK/dV
     key-block-centric, for the selection and the range kernels), top-n choosing 3 of up to 4 blocks, chunks
@@ -557,6 +558,7 @@ def test_triton_selection_half_precision():
         torch.testing.assert_close(got, ref, rtol=0, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_triton_decode_equals_prefill():
     """The cache path (q_start > 0, the selection reading the whole preallocated cache) on the Triton kernels."""
     pytest.importorskip("triton")
@@ -609,6 +611,7 @@ def run_without_interpreter(args: list[str]) -> subprocess.CompletedProcess:
                           cwd=Path(__file__).resolve().parent.parent, timeout=600)
 
 
+@pytest.mark.slow
 def test_triton_kernels_compile_for_gpus():
     """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all seven with
     Triton's own compiler and ptxas (no device needed) in bf16 for sm_90 (H100) at D = 64 and 128, and in float32
@@ -668,6 +671,7 @@ def test_memory_tracker_16k():
     assert peaks[16384] < 4.5 * peaks[4096], peaks  # 4x the tokens: linear growth plus the (fixed) chunk part
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["fused", "triton"])
 def test_memory_fake_4b_geometry_131k(path):
     """FakeTensorMode (no real memory): one 4B-geometry layer (dim 2560, 32 q heads, 8 KV heads, head_dim 128) at
