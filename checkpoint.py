@@ -8,8 +8,7 @@ Layout of `out_dir/step-N/` (N = optimizer steps taken):
 Every rank writes into `step-N.tmp/`; once all have finished, rank 0 renames it to `step-N`. A directory named
 `step-N` is therefore complete, and `latest_checkpoint` never considers the `.tmp` leftovers of an interrupted save.
 
-Export (`export_weights`): the full model gathered on rank 0, written as one safetensors file and in the Hugging
-Face layout (hf.export_hf_checkpoint).
+The final weights are exported by weights.py (`export_model`), which also reads these checkpoints (`load_model`).
 """
 
 from __future__ import annotations
@@ -25,24 +24,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from hf import export_hf_checkpoint
 from model import Transformer
 
 STATE_NAME = "train_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def _rank() -> int:
+def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -67,7 +63,7 @@ def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: tor
     """
     final = out_dir / f"step-{step}"
     tmp = out_dir / f"step-{step}.tmp"
-    if _rank() == 0 and tmp.exists():
+    if rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left over from a save that was interrupted
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
@@ -76,11 +72,11 @@ def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: tor
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
-    if _rank() == 0:
+    torch.save(rng, tmp / f"rng_rank{rank()}.pt")
+    if rank() == 0:
         (tmp / STATE_NAME).write_text(json.dumps(train_state, indent=1))
     _barrier()  # every rank has finished writing
-    if _rank() == 0:
+    if rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -125,15 +121,10 @@ def load_checkpoint(path: Path, model: Transformer, optimizer: torch.optim.Optim
         raise ValueError(f"checkpoint {path} holds a different model: " + ", ".join(
             f"{k}={saved[k]!r} (now {current[k]!r})" for k in differ))
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
-        raise ValueError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); delete it, or resume "
-                         "from an earlier step-N with --resume PATH") from e
+    _read(path, state)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
-    rng_file = path / f"rng_rank{_rank()}.pt"
+    rng_file = path / f"rng_rank{rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than were saved: those keep their seeded state
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
@@ -142,35 +133,19 @@ def load_checkpoint(path: Path, model: Transformer, optimizer: torch.optim.Optim
     return train_state
 
 
-def gather_model(model: Transformer) -> Transformer | None:
-    """The full model as a plain (unsharded) CPU Transformer on rank 0, None on other ranks (collective)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if _rank() != 0:
-        return None
-    with torch.device("meta"):
-        plain = Transformer(model.config, model.compute)
-    plain.load_state_dict(full, assign=True)
-    if model.config.tie_embeddings:  # assign=True replaced the shared Parameter by two tensors
-        plain.lm_head.weight = plain.embed_tokens.weight
-    plain.rope.init_weights()
-    return plain
+def load_model_weights(path: Path, model: Transformer) -> None:
+    """Load only the model weights of checkpoint `path` into `model` (built with the checkpoint's ModelConfig);
+    the optimizer state is not read. Collective under a process group, like `load_checkpoint`."""
+    state = {"model": get_model_state_dict(model)}
+    _read(path, state)
+    set_model_state_dict(model, state["model"])
 
 
-def export_weights(model: Transformer, out_dir: Path) -> Path | None:
-    """Write the final weights to `out_dir/model.safetensors` (our parameter names; the model config in the
-    metadata; lm_head omitted when tied) and `out_dir/hf/` (Hugging Face layout). Collective; returns the
-    safetensors path on rank 0, None elsewhere."""
-    plain = gather_model(model)
-    if plain is None:
-        return None
-    state = {k: v.contiguous() for k, v in plain.state_dict().items()}
-    if plain.config.tie_embeddings:
-        del state["lm_head.weight"]  # safetensors refuses shared storage; it is embed_tokens.weight
-    path = out_dir / "model.safetensors"
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(state, tmp, metadata={"format": "pt", "model_config": json.dumps(plain.config.to_dict())})
-    tmp.rename(path)
-    export_hf_checkpoint(plain, out_dir / "hf", overwrite=True)
-    return path
-
-
+def _read(path: Path, state: dict) -> None:
+    """dcp.load of the entries of `state` from checkpoint `path`, in place, with a clear error when unreadable."""
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
+        raise ValueError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); delete it, or resume "
+                         "from an earlier step-N with --resume PATH") from e

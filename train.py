@@ -8,7 +8,7 @@ Options are the fields of `TrainConfig` (defaults < `--config` file < command li
 resolved by `resolve_config` from the device and the context length; the resolved config is printed and saved as
 `out_dir/config.json`. Per step, loss / lr / grad norm / tokens/s / memory (/ MFU on GPU) go to the console and to
 `out_dir/metrics.jsonl`; checkpoints go to `out_dir/step-N` (see checkpoint.py); the final weights to
-`out_dir/model.safetensors` and `out_dir/hf/`.
+`out_dir/model/` (model.safetensors + config.json) and `out_dir/hf/` for full attention (see weights.py).
 
 Notation: B sequences per rank per micro-step, T context length, A accumulation steps, W world size.
 Loss normalisation: every micro-batch's summed token loss is divided by the number of predicted tokens in the
@@ -42,13 +42,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from checkpoint import export_weights, latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, attention_class, split_overrides
 from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from parallel import apply_fsdp, init_sharded_weights
 from tokenizer import Tokenizer, check_vocab
+from weights import export_model, hf_export_refusal
 
 GiB = 1024**3
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
@@ -99,7 +100,7 @@ class TrainConfig:
     data_dir: str = _opt(DEFAULT_DATA_DIR, f"prepared data (data.py); {DEFAULT_DATA_DIR} is created if missing")
     tokenizer: str | None = _opt(None, "tokenizer .model file (default: DATA_DIR/tokenizer.model)")
     # run
-    out_dir: str = _opt("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model.safetensors, hf/")
+    out_dir: str = _opt("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
     resume: str | None = _opt(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
     checkpoint_interval: int = _opt(100, "save every this many steps (0: only at the end)")
     log_interval: int = _opt(10, "print a metrics line every this many steps")
@@ -573,9 +574,11 @@ def train(cfg: TrainConfig, rt: Runtime) -> dict:
                 return metrics
     bar.close()
 
-    path = export_weights(model, out_dir)
+    written = export_model(model, out_dir)
     if main_rank:
-        print(f"exported {path} and {out_dir / 'hf'}")
+        print(f"exported {', '.join(str(p) for p in written)}")
+        if refusal := hf_export_refusal(model.config):
+            print(refusal)
     if cfg.sample_tokens:
         text = generate_sample(model, tokenizer, cfg, rt.device, autocast)
         if main_rank:

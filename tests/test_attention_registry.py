@@ -8,16 +8,8 @@ import pytest
 import torch
 
 from attention import AttentionLayer, FullAttention
-from config import ATTENTION_TYPES, ModelConfig, attention_class, register_attention
+from config import ModelConfig, attention_class
 from model import Transformer
-
-
-@pytest.fixture
-def swa():
-    """Registers "swa" for the test, and removes it after."""
-    register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
-    yield attention_class("swa")
-    del ATTENTION_TYPES["swa"]
 
 
 def test_registered_types_implement_the_protocol(swa):

@@ -16,22 +16,21 @@ import json
 import os
 import shutil
 import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_distributed
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
 import train
 from checkpoint import latest_checkpoint
-from data import TokenLoader, iter_documents, prepare, stdlib_files
+from data import TokenLoader
 from hf import load_hf_checkpoint
 from model import ComputeConfig, ModelConfig, Transformer
-from tokenizer import Tokenizer
 
 STEPS = 4
 BASE = ["--model_size", "tiny", "--context_length", "32", "--batch_size", "2", "--max_steps", str(STEPS),
@@ -46,34 +45,6 @@ def run(data_dir: Path, out_dir: Path, *extra: str) -> dict:
     return train.main([*BASE, "--data_dir", str(data_dir), "--out_dir", str(out_dir), *extra])
 
 
-# ---- processes ---------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn: object, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # as torchrun does: two ranks share the two cores
-    fn(*args)
-
-
-def run_distributed(fn: object, *args: object, world_size: int = 2) -> None:
-    """Run fn(*args) in `world_size` fresh processes that form a gloo group; a failure in any fails the test.
-    The free port can be taken by another program before rank 0 binds it: then (only then) try another."""
-    for attempt in range(3):
-        try:
-            torch.multiprocessing.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size)
-            return
-        except torch.multiprocessing.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e) or attempt == 2:  # gloo's TCPStore: "code: -98, name: EADDRINUSE"
-                raise
-
-
 # ---- fixtures ----------------------------------------------------------------------------------------------
 
 
@@ -85,16 +56,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 512-token tokenizer (the tiny preset's vocabulary) and ~30 standard-library files of tokens."""
-    root = tmp_path_factory.mktemp("data")
-    files = stdlib_files()[:30]
-    tokenizer = Tokenizer.train(iter_documents(files), 512, root / "tokenizer", max_train_bytes=300_000)
-    prepare(files, tokenizer, root, progress=False)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +91,7 @@ def test_single_process_run(single_run: Path) -> None:
     # The exported file holds the final weights under the model's names (lm_head is the tied embedding).
     config = ModelConfig(**resolved["model"])
     model = Transformer(config)
-    missing, unexpected = model.load_state_dict(load_file(single_run / "model.safetensors"), strict=False)
+    missing, unexpected = model.load_state_dict(load_file(single_run / "model" / "model.safetensors"), strict=False)
     assert missing == ["lm_head.weight"] and unexpected == []
     assert model.lm_head.weight is model.embed_tokens.weight
     hf_model = load_hf_checkpoint(single_run / "hf")  # the Hugging Face export holds the same weights
@@ -147,7 +108,7 @@ def test_resume_is_bitwise_exact(single_run: Path, data_dir: Path, tmp_path: Pat
     for got, want in zip(metrics(tmp_path), metrics(single_run)[2:], strict=True):
         assert (got["step"], got["loss"], got["grad_norm"], got["lr"]) == (
             want["step"], want["loss"], want["grad_norm"], want["lr"])
-    resumed, uninterrupted = load_file(tmp_path / "model.safetensors"), load_file(single_run / "model.safetensors")
+    resumed, uninterrupted = (load_file(out / "model" / "model.safetensors") for out in (tmp_path, single_run))
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 

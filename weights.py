@@ -1,0 +1,150 @@
+"""Model weights in and out: the export at the end of a run, and `load_model`, which reads every layout this project
+writes or loads.
+
+Layouts `load_model(path)` accepts (detected from the files):
+    step-N/                      a training checkpoint (checkpoint.py: DCP shards + train_state.json); only the
+                                 model weights are read, the architecture comes from train_state.json
+    DIR/model.safetensors +      the project's own export (`export_model` writes it to OUT_DIR/model/): weights
+    DIR/config.json              under this project's parameter names (a tied output weight omitted) and the full
+                                 ModelConfig; works for every attention type. DIR or the .safetensors file itself
+                                 may be given.
+    DIR/config.json (HF) +       a Hugging Face Qwen3 / Llama checkpoint (hf.load_hf_checkpoint)
+    DIR/*.safetensors
+
+A model keeps its architecture (`ModelConfig`) in every layout; how it computes (`ComputeConfig`) is the caller's
+choice, so a long-context model exported with a tiled FFN loads with any compute settings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from checkpoint import STATE_NAME, load_model_weights, rank
+from config import ComputeConfig, ModelConfig
+from hf import CONFIG_NAME, export_hf_checkpoint, load_hf_checkpoint
+from model import Transformer
+
+WEIGHTS_NAME = "model.safetensors"
+FORMAT = "longctx"  # config.json "format" of the project's export (a Hugging Face config.json has "model_type")
+
+
+def gather_model(model: Transformer) -> Transformer | None:
+    """The full model as a plain (unsharded) CPU Transformer on rank 0, None on other ranks (collective)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank() != 0:
+        return None
+    with torch.device("meta"):
+        plain = Transformer(model.config, model.compute)
+    plain.load_state_dict(full, assign=True)
+    if model.config.tie_embeddings:  # assign=True replaced the shared Parameter by two tensors
+        plain.lm_head.weight = plain.embed_tokens.weight
+    plain.rope.init_weights()
+    return plain
+
+
+def hf_export_refusal(config: ModelConfig) -> str | None:
+    """Why `config` cannot be written in the Hugging Face layout, or None when it can."""
+    if config.attention_type != "full":
+        return (f"no hf/ directory: attention_type {config.attention_type!r} has no Hugging Face equivalent "
+                f"(load the export with weights.load_model)")
+    return None
+
+
+def export_model(model: Transformer, out_dir: str | Path) -> list[Path]:
+    """Write the final weights of `model` (collective under FSDP: every rank calls it): `out_dir/model/`
+    (model.safetensors + config.json, the project's layout, any attention type) and `out_dir/hf/` (the Hugging Face
+    layout) when the architecture has an equivalent there (`hf_export_refusal`). Each file is written to a
+    temporary name and renamed. Returns the directories written on rank 0, [] elsewhere."""
+    plain = gather_model(model)
+    if plain is None:
+        return []
+    out_dir = Path(out_dir)
+    (out_dir / "model").mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in plain.state_dict().items()}
+    if plain.config.tie_embeddings:
+        del state["lm_head.weight"]  # safetensors refuses shared storage; it is embed_tokens.weight
+    weights, config_file = out_dir / "model" / WEIGHTS_NAME, out_dir / "model" / CONFIG_NAME
+    tmp = weights.with_name(weights.name + ".tmp")
+    save_file(state, tmp, metadata={"format": "pt", "model_config": json.dumps(plain.config.to_dict())})
+    tmp.replace(weights)
+    described = {"format": FORMAT, "model": plain.config.to_dict(), "compute": plain.compute.to_dict()}
+    tmp = config_file.with_name(config_file.name + ".tmp")
+    tmp.write_text(json.dumps(described, indent=1) + "\n")
+    tmp.replace(config_file)
+    written = [out_dir / "model"]
+    if hf_export_refusal(plain.config) is None:
+        export_hf_checkpoint(plain, out_dir / "hf", overwrite=True)
+        written.append(out_dir / "hf")
+    return written
+
+
+def _is_training_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / STATE_NAME).is_file() and (path / ".metadata").is_file()
+
+
+def _export_config(path: Path) -> dict | None:
+    """The ModelConfig dict of the project's export at `path` (a directory or its model.safetensors), or None
+    when `path` is not one."""
+    weights = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
+    if not weights.is_file():
+        return None
+    config_file = weights.with_name(CONFIG_NAME)
+    if config_file.is_file():
+        try:
+            described = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_file} is not valid JSON ({e}); re-export the model") from e
+        if isinstance(described, dict) and described.get("format") == FORMAT:
+            return described["model"]
+        if isinstance(described, dict) and "model_type" in described:
+            return None  # a Hugging Face directory
+    with safe_open(weights, framework="pt") as f:  # an export whose config.json went missing: the metadata has it
+        metadata = f.metadata() or {}
+    return json.loads(metadata["model_config"]) if "model_config" in metadata else None
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+               compute: ComputeConfig | None = None) -> Transformer:
+    """The model stored at `path`: a training checkpoint step-N/, the project's export (directory or its
+    model.safetensors), or a Hugging Face directory (see the module docstring). Weights land on `device`, cast to
+    `dtype` when given (default: as stored; a training checkpoint stores float32). `compute`: how the model will
+    compute (default ComputeConfig()). Raises FileNotFoundError / ValueError naming `path` when it is none of these.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if _is_training_checkpoint(path):
+        state = json.loads((path / STATE_NAME).read_text())
+        with torch.device("cpu"):
+            model = Transformer(ModelConfig.from_dict(state["model_config"]), compute)
+        load_model_weights(path, model)
+        return model.to(device=device, dtype=dtype)
+    config = _export_config(path)
+    if config is not None:
+        weights = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
+        with torch.device("meta"):
+            model = Transformer(ModelConfig.from_dict(config), compute)
+        with safe_open(weights, framework="pt", device=str(device)) as f:
+            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        if dtype is not None:
+            state = {name: t.to(dtype) for name, t in state.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"{weights} does not match its config: missing {missing[:10]}, unexpected "
+                             f"{unexpected[:10]}")
+        if model.config.tie_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rope.init_weights()
+        return model
+    if path.is_dir() and (path / CONFIG_NAME).is_file():
+        return load_hf_checkpoint(path, device=device, dtype=dtype, compute=compute)
+    raise ValueError(f"{path} is not a model: expected a training checkpoint step-N/ ({STATE_NAME} + .metadata), "
+                     f"the project's export ({WEIGHTS_NAME} + {CONFIG_NAME} with \"format\": \"{FORMAT}\"), or a "
+                     f"Hugging Face directory ({CONFIG_NAME} + *.safetensors)")
