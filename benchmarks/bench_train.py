@@ -23,11 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
+import train_config  # noqa: E402
 
 
-def make_step(cfg: train.TrainConfig, rt: train.Runtime, vocab: int):
+def make_step(cfg: train_config.TrainConfig, rt: train.Runtime, vocab: int):
     """A closure running one optimizer step of `cfg` on random tokens."""
-    model = train.build_model(train.build_model_config(cfg, vocab), cfg, rt)
+    model = train.build_model(*train_config.build_model_config(cfg, vocab), cfg, rt)
     optimizer, _ = train.build_optimizer(model, cfg)
     A, B, T = cfg.gradient_accumulation_steps, cfg.batch_size, cfg.context_length
     gen = torch.Generator().manual_seed(0)
@@ -55,8 +56,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rt = train.Runtime(0, 1, torch.device("cpu"), None)
-    base = train.resolve_config(train.TrainConfig(model_size=args.model_size, context_length=args.context_length,
-                                                  batch_size=args.batch_size), rt.device)
+    base = train_config.TrainConfig(model_size=args.model_size, context_length=args.context_length,
+                                    batch_size=args.batch_size)
+    base = train_config.resolve_config(base, rt.device)
     variants = {
         "default (fp32)": base,
         "gradient checkpointing": dataclasses.replace(base, gradient_checkpointing=True),

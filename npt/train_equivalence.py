@@ -3,15 +3,15 @@
     python -m npt.train_equivalence --config configs/npt_tiny.json                       # CPU, tiny model, seconds
     python -m npt.train_equivalence --config configs/npt_4b.json --init_from CKPT_DIR    # one GPU, Qwen3-4B weights
 
-Reuses train.py's machinery rather than copying it: the options (every TrainConfig field, plus the NPTConfig
-fields below, from a JSON file and the command line: defaults < file < command line), `resolve_config`, the runtime,
-the data (default corpus, tokenizer, TokenLoader), `build_model`, `build_optimizer` (AdamW + warmup/cosine), the
-DCP checkpoints of checkpoint.py (resume with --resume), `start_run`, `log_step`, `memory_gib`, `stop_on_signals`.
-The step is its own: the equivalence loss instead of the LM loss, gradients only for the NP parameters (the base
-is frozen, in `base_dtype`). One process (no FSDP: the frozen 4B base in bf16 fits one GPU).
+It is train.py's loop with another `train.Task`: the options (every TrainConfig field plus the NPTConfig fields
+below, from a JSON file and the command line: defaults < file < command line), the data, AdamW with the warmup +
+cosine schedule, checkpoints and resume, the non-finite-step skip, the memory budget, the checkpoint guard and the
+signals are train.py's. The task differs in three places: the model (converted, base frozen in `base_dtype`), the
+loss (the equivalence objective, gradients only for the NP parameters) and the end of the run (the NP parameters
+saved as adapters instead of an export). One process (no FSDP: the frozen 4B base in bf16 fits one GPU).
 
-Writes to out_dir: config.json and metrics.jsonl (train.start_run / log_step; metrics add mse, kl, l2),
-npt_config.json, step-N/ (full resumable state), adapters.safetensors (only the NP parameters, see npt.adapters).
+Writes to out_dir: config.json and metrics.jsonl (metrics add mse, kl, l2), npt_config.json, step-N/ (full
+resumable state), adapters.safetensors (only the NP parameters, see npt.adapters).
 """
 
 from __future__ import annotations
@@ -19,37 +19,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from torch import Tensor
 
-from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from data import TokenLoader
+from config import ComputeConfig, ModelConfig
+from hf import load_hf_checkpoint
+from model import Transformer
 from npt.adapters import save_adapters
 from npt.convert import convert, np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
-from tokenizer import Tokenizer, check_vocab
-from train import (
-    Runtime,
-    TrainConfig,
-    build_model,
-    build_model_config,
-    build_optimizer,
-    build_parser,
-    ensure_default_data,
-    init_runtime,
-    log_step,
-    memory_gib,
-    resolve_config,
-    start_run,
-    stop_on_signals,
-    tokenizer_path,
-)
+from train import Runtime, Task, build_model, init_runtime, train
+from train_config import TrainConfig, build_parser
 
 ADAPTERS_NAME = "adapters.safetensors"
 
@@ -108,93 +92,50 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig]
     return cfg, npt_cfg
 
 
-def build_converted_model(cfg: TrainConfig, npt_cfg: NPTConfig, rt: Runtime, vocab_size: int) -> torch.nn.Module:
-    """The model (HF weights or train.py's seeded initialisation) with its layers converted and its base frozen."""
-    base_dtype = torch.bfloat16 if (npt_cfg.base_dtype == "auto" and cfg.dtype == "bfloat16"
-                                    or npt_cfg.base_dtype == "bfloat16") else torch.float32
-    if npt_cfg.init_from:
-        from hf import load_hf_checkpoint
+def equivalence_task(npt_cfg: NPTConfig) -> Task:
+    """train.Task of equivalence training: build and convert the model, the equivalence loss, adapters at the end."""
 
-        model = load_hf_checkpoint(npt_cfg.init_from, rt.device, dtype=base_dtype,
-                                   context_length=cfg.context_length)
-        model.gradient_checkpointing_enable(cfg.gradient_checkpointing)
-    else:
-        model = build_model(*build_model_config(cfg, vocab_size), cfg, rt)
-    convert(model, npt_cfg.layers, rank=npt_cfg.rank, targets=tuple(npt_cfg.targets.split(",")),
-            residual_mode=npt_cfg.residual_mode, base_dtype=base_dtype, offload=npt_cfg.offload)
-    return model
+    def build(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainConfig, rt: Runtime) -> Transformer:
+        if rt.mesh is not None:
+            raise ValueError("equivalence training runs in one process (no FSDP); launch it without torchrun")
+        base_dtype = torch.bfloat16 if (npt_cfg.base_dtype == "auto" and cfg.dtype == "bfloat16"
+                                        or npt_cfg.base_dtype == "bfloat16") else torch.float32
+        if npt_cfg.init_from:
+            model = load_hf_checkpoint(npt_cfg.init_from, rt.device, dtype=base_dtype, compute=compute,
+                                       context_length=cfg.context_length)
+            model.gradient_checkpointing_enable(cfg.gradient_checkpointing)
+        else:
+            model = build_model(model_config, compute, cfg, rt)
+        convert(model, npt_cfg.layers, rank=npt_cfg.rank, targets=tuple(npt_cfg.targets.split(",")),
+                residual_mode=npt_cfg.residual_mode, base_dtype=base_dtype, offload=npt_cfg.offload)
+        return model
 
+    def loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Tensor, n_micro: int
+             ) -> tuple[Tensor, dict[str, Tensor]]:
+        parts = equivalence_loss(model, input_ids, npt_cfg.mse_weight, npt_cfg.kl_weight, npt_cfg.l2_weight,
+                                 npt_cfg.kl_chunk_size)
+        return parts.total / n_micro, {"mse": parts.mse / n_micro, "kl": parts.kl / n_micro, "l2": parts.l2 / n_micro}
 
-def train_equivalence(cfg: TrainConfig, npt_cfg: NPTConfig, rt: Runtime) -> dict:
-    """Run (or resume) equivalence training; returns {"first": metrics of step 1 (if run), "last": last step's}."""
-    if rt.mesh is not None:
-        raise ValueError("equivalence training runs in one process (no FSDP); launch it without torchrun")
-    cfg = resolve_config(cfg, rt.device)
-    out_dir = Path(cfg.out_dir)
-    ensure_default_data(cfg, rt)
-    tokenizer = Tokenizer(tokenizer_path(cfg))
-    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, 0, 1, cfg.seed, tokenizer=tokenizer)
-    model = build_converted_model(cfg, npt_cfg, rt, tokenizer.vocab_size)
-    check_vocab(tokenizer, model.config.vocab_size)
-    trainable = list(np_parameters(model).values())
-    optimizer, scheduler = build_optimizer(model, cfg)  # frozen parameters get no gradient, hence no update
-    step = 0
-    resume_from = latest_checkpoint(out_dir) if cfg.resume == "auto" else cfg.resume and Path(cfg.resume)
-    if resume_from:
-        state = load_checkpoint(resume_from, model, optimizer)
-        step = state["step"]
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["loader"])
-    start_run(out_dir, cfg, model, 1, resume_from, step)  # config.json, metrics.jsonl trimmed on resume
-    npt_state = {**dataclasses.asdict(npt_cfg), "np_parameters": sum(p.numel() for p in trainable)}
-    (out_dir / "npt_config.json").write_text(json.dumps(npt_state, indent=1))
-    print(f"{npt_state['np_parameters'] / 1e6:.3f}M NP parameters train in layers {sorted(np_blocks(model))}")
+    def start(model: Transformer, cfg: TrainConfig) -> dict:
+        n_params = sum(p.numel() for p in np_parameters(model).values())
+        npt_state = {**dataclasses.asdict(npt_cfg), "np_parameters": n_params}
+        out_dir = Path(cfg.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "npt_config.json").write_text(json.dumps(npt_state, indent=1))
+        print(f"{npt_state['np_parameters'] / 1e6:.3f}M NP parameters train in layers {sorted(np_blocks(model))}")
+        return {"npt": npt_state}
 
-    A = cfg.gradient_accumulation_steps
-    step_tokens = A * cfg.batch_size * cfg.context_length
-    history: dict = {}
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="equivalence", unit="step", dynamic_ncols=True)
-    with stop_on_signals() as signals:
-        while step < cfg.max_steps and not signals["stop"]:
-            t0 = time.perf_counter()
-            sums = torch.zeros(4, device=rt.device)  # total, mse, kl, l2 over the step's micro-batches
-            for _ in range(A):
-                input_ids, _labels = next(loader)
-                loss = equivalence_loss(model, input_ids.to(rt.device, non_blocking=True), npt_cfg.mse_weight,
-                                        npt_cfg.kl_weight, npt_cfg.l2_weight, npt_cfg.kl_chunk_size)
-                (loss.total / A).backward()
-                sums += torch.stack([loss.total.detach(), loss.mse, loss.kl, loss.l2]) / A
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip or math.inf)
-            total, mse, kl, l2, norm = [*sums.tolist(), grad_norm.item()]  # the step's one host sync
-            if math.isfinite(total) and math.isfinite(norm):
-                optimizer.step()
-            else:
-                tqdm.write(f"warning: step {step + 1}: non-finite loss {total} or gradient norm {norm}; skipped")
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            step += 1
-            dt = time.perf_counter() - t0
-            mem, mem_peak = memory_gib(rt.device)
-            metrics = {"step": step, "loss": total, "mse": mse, "kl": kl, "l2": l2, "lr": lr, "grad_norm": norm,
-                       "tokens_per_s": step_tokens / dt, "step_time_s": dt, "mem_gib": mem, "mem_peak_gib": mem_peak}
-            log_step(metrics, cfg, out_dir / "metrics.jsonl", bar)
-            history.setdefault("first", metrics)
-            history["last"] = metrics
-            if signals["stop"] or step == cfg.max_steps or (cfg.checkpoint_interval
-                                                             and step % cfg.checkpoint_interval == 0):
-                train_state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                               "npt": npt_state, "model_config": model.config.to_dict()}
-                tqdm.write(f"saved {save_checkpoint(out_dir, step, model, optimizer, train_state)}")
-    bar.close()
-    save_adapters(model, out_dir / ADAPTERS_NAME)
-    print(f"saved the NP parameters to {out_dir / ADAPTERS_NAME}")
-    return history
+    def finish(model: Transformer, tokenizer: object, cfg: TrainConfig, rt: Runtime, autocast: object) -> None:
+        save_adapters(model, Path(cfg.out_dir) / ADAPTERS_NAME)
+        print(f"saved the NP parameters to {Path(cfg.out_dir) / ADAPTERS_NAME}")
+
+    return Task(build=build, loss=loss, start=start, finish=finish)
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Parse the options, run equivalence training; returns the last step's metrics."""
     cfg, npt_cfg = parse_config(argv)
-    return train_equivalence(cfg, npt_cfg, init_runtime())
+    return train(cfg, init_runtime(), equivalence_task(npt_cfg))
 
 
 if __name__ == "__main__":

@@ -46,3 +46,32 @@ def test_swa_matches_a_dense_band_mask_and_decodes_like_prefill(swa):
     out = model.generate(ids[:1, :10], max_new_tokens=12, temperature=0)
     with torch.no_grad():
         assert torch.equal(model(out[:, :-1]).logits[:, 9:].argmax(-1), out[:, 10:])
+
+
+def test_swa_trains_through_train_main(swa, data_dir, tmp_path, capsys):
+    """The test-only type runs the whole pipeline: --attention_type accepts it, it trains, checkpoints, exports
+    in the project's layout (no Hugging Face equivalent) and samples through its KV cache."""
+    import train
+    from weights import load_model
+
+    metrics = train.main(["--model_size", "tiny", "--attention_type", "swa", "--context_length", "32",
+                          "--batch_size", "2", "--max_steps", "2", "--warmup_steps", "1", "--sample_tokens", "5",
+                          "--data_dir", str(data_dir), "--out_dir", str(tmp_path)])
+    assert metrics["step"] == 2 and (tmp_path / "step-2").is_dir()
+    out = capsys.readouterr().out
+    assert "attention_type 'swa' has no Hugging Face equivalent" in out and "--- sample (5 tokens" in out
+    assert load_model(tmp_path / "model").config.attention_type == "swa"
+
+
+def test_mfu_flops_come_from_the_attention_type(swa):
+    """monitor.flops_per_token = 6 x (FFN + output weights) + n_layers x the type's own count."""
+    from monitor import flops_per_token
+
+    for name in ("full", "nsa", "swa"):
+        config = ModelConfig.from_preset("tiny", attention_type=name)
+        dense = 6 * (config.n_layers * 3 * config.dim * config.ffn_dim + config.vocab_size * config.dim)
+        want = dense + config.n_layers * attention_class(name).flops_per_token(config, 1024)
+        assert flops_per_token(config, 1024) == want
+    short, long = (attention_class("swa").flops_per_token(ModelConfig.from_preset("tiny", attention_type="swa"), t)
+                   for t in (1024, 4096))
+    assert short == long  # a sliding window: cost per token independent of T

@@ -359,3 +359,46 @@ def test_tiny_equivalence_run_lowers_loss(tmp_path):
     assert sum(losses[-3:]) < 0.9 * sum(losses[:3])  # last 3 steps vs first 3 (deterministic: seeded data, init)
     model = Transformer(tiny_config(init_std=0.1, context_length=32))
     assert load_adapters(model, out / ADAPTERS_NAME) == [1]
+
+
+# ---- equivalence training runs on train.py's loop ---------------------------------------------------------------
+
+
+def _equivalence(data_dir, out, *extra: str) -> dict:
+    from npt.train_equivalence import main
+
+    return main(["--config", "configs/npt_tiny.json", "--data_dir", str(data_dir), "--out_dir", str(out),
+                 "--context_length", "32", "--batch_size", "2", "--max_steps", "3", "--warmup_steps", "0",
+                 "--checkpoint_interval", "1", *extra])
+
+
+def test_equivalence_skips_non_finite_steps(data_dir, tmp_path, monkeypatch):
+    """The loop's non-finite guard: a NaN equivalence loss skips the update (metrics say so) and the run goes on."""
+    import npt.train_equivalence as te
+
+    calls = {"n": 0}
+    real = te.equivalence_loss
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        parts = real(*args, **kwargs)
+        return parts._replace(total=parts.total * float("nan")) if calls["n"] == 2 else parts
+
+    monkeypatch.setattr(te, "equivalence_loss", poisoned)
+    _equivalence(data_dir, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows] == [False, True, False]
+    assert {"mse", "kl", "l2"} <= set(rows[0])
+
+
+def test_equivalence_guards_checkpoints_and_memory(data_dir, tmp_path):
+    """The loop's checkpoint guard (a second run into the same directory needs --resume) and memory budget."""
+    from monitor import MemoryBudgetExceeded
+
+    _equivalence(data_dir, tmp_path / "a")
+    with pytest.raises(FileExistsError, match="already holds checkpoints .* pass --resume"):
+        _equivalence(data_dir, tmp_path / "a")
+    assert _equivalence(data_dir, tmp_path / "a", "--resume", "--max_steps", "4")["step"] == 4
+    with pytest.raises(MemoryBudgetExceeded, match="exceeds --max_memory"):
+        _equivalence(data_dir, tmp_path / "b", "--max_memory", "0.01")
+    assert (tmp_path / "b" / "step-1").is_dir()

@@ -26,7 +26,9 @@ from distributed import run_distributed
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
+import monitor
 import train
+import train_config
 from checkpoint import latest_checkpoint
 from data import TokenLoader
 from hf import load_hf_checkpoint
@@ -135,15 +137,16 @@ def _gradient_parity(data_dir: str) -> None:
     with the standard and with the chunked loss; the bf16 mixed-precision variant keeps float32 RoPE tables and a
     close loss."""
     rt = train.init_runtime()
-    cfg = train.resolve_config(train.TrainConfig(model_size="tiny", context_length=32, batch_size=2), rt.device)
-    config, compute = train.build_model_config(cfg, 512)
+    cfg = train_config.TrainConfig(model_size="tiny", context_length=32, batch_size=2)
+    cfg = train_config.resolve_config(cfg, rt.device)
+    config, compute = train_config.build_model_config(cfg, 512)
     sharded = train.build_model(config, compute, cfg, rt)
     reference = train.build_model(config, compute, cfg, train.Runtime(0, 1, rt.device, None))
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q), f"{name}: the sharded initialisation differs"
     local = next(TokenLoader(data_dir, 32, 2, rt.rank, 2))  # this rank's (input_ids, labels), (2, 32) each
     global_ids, global_labels = next(TokenLoader(data_dir, 32, 4, 0, 1))  # (4, 32): rank 0's rows, then rank 1's
-    loss = train.forward_backward(sharded, [list(local)], torch.autocast("cpu", enabled=False))
+    loss, _ = train.forward_backward(sharded, [list(local)], torch.autocast("cpu", enabled=False))
     dist.all_reduce(loss)
     reference(global_ids, global_labels).loss.backward()  # the plain mean over the global batch
     torch.testing.assert_close(loss, reference(global_ids, global_labels).loss.detach(), rtol=1e-6, atol=0)
@@ -152,7 +155,7 @@ def _gradient_parity(data_dir: str) -> None:
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=name)
     # The chunked loss reads the FSDP2-sharded (tied) output weight through the root module: same loss and grads.
     chunked = train.build_model(config, ComputeConfig(loss_mode="chunked", loss_chunk_size=24), cfg, rt)
-    loss_chunked = train.forward_backward(chunked, [list(local)], torch.autocast("cpu", enabled=False))
+    loss_chunked, _ = train.forward_backward(chunked, [list(local)], torch.autocast("cpu", enabled=False))
     dist.all_reduce(loss_chunked)
     torch.testing.assert_close(loss_chunked, loss, rtol=1e-6, atol=0)
     for (name, p), q in zip(chunked.named_parameters(), reference.parameters(), strict=True):
@@ -161,7 +164,7 @@ def _gradient_parity(data_dir: str) -> None:
     bf16 = train.build_model(config, compute, dataclasses.replace(cfg, dtype="bfloat16"), rt)
     seen = []
     bf16.layers[0].attn.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1].dtype)))
-    loss_bf16 = train.forward_backward(bf16, [list(local)], torch.autocast("cpu", enabled=False))
+    loss_bf16, _ = train.forward_backward(bf16, [list(local)], torch.autocast("cpu", enabled=False))
     dist.all_reduce(loss_bf16)
     assert seen == [(torch.bfloat16, torch.float32)]
     torch.testing.assert_close(loss_bf16, loss, rtol=1e-2, atol=0)  # bf16 activations: ~3 significant digits
@@ -179,29 +182,30 @@ def test_fsdp_gradients_equal_single_process(data_dir: Path) -> None:
 def test_config_precedence(tmp_path: Path) -> None:
     file = tmp_path / "run.json"
     file.write_text(json.dumps({"lr": 0.01, "max_steps": 7, "batch_size": 3, "model_overrides": {"n_layers": 3}}))
-    cfg = train.parse_config(["--config", str(file), "--lr", "0.02", "--no-gradient_checkpointing", "--resume"])
+    cfg = train_config.parse_config(["--config", str(file), "--lr", "0.02", "--no-gradient_checkpointing", "--resume"])
     assert (cfg.lr, cfg.max_steps, cfg.batch_size, cfg.warmup_steps) == (0.02, 7, 3, 30)  # cli > file > default
     assert cfg.gradient_checkpointing is False and cfg.resume == "auto" and cfg.model_overrides == {"n_layers": 3}
     toml = tmp_path / "run.toml"
     toml.write_text('model_size = "tiny"\nlr = 1\n')
-    assert train.parse_config(["--config", str(toml)]).lr == 1.0
+    assert train_config.parse_config(["--config", str(toml)]).lr == 1.0
 
 
 def test_auto_options_resolve_by_device_and_context() -> None:
-    cfg = train.TrainConfig(context_length=131072)
-    gpu = train.resolve_config(cfg, torch.device("cuda", 0))
+    cfg = train_config.TrainConfig(context_length=131072)
+    gpu = train_config.resolve_config(cfg, torch.device("cuda", 0))
     assert (gpu.model_size, gpu.attention_type, gpu.gradient_checkpointing, gpu.dtype, gpu.batch_size, gpu.lr) == (
         "4B", "nsa", True, "bfloat16", 1, 3e-4)
-    model, compute = train.build_model_config(gpu, 8192)
+    model, compute = train_config.build_model_config(gpu, 8192)
     assert model.vocab_size == 151936 and model.context_length == 131072
-    assert compute.ffn_chunk_size == train.TILED_FFN_CHUNK and compute.loss_mode == "chunked"  # from LONG_CONTEXT on
+    assert compute.ffn_chunk_size == train_config.TILED_FFN_CHUNK  # from LONG_CONTEXT on
+    assert compute.loss_mode == "chunked"
     with torch.device("meta"):  # (full attention: only the loss rule matters here)
         full = Transformer(dataclasses.replace(model, attention_type="full"), compute)
     assert full.use_chunked_loss(131072, torch.bfloat16)  # 131072 x 151936 bf16 logits > 10 GiB
-    cpu = train.resolve_config(train.TrainConfig(), torch.device("cpu"))
+    cpu = train_config.resolve_config(train_config.TrainConfig(), torch.device("cpu"))
     assert (cpu.model_size, cpu.attention_type, cpu.gradient_checkpointing, cpu.dtype, cpu.batch_size, cpu.lr) == (
         "demo", "full", False, "float32", 16, 3e-3)
-    short, short_compute = train.build_model_config(cpu, 8192)
+    short, short_compute = train_config.build_model_config(cpu, 8192)
     assert short.vocab_size == 8192  # demo's 512 raised to the tokenizer's
     assert short_compute.ffn_chunk_size is None and short_compute.loss_mode == "auto"
 
@@ -216,7 +220,7 @@ def test_auto_options_resolve_by_device_and_context() -> None:
 ])
 def test_bad_options_are_usage_errors(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
-        train.parse_config(args)
+        train_config.parse_config(args)
     assert message in capsys.readouterr().err
 
 
@@ -228,7 +232,7 @@ def test_bad_options_are_usage_errors(args: list[str], message: str, capsys: pyt
 def test_bad_config_files(content: dict, message: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "c.json").write_text(json.dumps(content))
     with pytest.raises(SystemExit):
-        train.parse_config(["--config", str(tmp_path / "c.json")])
+        train_config.parse_config(["--config", str(tmp_path / "c.json")])
     assert message in capsys.readouterr().err
 
 
@@ -268,14 +272,14 @@ def test_non_finite_steps_are_skipped_then_stop(data_dir: Path, tmp_path: Path,
         return loss * (float("nan") if calls["n"] == 1 or calls["n"] > 2 else 1.0), logits
 
     monkeypatch.setattr(Transformer, "compute_loss", poisoned)
-    with pytest.raises(train.TooManyBadSteps, match="2 consecutive steps had a non-finite loss"):
+    with pytest.raises(monitor.TooManyBadSteps, match="2 consecutive steps had a non-finite loss"):
         run(data_dir, tmp_path, "--max_bad_steps", "2")
     assert [r["skipped"] for r in metrics(tmp_path)] == [True, False, True, True]
     assert metrics(tmp_path)[1]["lr"] == metrics(tmp_path)[0]["lr"] * 2  # the schedule still advanced
 
 
 def test_memory_budget_saves_and_stops(data_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(train.MemoryBudgetExceeded, match="exceeds --max_memory 0.01 GiB.*reduce --batch_size"):
+    with pytest.raises(monitor.MemoryBudgetExceeded, match="exceeds --max_memory 0.01 GiB.*reduce --batch_size"):
         run(data_dir, tmp_path, "--max_memory", "0.01")
     assert latest_checkpoint(tmp_path).name == "step-1"
 
@@ -305,4 +309,4 @@ def test_flops_per_token_counts_every_matmul() -> None:
     with FlopCounterMode(display=False) as counter:
         model(ids, ids).loss.backward()
     attention = 12 * config.n_layers * config.n_heads * config.head_dim * (T + 1) / 2  # QK^T and PV, (T+1)/2 keys
-    assert train.flops_per_token(config, T) - attention == counter.get_total_flops() / T
+    assert monitor.flops_per_token(config, T) - attention == counter.get_total_flops() / T

@@ -1,0 +1,138 @@
+"""What a training run reports and watches: memory, FLOPs and MFU, the per-step metrics line and metrics.jsonl,
+the memory budget, and the signals that stop a run cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import resource
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from config import ModelConfig, attention_class
+from train_config import TrainConfig
+
+GiB = 1024**3
+# Dense bf16 peak FLOP/s per GPU for the MFU estimate, matched against torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward = 3x forward) per token: 6 x the FFN and output-projection weights
+    (the output projection counts even when tied; the embedding lookup is free) plus each layer's attention, as its
+    type counts it (`AttentionLayer.flops_per_token`: projections, scores and values over its keys)."""
+    c = config
+    attention = attention_class(c.attention_type).flops_per_token(c, seq_len)
+    return 6 * (c.n_layers * 3 * c.dim * c.ffn_dim + c.vocab_size * c.dim) + c.n_layers * attention
+
+
+def memory_gib(device: torch.device) -> tuple[float, float]:
+    """(current, peak) memory of this process in GiB: CUDA allocator live bytes and their peak since the last
+    reset; on CPU the resident set size and its lifetime peak."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / GiB, torch.cuda.max_memory_allocated(device) / GiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # ru_maxrss is in KiB on Linux
+    with contextlib.suppress(OSError), open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GiB, peak
+    return peak, peak
+
+
+def peak_flops(device: torch.device, dtype: str) -> float | None:
+    """Dense peak FLOP/s of this GPU in bf16, None when unknown (CPU, float32, an unlisted GPU)."""
+    if device.type != "cuda" or dtype != "bfloat16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class MemoryBudgetExceeded(RuntimeError):
+    pass
+
+
+class TooManyBadSteps(RuntimeError):
+    pass
+
+
+def memory_advice(cfg: TrainConfig) -> str:
+    return (f"reduce --batch_size (now {cfg.batch_size}; raise --gradient_accumulation_steps, now "
+            f"{cfg.gradient_accumulation_steps}, to keep the global batch) or --context_length (now "
+            f"{cfg.context_length})" + ("" if cfg.gradient_checkpointing else ", or add --gradient_checkpointing"))
+
+
+def over_memory_budget(cfg: TrainConfig, device: torch.device) -> bool:
+    """Free cached memory when the step's peak nears the budget (90%); True if the peak still exceeds it.
+    CUDA: the allocator's reserved bytes are released; the budget applies to the peak of live tensors, which is
+    then reset for the next step. CPU: garbage collection; the budget applies to the peak RSS."""
+    budget = cfg.max_memory * GiB
+    if device.type == "cuda":
+        if torch.cuda.max_memory_reserved(device) > 0.9 * budget:
+            torch.cuda.empty_cache()
+        over = torch.cuda.max_memory_allocated(device) > budget
+        torch.cuda.reset_peak_memory_stats(device)
+        return over
+    if memory_gib(device)[0] * GiB > 0.9 * budget:
+        gc.collect()
+    return memory_gib(device)[1] * GiB > budget
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[dict]:
+    """SIGTERM / SIGINT set flag["stop"]: the loop finishes the step, saves and returns (exit code 0). Repeated
+    signals change nothing (under torchrun, Ctrl-C reaches a worker twice: from the terminal and from torchrun);
+    SIGKILL or SIGQUIT (Ctrl-\\) stop at once."""
+    flag = {"stop": False}
+
+    def handler(signum: int, frame: object) -> None:
+        if not flag["stop"]:
+            print(f"\n{signal.Signals(signum).name}: finishing this step, saving a checkpoint, exiting", flush=True)
+        flag["stop"] = True
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> None:
+    """Rank 0: append the step's metrics to metrics.jsonl, advance the progress bar, print a line every
+    log_interval steps (and at the first and last)."""
+    with metrics_file.open("a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    step = metrics["step"]
+    bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+    bar.update()
+    if step % cfg.log_interval == 0 or step in (1, cfg.max_steps):
+        mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
+        tqdm.write(f"step {step:>6}/{cfg.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | grad "
+                   f"{metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | mem {metrics['mem_gib']:.2f}"
+                   f" GiB (peak {metrics['mem_peak_gib']:.2f}){mfu}")
+
+
+def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_size: int, resume_from: Path | None,
+              step: int, task_state: dict) -> None:
+    """Rank 0: print the resolved configuration (with the task's state) and save it as out_dir/config.json; on
+    resume, drop the metrics lines of steps after the checkpoint (written by the interrupted run)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {"train": dataclasses.asdict(cfg), "model": model.config.to_dict(),
+                "compute": model.compute.to_dict(), "world_size": world_size,
+                "parameters": model.num_parameters(), **task_state}
+    print(json.dumps(resolved, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(resolved, indent=1))
+    metrics_file = out_dir / "metrics.jsonl"
+    if resume_from:
+        print(f"resumed from {resume_from} (step {step})")
+        if metrics_file.exists():
+            lines = metrics_file.read_text().splitlines()
+            metrics_file.write_text("".join(f"{ln}\n" for ln in lines if json.loads(ln)["step"] <= step))
+    elif cfg.resume == "auto":
+        print(f"no checkpoint in {out_dir}: starting from scratch")

@@ -1,0 +1,201 @@
+"""Options of a training run: `TrainConfig`, read from defaults < a `--config` JSON/TOML file < the command line,
+and resolved from the device and the context length (`resolve_config`, `build_model_config`). Every field is a
+`--flag`; `python train.py --help` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_overrides
+
+LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
+BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per micro-batch
+TILED_FFN_CHUNK = 8192  # FFN tile from LONG_CONTEXT on: one tile's (T, ffn_dim) intermediates at a time
+DEFAULT_DATA_DIR = "data/stdlib"
+TOKENIZER_VOCAB = 8192  # vocabulary of the tokenizer trained for the default corpus
+
+
+def _opt(default: object, help: str) -> typing.Any:
+    """A TrainConfig field with its command-line help."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """Every training option; `--name value` on the command line, or a key of the `--config` JSON/TOML file."""
+
+    # model
+    model_size: str = _opt("auto", f"preset: {', '.join(PRESETS)}; 'auto' = "
+                                   f"4B on CUDA from {LONG_CONTEXT} tokens of context, else demo")
+    attention_type: str = _opt("auto", f"a registered type (config.ATTENTION_TYPES: 'full', 'nsa', ...) or 'auto' = "
+                                       f"nsa from {LONG_CONTEXT} tokens, else full")
+    context_length: int = _opt(256, "T: tokens per training sequence")
+    model_overrides: dict = _opt({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
+    gradient_checkpointing: bool | None = _opt(None, f"recompute blocks in backward (default: on from "
+                                                     f"{LONG_CONTEXT} tokens)")
+    compile: bool = _opt(False, "torch.compile each block")
+    dtype: str = _opt("auto", "'float32' or 'bfloat16' (mixed precision: fp32 master weights, bf16 compute, fp32 "
+                              "gradient reduction); 'auto' = bfloat16 on CUDA, float32 on CPU")
+    # optimisation
+    batch_size: int | None = _opt(None, f"B: sequences per rank per micro-step (default: max(1, {BATCH_TOKENS} // T))")
+    gradient_accumulation_steps: int = _opt(1, "A: micro-steps per optimizer step")
+    max_steps: int = _opt(300, "optimizer steps")
+    lr: float | None = _opt(None, "peak learning rate of AdamW (default: 3e-3 for demo/tiny, 3e-4 for the larger "
+                                  "presets)")
+    warmup_steps: int = _opt(30, "linear warmup steps, then cosine decay to lr * min_lr_ratio at max_steps")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr")
+    weight_decay: float = _opt(0.1, "AdamW weight decay of the matrices (norm weights are not decayed)")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping; the norm is still logged)")
+    max_bad_steps: int = _opt(5, "stop after this many consecutive steps with a non-finite loss or gradient norm")
+    seed: int = _opt(0, "seed of the initialisation, the data order and the sample")
+    # data
+    data_dir: str = _opt(DEFAULT_DATA_DIR, f"prepared data (data.py); {DEFAULT_DATA_DIR} is created if missing")
+    tokenizer: str | None = _opt(None, "tokenizer .model file (default: DATA_DIR/tokenizer.model)")
+    # run
+    out_dir: str = _opt("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
+    resume: str | None = _opt(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
+    checkpoint_interval: int = _opt(100, "save every this many steps (0: only at the end)")
+    log_interval: int = _opt(10, "print a metrics line every this many steps")
+    max_memory: float | None = _opt(None, "memory budget in GiB per process (CUDA allocator peak, or RSS on CPU)")
+    sample_tokens: int = _opt(200, "tokens to generate from the final model (0: none)")
+    sample_prompt: str = _opt("def ", "prompt of the final sample")
+
+    def __post_init__(self) -> None:
+        choices = {"model_size": [*PRESETS, "auto"], "attention_type": ["auto", *ATTENTION_TYPES],
+                   "dtype": ["auto", "float32", "bfloat16"]}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        minimum = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
+                   "warmup_steps": 0, "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1,
+                   "sample_tokens": 0}
+        for name, low in minimum.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"--{name} must be >= {low}, got {value}")
+        for name in ("lr", "max_memory"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        try:
+            split_overrides(self.model_overrides)
+        except ValueError as e:
+            raise ValueError(f"--model_overrides: {e}") from e
+
+
+# ---- configuration: defaults < file < command line -----------------------------------------------------------
+
+
+def _field_type(name: str) -> type:
+    """The non-None type of a TrainConfig field (int for `int | None`)."""
+    kind = typing.get_type_hints(TrainConfig)[name]
+    return next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options generated from TrainConfig; options not given are absent from the result."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="JSON or TOML file of TrainConfig fields (command-line options win)")
+    for f in dataclasses.fields(TrainConfig):
+        kind, default = _field_type(f.name), f.default if f.default is not dataclasses.MISSING else {}
+        kwargs: dict = {"help": f.metadata["help"] + ("" if default is None else f" (default: {default})")}
+        if kind is bool:  # --name / --no-name
+            kwargs.update(action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        elif kind is dict:
+            kwargs.update(type=json.loads, metavar="JSON")
+        else:
+            kwargs["type"] = kind
+        if f.name == "resume":
+            kwargs.update(nargs="?", const="auto")
+        parser.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def load_config_file(path: str) -> dict:
+    """TrainConfig fields from a JSON (or, on Python 3.11+, TOML) file, type-checked."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"config file {file} does not exist")
+    if file.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError as e:
+            raise ValueError(f"{file}: TOML configs need Python 3.11+; use a JSON file") from e
+        values = tomllib.loads(file.read_text())
+    else:
+        values = json.loads(file.read_text())
+    if not isinstance(values, dict):
+        raise ValueError(f"{file} must hold an object of TrainConfig fields")
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key, value in values.items():
+        if key not in names:
+            raise ValueError(f"{file}: unknown option {key!r}; valid options: {sorted(names)}")
+        kind = _field_type(key)
+        ok = value is None and type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[key])
+        ok = ok or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
+        ok = ok or (kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise ValueError(f"{file}: option {key!r} must be {kind.__name__}, got {value!r}")
+    return values
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """TrainConfig from the command line; bad options exit with a usage error naming the option."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    try:
+        values = load_config_file(args.pop("config")) if "config" in args else {}
+        return TrainConfig(**{**values, **args})
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+
+
+def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """Replace "auto"/None by concrete values. From LONG_CONTEXT tokens on, attention is NSA and blocks are
+    recomputed in backward; on CUDA the model is then the 4B preset (build_model_config adds the tiled FFN and the
+    chunked loss at these lengths). Elsewhere the default model is "demo".
+    The learning rate follows the model size; the batch size fills BATCH_TOKENS per micro-step."""
+    long = cfg.context_length >= LONG_CONTEXT
+    cuda = device.type == "cuda"
+    auto = {
+        "model_size": "4B" if long and cuda else "demo",
+        "attention_type": "nsa" if long else "full",
+        "dtype": "bfloat16" if cuda else "float32",
+    }
+    values = {k: v for k, v in auto.items() if getattr(cfg, k) == "auto"}
+    if cfg.lr is None:
+        values["lr"] = 3e-3 if values.get("model_size", cfg.model_size) in ("demo", "tiny") else 3e-4
+    if cfg.gradient_checkpointing is None:
+        values["gradient_checkpointing"] = long
+    if cfg.batch_size is None:
+        values["batch_size"] = max(1, BATCH_TOKENS // cfg.context_length)
+    return dataclasses.replace(cfg, **values)
+
+
+def build_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> tuple[ModelConfig, ComputeConfig]:
+    """The resolved run's (ModelConfig, ComputeConfig): preset, then context length, attention type, a vocabulary
+    that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger) and, from LONG_CONTEXT
+    tokens on, a tiled FFN (TILED_FFN_CHUNK tokens per tile) and the chunked loss (at 32k the 10 GiB logits rule of
+    loss_mode="auto" would still pick the standard loss, whose float32 copies cost ~47 GiB), then model_overrides."""
+    model_overrides, compute_overrides = split_overrides(cfg.model_overrides)
+    vocab = max(ModelConfig.from_preset(cfg.model_size).vocab_size, -(-tokenizer_vocab // 64) * 64)
+    long = {"ffn_chunk_size": TILED_FFN_CHUNK, "loss_mode": "chunked"} if cfg.context_length >= LONG_CONTEXT else {}
+    model_config = ModelConfig.from_preset(cfg.model_size, **{
+        "vocab_size": vocab, "context_length": cfg.context_length, "attention_type": cfg.attention_type,
+        **model_overrides})
+    return model_config, ComputeConfig(**{**long, **compute_overrides})
