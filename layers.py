@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 
@@ -100,11 +101,13 @@ ROPE_CHUNK = 4096  # positions rotated at a time: bounds the float32 temporaries
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x * cos + rotate_half(x) * sin for x (B, H, T, D), in (at least) float32, chunk by chunk over T, written into
-    a tensor of x's dtype."""
+    a tensor of x's dtype. Under FakeTensorMode nothing is computed, so only the first chunk runs: the memory it
+    shows (the output plus one chunk's temporaries) is the loop's, without thousands of operators at long T."""
     out = torch.empty_like(x)
     half = x.shape[-1] // 2
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    for t0 in range(0, x.shape[-2], ROPE_CHUNK):
+    chunks = range(0, min(x.shape[-2], ROPE_CHUNK) if is_fake(x) else x.shape[-2], ROPE_CHUNK)
+    for t0 in chunks:
         t1 = t0 + ROPE_CHUNK
         xs = x[..., t0:t1, :].to(compute_dtype)  # (B, H, c, D)
         rotated = torch.cat([-xs[..., half:], xs[..., :half]], dim=-1)  # (B, H, c, D)

@@ -4,21 +4,25 @@
     python profile_memory.py --model_size 4B --context_length 131072 --world_size 2 --gradient_checkpointing \
         --gpu_memory 80
 
-How (`estimate`): the model and optimizer are built as train.py builds them, under `FakeTensorMode`, so every
-tensor has its real shape, dtype and storage size and nothing is allocated. With `--world_size N > 1`: meta device,
-`parallel.apply_fsdp` (bf16 compute copies of fp32 master weights), `to_empty`, `init_weights`, on a fake process
-group (`FakeStore`: collectives do nothing) over a CPU device mesh of N ranks, so the numbers are one rank's. With
-world size 1: fp32 weights, forward under bf16 autocast, no FSDP (train.py's single-process path). AdamW with
-train.py's parameter groups but foreach=False. A live-bytes tracker (torch.distributed._tools MemTracker /
-FSDPMemTracker, a TorchDispatchMode) reads each stage of one steady-state step (optimizer state present, as in every
-step after the first): forward (embedding, first block, all blocks), loss, backward, gradient clipping + AdamW.
+How (`estimate`): the model and optimizer are built by train.py's own builders (`train.build_model`,
+`train.build_optimizer`, from the `TrainConfig` a run with these options would have) under `FakeTensorMode`, so
+every tensor has its real shape, dtype and storage size and nothing is allocated. With `--world_size N > 1`: meta
+device, FSDP2 (bf16 compute copies of fp32 master weights, summed float32 gradients), materialised, on a fake
+process group (`FakeStore`: collectives do nothing) over a CPU device mesh of N ranks, so the numbers are one
+rank's. With world size 1: fp32 weights, forward under bf16 autocast, no FSDP (train.py's single-process path).
+memtrack's stage trackers (torch's MemTracker / FSDPMemTracker, TorchDispatchModes) read each stage of one
+steady-state step (optimizer state present, as in every step after the first): forward (embedding, first block, all
+blocks), loss, backward, gradient clipping + AdamW. AdamW runs its per-parameter loop here (PyTorch's default for
+CPU tensors); on CUDA its default multi-tensor path adds step temporaries that the estimate does not show.
 
-Stand-ins, named in the output: full attention runs the CPU flash SDPA kernel's fake implementation, which, like the
-CUDA flash/cuDNN kernels, keeps only the output and log-sum-exp for backward (no T x T matrix). NSA's reference path
-runs hundreds of operators per query chunk (hours at 131k tokens under fake tensors), so `nsa.sparse_attention` is
-replaced by a memory double calibrated on the real function (`nsa_stand_in`). Not seen by the tracker: the CUDA
-context (~0.5-1 GiB), NCCL buffers, allocator rounding and fragmentation, workspaces inside single kernels;
-`--reserve` (GiB) keeps room for them when judging the fit.
+Stand-ins, named in the output, come from the attention type (`AttentionLayer.memory_stand_in`): full attention
+runs the CPU flash SDPA kernel's fake implementation, which, like the CUDA flash/cuDNN kernels, keeps only the
+output and log-sum-exp for backward (no T x T matrix); NSA's attention, hundreds of operators per query chunk
+(hours at 131k tokens under fake tensors), is a memory double calibrated on the real function (nsa/memory.py).
+Under fake tensors RoPE rotates one chunk of positions instead of all (layers._rotate: same peak, far fewer
+operators), which keeps the 4B / 131k / NSA estimate to seconds. Not seen by the tracker: the CUDA context
+(~0.5-1 GiB), NCCL buffers, allocator rounding and fragmentation, workspaces inside single kernels; `--reserve`
+(GiB) keeps room for them when judging the fit.
 
 `--measure` (CUDA only) runs the same step for real on the GPU, reads torch.cuda memory statistics at the same
 stages and prints them beside the estimate (with the fake process group, `--world_size N` measures one of N ranks on
@@ -37,10 +41,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -49,33 +53,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from config import PRESETS, ComputeConfig, ModelConfig
-from layers import RotaryEmbedding
+import train
+import train_config
+from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, attention_class
+from memtrack import CATEGORIES, FSDPStageTracker, StageTracker
 from model import Transformer
-from parallel import apply_fsdp
 
 GiB = 1024**3
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # as train.py
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 TILED_FFN_CHUNK = 8192  # the tile --gpu_memory tries for long sequences
-# MemTracker's and FSDPMemTracker's categories, folded into the five above ("Other": the inputs).
-_TRACKER_CATEGORIES = {
-    "Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer", "Other": "activations",
-    "Sharded Param": "parameters", "Unsharded Param": "parameters", "All Gather": "parameters", "Buffer": "parameters",
-    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "Reduce Scatter": "gradients",
-    "OptState": "optimizer", "Activation": "activations", "Inputs": "activations", "Temp": "temporaries",
-}
 PHASES = ("forward", "backward", "optimizer step")
-STAND_INS = {
-    "full": "full attention: the CPU flash SDPA kernel (fake) stands in for CUDA flash/cuDNN; both save only the "
-            "output and log-sum-exp for backward (no T x T matrix)",
-    "nsa": "NSA: nsa/layer.py's pure-PyTorch path runs unchanged (no stand-in)",
-}
+MAX_CONTEXT = 2**22  # tokens per sequence the estimate accepts (4M: 1024 loss chunks of 4096)
 _HARMLESS_WARNINGS = ("DTensor random operators may not have complete support on cpu device mesh",
                       "FSDP2-wrapped module .* returned a view tensor")
 
@@ -86,11 +77,11 @@ class StepConfig:
 
     model_size: str = "4B"
     context_length: int = 4096  # tokens per sequence
-    attention_type: str = "full"  # "full" | "nsa"
+    attention_type: str = "full"  # a name in config.ATTENTION_TYPES
     batch_size: int = 1  # sequences per rank
     world_size: int = 1  # FSDP2 ranks; parameters, gradients and optimizer state are sharded over them
     gradient_checkpointing: bool = False
-    loss: str = "auto"  # "auto" | "standard" | "chunked" (ModelConfig.loss_mode)
+    loss: str = "auto"  # "auto" | "standard" | "chunked" (ComputeConfig.loss_mode)
     dtype: str = "bfloat16"  # compute dtype; master weights, gradients and AdamW state stay float32
     ffn_chunk_size: int | None = None  # tiled MLP (ComputeConfig.ffn_chunk_size); None: untiled
     query_chunk: int = 512  # ComputeConfig.attention_query_chunk
@@ -102,8 +93,10 @@ class StepConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.context_length < 2:
-            raise ValueError(f"context_length must be >= 2 (next-token targets), got {self.context_length}")
+        if not 2 <= self.context_length <= MAX_CONTEXT:
+            raise ValueError(f"context_length must be in [2, {MAX_CONTEXT:,}] (next-token targets; longer sequences "
+                             f"would loop over more than {MAX_CONTEXT // 4096:,} loss chunks under fake tensors), got "
+                             f"{self.context_length:,}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.model_config(), self.compute_config()  # validate attention_type and loss
@@ -116,6 +109,12 @@ class StepConfig:
         return ComputeConfig(loss_mode=self.loss, ffn_chunk_size=self.ffn_chunk_size,
                              attention_query_chunk=self.query_chunk)
 
+    def train_config(self) -> train_config.TrainConfig:
+        """The train.py options of this step (what train.build_model and build_optimizer read)."""
+        return train_config.TrainConfig(model_size=self.model_size, attention_type=self.attention_type,
+                                        context_length=self.context_length, batch_size=self.batch_size,
+                                        gradient_checkpointing=self.gradient_checkpointing, dtype=self.dtype)
+
     def describe(self) -> str:
         return (f"{self.model_size}, {self.batch_size} x {self.context_length} tokens per rank, {self.attention_type} "
                 f"attention, world size {self.world_size}, {self.dtype} compute, checkpointing "
@@ -123,53 +122,6 @@ class StepConfig:
 
 
 # ---- memory probes: the same interface over the trackers (fake or real tensors) and over torch.cuda statistics ----
-
-class _PhasePeak:
-    """Mixin for MemTracker / FSDPMemTracker: live bytes by category now and at the highest point of the phase."""
-
-    _curr_mem_snap: dict[torch.device, dict[str, int]]
-
-    def current(self) -> dict[str, int]:
-        totals = dict.fromkeys(("total", *CATEGORIES), 0)
-        for device_snapshot in self._curr_mem_snap.values():
-            for kind, nbytes in device_snapshot.items():
-                if kind == "Total":
-                    totals["total"] += nbytes
-                else:
-                    totals[_TRACKER_CATEGORIES[kind.value]] += nbytes
-        return totals
-
-    def start_phase(self) -> None:
-        self._phase_peak = self.current()
-
-    def phase_peak(self) -> dict[str, int]:
-        return dict(self._phase_peak)
-
-    def _update_peak_stats(self, peak_state: object) -> None:
-        # MemTracker calls this after every operator. We keep only the phase's highest snapshot: its own per-module
-        # peak bookkeeping (unused here) loops over every module at every operator and costs a quarter of the run.
-        now = self.current()
-        if now["total"] > self._phase_peak["total"]:
-            self._phase_peak = now
-
-
-class _Tracker(_PhasePeak, MemTracker):
-    """One process, no FSDP (train.py with world size 1)."""
-
-    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, inputs: tuple[Tensor, ...]) -> None:
-        super().__init__()
-        self.track_external(model, optimizer, *inputs)
-        self.start_phase()
-
-
-class _FSDPTracker(_PhasePeak, FSDPMemTracker):
-    """FSDP2-sharded model: also tells sharded from unsharded parameters and gradients, and collective buffers."""
-
-    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, inputs: tuple[Tensor, ...]) -> None:
-        super().__init__(model, optimizer)
-        self.track_inputs(inputs)
-        self.start_phase()
-
 
 class _CudaStats:
     """torch.cuda.memory_allocated / max_memory_allocated at the same stages (totals only, no categories)."""
@@ -191,137 +143,7 @@ class _CudaStats:
         return {"total": torch.cuda.max_memory_allocated()}
 
 
-Probe = _Tracker | _FSDPTracker | _CudaStats
-
-
-# ---- NSA stand-in ---------------------------------------------------------------------------------------------
-
-class _SparseAttentionDouble(torch.autograd.Function):
-    """Memory double of `nsa.sparse_attention`: the same output and input gradients, the same inputs kept alive
-    for backward, and as plain buffers the bytes the real function keeps for backward (`kept`), holds at its
-    forward peak beyond them (`forward_peak`) and at its backward peak beyond them, its output and the input
-    gradients (`backward_peak`). Everything goes through save_for_backward, so block checkpointing drops and
-    recomputes it as it would the real tensors. Values are not computed."""
-
-    @staticmethod
-    def forward(ctx, spec: tuple[int, int, int, tuple[bool, ...]], *inputs: Tensor) -> Tensor:
-        kept, forward_peak, ctx.backward_peak, keeps = spec
-        q = inputs[0]  # (B, H, T, D)
-        ctx.shapes = [(t.shape, t.dtype) for t in inputs]
-        ctx.save_for_backward(q.new_empty(kept, dtype=torch.uint8),
-                              *(t for t, keep in zip(inputs, keeps, strict=True) if keep))
-        q.new_empty(forward_peak, dtype=torch.uint8)  # the working set of one query chunk, freed at once
-        return q.new_empty(q.shape)  # (B, H, T, D)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        grads = tuple(torch.zeros(shape, dtype=dtype, device=grad_out.device) if needed else None
-                      for (shape, dtype), needed in zip(ctx.shapes, ctx.needs_input_grad[1:], strict=True))
-        grad_out.new_empty(ctx.backward_peak, dtype=torch.uint8)  # one chunk's recomputation and gradients
-        return (None, *grads)
-
-
-class _Calibration(_PhasePeak, MemTracker):
-    """A bare tracker for one function call: counts only what is made (or registered) while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.start_phase()
-
-
-def _sparse_attention_memory(sparse_attention, args: tuple, kwargs: dict, autocast: AbstractContextManager
-                             ) -> tuple[int, int, int, tuple[bool, ...]]:
-    """`_SparseAttentionDouble`'s spec, measured on one forward + backward of `sparse_attention` with inputs
-    shaped like `args` (fresh tensors made outside the tracker: only the function's own allocations count)."""
-    leaves = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).requires_grad_()
-              for a in args if isinstance(a, Tensor)]
-    inputs = iter([leaf.clone() for leaf in leaves])  # non-leaves: alive after the call only if the call keeps them
-    call_args = [next(inputs) if isinstance(a, Tensor) else a for a in args]
-    refs = [weakref.ref(a) for a in call_args if isinstance(a, Tensor)]
-    grad_out = torch.empty(args[0].shape, dtype=args[0].dtype, device=args[0].device)  # (B, H, T, D)
-    tracker = _Calibration()
-    tracker.track_external(*(a for a in call_args if isinstance(a, Tensor)))  # else views would count them
-    with tracker:
-        before = tracker.current()["total"]
-        with autocast:
-            out = sparse_attention(*call_args, **kwargs)
-        kept = tracker.current()["total"] - before - out.numel() * out.element_size()
-        forward_peak = tracker.phase_peak()["total"] - before - kept
-        del call_args, inputs
-        keeps = tuple(ref() is not None for ref in refs)
-        tracker.start_phase()
-        after_forward = tracker.current()["total"]
-        out.backward(grad_out)
-        backward_peak = tracker.phase_peak()["total"] - after_forward
-    grads = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
-    return kept, max(0, forward_peak), max(0, backward_peak - grads), keeps
-
-
-@contextmanager
-def nsa_stand_in(config: StepConfig, device: str) -> Iterator[str]:
-    """Replace `nsa.sparse_attention` (nsa/attention.py's three gated branches) by `_SparseAttentionDouble` while
-    the step runs, and describe it. The reference path runs hundreds of small operators per query chunk: at 131k
-    tokens, thousands of chunks per step, hours under fake tensors. Its memory is affine in T for a fixed chunk size
-    (see nsa/attention.py), so the double is calibrated on the real function, on the path a CUDA run takes (the
-    Triton kernels' when `nsa_triton` and Triton is installed here, else the explicit one), for one layer at T itself
-    (T <= 4 chunks) or at 2 and 4 chunks, extrapolated linearly. Projections, compression and gates still run for
-    real."""
-    from nsa import attention as nsa_attention
-    from nsa import layer as nsa
-
-    real = nsa.sparse_attention
-    model_config = config.model_config()
-    compute = config.compute_config()
-    B, T, Q = config.batch_size, config.context_length, compute.attention_query_chunk
-    points = [T] if T <= 4 * Q else [2 * Q, 4 * Q]
-    dtype, autocast = DTYPES[config.dtype], _autocast(config, device)
-    triton = compute.triton_kernels and nsa_attention.triton_installed()
-    path = nsa_attention.triton_kernels() if triton else nsa_attention.explicit_attention()  # not the CPU kernels
-    with path:
-        measured = [_sparse_attention_memory(real, *_sparse_attention_args(model_config, B, t, dtype, device),
-                                             autocast) for t in points]
-    spec = measured[-1]
-    if len(points) == 2:
-        (t1, t2), (m1, m2) = points, measured
-        spec = (*(max(0, round(a + (b - a) * (T - t1) / (t2 - t1))) for a, b in zip(m1[:3], m2[:3], strict=True)),
-                m2[3])
-
-    def stand_in(*args: object, **kwargs: object) -> Tensor:
-        return _SparseAttentionDouble.apply(spec, *(a for a in args if isinstance(a, Tensor)))
-
-    nsa.sparse_attention = stand_in
-    try:
-        yield (f"NSA: nsa.sparse_attention (the three gated branches) is replaced by a memory double calibrated on "
-               f"the real function ({'Triton kernels' if triton else 'explicit path'}, as on CUDA) for one layer at "
-               f"T = {' and '.join(map(str, points))} (fake tensors), "
-               f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}projections, compression and gates run "
-               f"as in training")
-    finally:
-        nsa.sparse_attention = real
-
-
-def _sparse_attention_args(model_config: ModelConfig, B: int, T: int, dtype: torch.dtype, device: str
-                           ) -> tuple[tuple, dict]:
-    """The arguments one NSA layer computing in `dtype` passes to `nsa.sparse_attention` for B x T tokens (captured
-    from its forward)."""
-    from nsa import layer as nsa
-
-    captured: list[tuple[tuple, dict]] = []
-
-    def capture(q: Tensor, *args: object, **kwargs: object) -> Tensor:
-        captured.append(((q, *args), kwargs))
-        return torch.zeros_like(q)
-
-    real, nsa.sparse_attention = nsa.sparse_attention, capture
-    try:
-        low_precision = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else nullcontext()
-        with torch.device(device), torch.no_grad(), low_precision:
-            layer = nsa.NativeSparseAttention(model_config)
-            cos, sin = RotaryEmbedding(model_config.head_dim, model_config.rope_theta, T)(T, 0, torch.device(device))
-            layer(torch.empty(B, T, model_config.dim), cos, sin)
-    finally:
-        nsa.sparse_attention = real
-    return captured[0]
+Probe = StageTracker | FSDPStageTracker | _CudaStats
 
 
 # ---- the step ---------------------------------------------------------------------------------------------------
@@ -343,22 +165,14 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
 
 def build(config: StepConfig, device: str, mesh: DeviceMesh | None) -> tuple[Transformer, torch.optim.Optimizer]:
-    """Model and optimizer as train.py builds them. With a mesh: on the meta device, checkpointing, FSDP2 (bf16
-    compute copies of fp32 master weights), `to_empty` + `init_weights` on `device`. Without: fp32 on `device`
-    (forward then runs under autocast, see `_autocast`). AdamW with train.py's groups but foreach=False (its
-    foreach/fused temporaries are not yet checked against a GPU)."""
-    with torch.device("meta" if mesh is not None else device):
-        model = Transformer(config.model_config(), config.compute_config())
-    model.gradient_checkpointing_enable(config.gradient_checkpointing)
-    if mesh is not None:
-        dtype = DTYPES[config.dtype]
-        apply_fsdp(model, mesh, param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
-        model.to_empty(device=device)
-        model.init_weights()
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return model, torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), foreach=False)
+    """Model and optimizer built by train.py's own builders (`train.build_model`, `train.build_optimizer`) for the
+    run `config` describes: with a mesh, on the meta device, sharded by FSDP2 (bf16 compute copies of fp32 master
+    weights, summed float32 gradient reduction) and materialised on `device`; without, fp32 on `device` (forward
+    then runs under autocast, see `_autocast`)."""
+    cfg = train_config.resolve_config(config.train_config(), torch.device(device))
+    rt = train.Runtime(rank=0, world_size=config.world_size, device=torch.device(device), mesh=mesh)
+    model = train.build_model(config.model_config(), config.compute_config(), cfg, rt)
+    return model, train.build_optimizer(model, cfg)[0]
 
 
 def _autocast(config: StepConfig, device: str) -> AbstractContextManager:
@@ -430,7 +244,8 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
 
     device "cpu" with fake=True is the estimate; fake=False runs the step for real (tiny models only). On "cuda"
     with fake=False the memory comes from torch.cuda statistics (totals only), otherwise from the trackers.
-    `stand_in` (fake only) replaces NSA's sparse attention by its calibrated memory double (`nsa_stand_in`).
+    `stand_in` (fake only): enter the attention type's `memory_stand_in` around the step (NSA: a memory double of
+    its attention calibrated on the real function, nsa/memory.py); without it every operator runs as in training.
     """
     with warnings.catch_warnings(), fake_process_group(config.world_size):
         for message in _HARMLESS_WARNINGS:
@@ -438,9 +253,12 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
         # The mesh is made outside FakeTensorMode: it reads its rank map.
         mesh = init_device_mesh(device, (config.world_size,)) if config.world_size > 1 else None
         with FakeTensorMode() if fake else nullcontext(), ExitStack() as stack:
-            description = STAND_INS[config.attention_type]
-            if config.attention_type == "nsa" and fake and stand_in:
-                description = stack.enter_context(nsa_stand_in(config, device))
+            description = f"{config.attention_type} attention: runs as in training (no stand-in)"
+            if fake and stand_in:
+                cls = attention_class(config.attention_type)
+                description = stack.enter_context(cls.memory_stand_in(
+                    config.model_config(), config.compute_config(), config.batch_size, config.context_length,
+                    DTYPES[config.dtype], device))
             B, T = config.batch_size, config.context_length
             model, optimizer = build(config, device, mesh)
             _warm_up(model, optimizer, T, device)
@@ -449,7 +267,7 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
             if device == "cuda" and not fake:
                 probe: Probe = _CudaStats()
             else:
-                probe = (_Tracker if mesh is None else _FSDPTracker)(model, optimizer, (input_ids, labels))
+                probe = (StageTracker if mesh is None else FSDPStageTracker)(model, optimizer, (input_ids, labels))
             with probe:
                 stages, loss_path = _training_step(model, optimizer, input_ids, labels, _autocast(config, device),
                                                    probe)
@@ -482,7 +300,7 @@ def estimate(config: StepConfig) -> dict:
     """
     start = time.perf_counter()
     profile = profile_step(config, "cpu", fake=True)
-    return _summarize(config, profile, time.perf_counter() - start, "estimate: fake tensors on CPU, MemTracker")
+    return _summarize(config, profile, time.perf_counter() - start, "estimate: fake tensors on CPU, memtrack stage tracker")
 
 
 def measure(config: StepConfig) -> dict:
@@ -622,37 +440,42 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_size", default="4B", choices=sorted(PRESETS))
     p.add_argument("--context_length", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--attention_type", default="full", choices=["full", "nsa"])
+    p.add_argument("--attention_type", default="full", choices=sorted(ATTENTION_TYPES))
     p.add_argument("--batch_size", type=int, default=1, help="sequences per rank")
     p.add_argument("--world_size", type=int, default=1, help="FSDP2 ranks; numbers are per rank")
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--loss", default="auto", choices=["auto", "standard", "chunked"])
     p.add_argument("--ffn_chunk_size", type=int, default=None, help="tokens per FFN tile (tiled MLP); default untiled")
+    p.add_argument("--query_chunk", type=int, default=512, help="queries an attention processes at a time (NSA)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (master weights fp32)")
     p.add_argument("--gpu_memory", type=float, default=None, help="GiB per GPU: say whether it fits, else what would")
     p.add_argument("--reserve", type=float, default=2.0, help="GiB of the GPU kept for what the tracker cannot see")
     p.add_argument("--measure", action="store_true", help="also run the step for real on CUDA and print both")
     p.add_argument("--json", action="store_true", help="print the result as JSON (bytes)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart (needs matplotlib)")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.gpu_memory is not None and not 0 <= args.reserve < args.gpu_memory:
-        raise SystemExit(f"--reserve must be in [0, --gpu_memory), got {args.reserve} and {args.gpu_memory}")
+        parser.error(f"--reserve must be in [0, --gpu_memory), got {args.reserve} and {args.gpu_memory}")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        parser.error(f"--plot {args.plot}: directory {os.path.dirname(os.path.abspath(args.plot))} does not exist")
     try:
         config = StepConfig(args.model_size, args.context_length, args.attention_type, args.batch_size,
-                            args.world_size, args.gradient_checkpointing, args.loss, args.dtype, args.ffn_chunk_size)
+                            args.world_size, args.gradient_checkpointing, args.loss, args.dtype, args.ffn_chunk_size,
+                            args.query_chunk)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from e
+        parser.error(str(e))
     if args.measure and not torch.cuda.is_available():
-        raise SystemExit("error: --measure needs a CUDA device")
+        parser.error("--measure needs a CUDA device")
     result = estimate(config)
     measured = measure(config) if args.measure else None
     log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print

@@ -1,5 +1,5 @@
 """Memory accounting for neuro-plastic layers at full size, without allocating: memtrack's live-storage-bytes
-tracker, split by device, run under FakeTensorMode with the "meta" device standing in for the accelerator.
+tracker (split by device), run under FakeTensorMode with the "meta" device standing in for the accelerator.
 
 `layer_memory` compares one original decoder layer with its converted NPBlock (forward + backward, frozen base,
 input requiring grad as inside a network) and gives what a naive per-token dW would need. `offload_memory` runs a
@@ -13,50 +13,17 @@ Notation: B batch, T tokens, C model width, F FFN width, r rank, L layers.
 
 from __future__ import annotations
 
-import weakref
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from memtrack import LiveBytesTracker
 from model import Block, ModelConfig
 from npt.layer import NPBlock
 
 ACCELERATOR = "meta"  # device type of the stand-in accelerator under FakeTensorMode
-
-
-class LiveBytes(LiveBytesTracker):
-    """memtrack.LiveBytesTracker that also splits the live and peak bytes by the device type of the tensors
-    (`live_by_device`, `peak_by_device`), to tell accelerator memory from host memory. (The device comes from the
-    tensor: under FakeTensorMode every storage is a meta storage.)"""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live_by_device: dict[str, int] = defaultdict(int)
-        self.peak_by_device: dict[str, int] = defaultdict(int)
-        self._device_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> device type it was counted on
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (dispatch protocol)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        for t in tree_leaves(out):
-            if not isinstance(t, Tensor):
-                continue
-            storage = t.untyped_storage()
-            if storage in self._sizes and storage not in self._device_of:  # newly counted by the base tracker
-                device, nbytes = t.device.type, self._sizes[storage]
-                self._device_of[storage] = device
-                self.live_by_device[device] += nbytes
-                self.peak_by_device[device] = max(self.peak_by_device[device], self.live_by_device[device])
-                weakref.finalize(storage, self._free_on, device, nbytes)
-        return out
-
-    def _free_on(self, device: str, nbytes: int) -> None:
-        self.live_by_device[device] -= nbytes
 
 
 @dataclass
@@ -79,10 +46,10 @@ def llama_like_config(dim: int = 4096, ffn_dim: int = 11008, n_heads: int = 32, 
                        head_dim=head_dim, ffn_dim=ffn_dim, qk_norm=False)
 
 
-def _fwd_bwd_peak(layers: list[Block], x: Tensor, cos: Tensor, sin: Tensor) -> tuple[LiveBytes, dict[str, int]]:
+def _fwd_bwd_peak(layers: list[Block], x: Tensor, cos: Tensor, sin: Tensor) -> tuple[LiveBytesTracker, dict[str, int]]:
     """Track forward + backward through `layers`; returns the tracker and the live bytes between the two."""
     grad_out = torch.ones_like(x)
-    with LiveBytes() as tracker:
+    with LiveBytesTracker() as tracker:
         y = x
         for layer in layers:
             y = layer(y, cos, sin)

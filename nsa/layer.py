@@ -109,7 +109,11 @@ class NativeSparseAttention(nn.Module):
     Parameters: q_proj, k_proj/v_proj (C -> nb*KV*D: compression, selection, window sets when separate), o_proj,
     gate_proj (C -> 3*H, with bias), k_compress/v_compress (`BlockCompressor`), q_norm/k_norm (RMSNorm over D, when
     qk_norm; k_norm applies to every key a query meets, compressed keys after compression, always before RoPE).
+    The attention itself is the class attribute `sparse_attention` (nsa.attention.sparse_attention): the one seam
+    through which profile_memory.py swaps in a memory double (nsa/memory.py).
     """
+
+    sparse_attention = staticmethod(sparse_attention)
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
         super().__init__()
@@ -163,7 +167,7 @@ class NativeSparseAttention(nn.Module):
 
         if start_pos is None:
             k_cmp, v_cmp = self._compress(k_cmp_raw, v_cmp_raw, 0, cos, sin, 0)
-            out = sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, compute=self.compute)
+            out = self.sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, compute=self.compute)
         else:
             cache = self._check_cache(B, start_pos, T)
             end = start_pos + T
@@ -183,7 +187,7 @@ class NativeSparseAttention(nn.Module):
                 v_win = _ring_extend(cache.win_v, start_pos, v_win, win_start)
             else:
                 k_win, v_win = k_slc[:, :, win_start:end], v_slc[:, :, win_start:end]
-            out = sparse_attention(q, cache.cmp_k[:, :, :n_cmp], cache.cmp_v[:, :, :n_cmp], k_slc, v_slc, k_win,
+            out = self.sparse_attention(q, cache.cmp_k[:, :, :n_cmp], cache.cmp_v[:, :, :n_cmp], k_slc, v_slc, k_win,
                                    v_win, gates, cfg, q_start=start_pos, win_start=win_start, compute=self.compute)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import profile_memory as pm
 from memtrack import LiveBytesTracker
@@ -82,6 +83,19 @@ def test_fsdp_estimate_matches_real_step_and_sharding_arithmetic(dtype):
     assert after["gradients"] == 4 * P // 2
     assert after["optimizer"] == 8 * P // 2 + 4 * len(list(pm.build(config, "meta", None)[0].parameters()))
     assert not dist.is_initialized()  # the fake process group is torn down
+
+
+def test_nsa_double_replaces_the_layer_seam_only_while_active():
+    """The double goes in through NativeSparseAttention.sparse_attention (the layer's one seam) and comes out."""
+    from nsa.attention import sparse_attention
+    from nsa.layer import NativeSparseAttention
+    from nsa.memory import sparse_attention_stand_in
+
+    config = pm.StepConfig("tiny", 64, attention_type="nsa")
+    with FakeTensorMode(), sparse_attention_stand_in(config.model_config(), config.compute_config(), 1, 64,
+                                                     torch.float32, "cpu"):
+        assert NativeSparseAttention.sparse_attention is not sparse_attention
+    assert NativeSparseAttention.sparse_attention is sparse_attention
 
 
 def test_nsa_double_matches_reference_path():
@@ -176,8 +190,30 @@ def test_bad_input_is_rejected_before_anything_is_built():
                    dict(context_length=1), dict(loss="fused")):
         with pytest.raises(ValueError):
             pm.StepConfig(**kwargs)
-    with pytest.raises(SystemExit):
-        pm.main(["--model_size", "tiny", "--world_size", "0"])
+    with pytest.raises(ValueError, match="context_length must be in"):
+        pm.StepConfig("tiny", 100_000_000)  # would loop over 24k loss chunks: refused at once
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world_size", "0"], "world_size must be a positive integer"),
+    (["--context_length", "100000000"], "context_length must be in [2, 4,194,304]"),
+    (["--plot", "no/such/dir/memory.png"], "--plot no/such/dir/memory.png: directory"),
+    (["--attention_type", "sparse"], "invalid choice: 'sparse'"),
+])
+def test_cli_errors_are_one_line_with_exit_code_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pm.main(["--model_size", "tiny", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_attention_type_from_the_tests_is_profiled(swa):
+    """The test-only sliding-window type, registered with one line: profile_memory lists it, describes it through
+    its memory_stand_in, and the estimate equals the real CPU step (as for the built-in types)."""
+    assert "swa" in pm.build_parser().parse_args(["--attention_type", "swa"]).attention_type
+    config = pm.StepConfig("tiny", 96, attention_type="swa", batch_size=2, dtype="float32")
+    result = pm.estimate(config)
+    assert result["stand_in"].startswith("sliding-window attention: runs as in training")
+    assert_stages_close(result["stages"], real_step_live_bytes(config))
 
 
 def test_refuses_to_run_inside_an_initialised_process_group():

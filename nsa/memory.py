@@ -1,0 +1,138 @@
+"""How profile_memory.py models NSA's memory: a memory double of `sparse_attention`, calibrated on the real function.
+
+The attention itself (nsa/attention.py) runs hundreds of small operators per query chunk: at 131k tokens, thousands
+of chunks per step, which would take hours under fake tensors. Its memory is affine in T for a fixed query chunk
+(see the nsa/attention.py docstring), so `sparse_attention_stand_in` measures one layer's call (forward and
+backward, fake tensors, memtrack.LiveBytesTracker) at T itself, or at 2 and 4 query chunks and extrapolates
+linearly, and swaps `NativeSparseAttention.sparse_attention` (the layer's one seam for its attention) for
+`_SparseAttentionDouble` while the profiled step runs. It calibrates on the path a CUDA run takes: the Triton
+kernels' when `ComputeConfig.triton_kernels` and Triton is installed here, else the explicit one. Projections,
+compression and gates still run for real.
+
+Notation: B batch, T tokens, H query heads, D head dimension, Q query chunk.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import torch
+from torch import Tensor
+
+from config import ComputeConfig, ModelConfig
+from layers import RotaryEmbedding
+from memtrack import LiveBytesTracker
+from nsa import attention as nsa_attention
+from nsa.layer import NativeSparseAttention
+
+Spec = tuple[int, int, int, tuple[bool, ...]]  # kept, forward peak, backward peak (bytes), which inputs are kept
+
+
+class _SparseAttentionDouble(torch.autograd.Function):
+    """Memory double of `sparse_attention`: the same output and input gradients, the same inputs kept alive
+    for backward, and as plain buffers the bytes the real function keeps for backward (`kept`), holds at its
+    forward peak beyond them (`forward_peak`) and at its backward peak beyond them, its output and the input
+    gradients (`backward_peak`). Everything goes through save_for_backward, so block checkpointing drops and
+    recomputes it as it would the real tensors. Values are not computed."""
+
+    @staticmethod
+    def forward(ctx, spec: Spec, *inputs: Tensor) -> Tensor:
+        kept, forward_peak, ctx.backward_peak, keeps = spec
+        q = inputs[0]  # (B, H, T, D)
+        ctx.shapes = [(t.shape, t.dtype) for t in inputs]
+        ctx.save_for_backward(q.new_empty(kept, dtype=torch.uint8),
+                              *(t for t, keep in zip(inputs, keeps, strict=True) if keep))
+        q.new_empty(forward_peak, dtype=torch.uint8)  # the working set of one query chunk, freed at once
+        return q.new_empty(q.shape)  # (B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        grads = tuple(torch.zeros(shape, dtype=dtype, device=grad_out.device) if needed else None
+                      for (shape, dtype), needed in zip(ctx.shapes, ctx.needs_input_grad[1:], strict=True))
+        grad_out.new_empty(ctx.backward_peak, dtype=torch.uint8)  # one chunk's recomputation and gradients
+        return (None, *grads)
+
+
+def _measure(args: tuple, kwargs: dict, autocast: AbstractContextManager) -> Spec:
+    """The double's spec, from one forward + backward of `sparse_attention` with inputs shaped like `args` (fresh
+    tensors made before the tracker starts: only the function's own allocations count)."""
+    leaves = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).requires_grad_()
+              for a in args if isinstance(a, Tensor)]
+    inputs = iter([leaf.clone() for leaf in leaves])  # non-leaves: alive after the call only if the call keeps them
+    call_args = [next(inputs) if isinstance(a, Tensor) else a for a in args]
+    refs = [weakref.ref(a) for a in call_args if isinstance(a, Tensor)]
+    grad_out = torch.empty(args[0].shape, dtype=args[0].dtype, device=args[0].device)  # (B, H, T, D)
+    with LiveBytesTracker() as tracker:
+        with autocast:
+            out = nsa_attention.sparse_attention(*call_args, **kwargs)
+        kept = tracker.live - out.numel() * out.element_size()
+        forward_peak = tracker.peak - kept
+        del call_args, inputs
+        keeps = tuple(ref() is not None for ref in refs)
+        tracker.reset_peak()
+        after_forward = tracker.live
+        out.backward(grad_out)
+        backward_peak = tracker.peak - after_forward
+    grads = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
+    return kept, max(0, forward_peak), max(0, backward_peak - grads), keeps
+
+
+def _arguments(config: ModelConfig, compute: ComputeConfig, B: int, T: int, dtype: torch.dtype, device: str,
+               autocast: AbstractContextManager) -> tuple[tuple, dict]:
+    """The arguments one NSA layer computing in `dtype` passes to its attention for B x T tokens (captured at the
+    layer's seam)."""
+    captured: list[tuple[tuple, dict]] = []
+
+    def capture(q: Tensor, *args: object, **kwargs: object) -> Tensor:
+        captured.append(((q, *args), kwargs))
+        return torch.zeros_like(q)
+
+    with torch.device(device), torch.no_grad(), autocast, _swapped(capture):  # float32 weights, autocast to dtype
+        layer = NativeSparseAttention(config, compute)
+        cos, sin = RotaryEmbedding(config.head_dim, config.rope_theta, T)(T, 0, torch.device(device))
+        layer(torch.empty(B, T, config.dim), cos, sin)
+    return captured[0]
+
+
+@contextmanager
+def _swapped(fn: object) -> Iterator[None]:
+    """NativeSparseAttention's attention replaced by `fn` while inside."""
+    real = NativeSparseAttention.__dict__["sparse_attention"]
+    NativeSparseAttention.sparse_attention = staticmethod(fn)
+    try:
+        yield
+    finally:
+        NativeSparseAttention.sparse_attention = real
+
+
+@contextmanager
+def sparse_attention_stand_in(config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
+                              dtype: torch.dtype, device: str) -> Iterator[str]:
+    """While inside, every NativeSparseAttention layer's attention is `_SparseAttentionDouble`, calibrated for
+    `batch_size` x `seq_len` tokens computing in `dtype` on `device` (call it under FakeTensorMode); yields a
+    one-line description."""
+    Q = compute.attention_query_chunk
+    points = [seq_len] if seq_len <= 4 * Q else [2 * Q, 4 * Q]
+    autocast = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    triton = compute.triton_kernels and nsa_attention.triton_installed()
+    path = nsa_attention.triton_kernels() if triton else nsa_attention.explicit_attention()  # not the CPU kernels
+    with path:
+        measured = [_measure(*_arguments(config, compute, batch_size, t, dtype, device, autocast), autocast)
+                    for t in points]
+    spec = measured[-1]
+    if len(points) == 2:
+        (t1, t2), (m1, m2) = points, measured
+        spec = (*(max(0, round(a + (b - a) * (seq_len - t1) / (t2 - t1))) for a, b in zip(m1[:3], m2[:3],
+                                                                                             strict=True)), m2[3])
+
+    def stand_in(*args: object, **kwargs: object) -> Tensor:
+        return _SparseAttentionDouble.apply(spec, *(a for a in args if isinstance(a, Tensor)))
+
+    with _swapped(stand_in):
+        yield (f"NSA: the attention (three gated branches) is a memory double calibrated on the real function "
+               f"({'Triton kernels' if triton else 'explicit path'}, as on CUDA) for one layer at "
+               f"T = {' and '.join(map(str, points))} (fake tensors), "
+               f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}projections, compression and gates run "
+               f"as in training")
