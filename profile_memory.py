@@ -300,7 +300,8 @@ def estimate(config: StepConfig) -> dict:
     """
     start = time.perf_counter()
     profile = profile_step(config, "cpu", fake=True)
-    return _summarize(config, profile, time.perf_counter() - start, "estimate: fake tensors on CPU, memtrack stage tracker")
+    method = "estimate: fake tensors on CPU, memtrack stage tracker"
+    return _summarize(config, profile, time.perf_counter() - start, method)
 
 
 def measure(config: StepConfig) -> dict:
