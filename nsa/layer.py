@@ -251,4 +251,4 @@ class NativeSparseAttention(nn.Module):
                         dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
         from nsa.memory import sparse_attention_stand_in
 
-        return sparse_attention_stand_in(config, compute, batch_size, seq_len, dtype, device)
+        return sparse_attention_stand_in(cls, config, compute, batch_size, seq_len, dtype, device)

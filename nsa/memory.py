@@ -25,7 +25,6 @@ from config import ComputeConfig, ModelConfig
 from layers import RotaryEmbedding
 from memtrack import LiveBytesTracker
 from nsa import attention as nsa_attention
-from nsa.layer import NativeSparseAttention
 
 Spec = tuple[int, int, int, tuple[bool, ...]]  # kept, forward peak, backward peak (bytes), which inputs are kept
 
@@ -79,8 +78,8 @@ def _measure(args: tuple, kwargs: dict, autocast: AbstractContextManager) -> Spe
     return kept, max(0, forward_peak), max(0, backward_peak - grads), keeps
 
 
-def _arguments(config: ModelConfig, compute: ComputeConfig, B: int, T: int, dtype: torch.dtype, device: str,
-               autocast: AbstractContextManager) -> tuple[tuple, dict]:
+def _arguments(layer_class: type, config: ModelConfig, compute: ComputeConfig, B: int, T: int, dtype: torch.dtype,
+               device: str, autocast: AbstractContextManager) -> tuple[tuple, dict]:
     """The arguments one NSA layer computing in `dtype` passes to its attention for B x T tokens (captured at the
     layer's seam)."""
     captured: list[tuple[tuple, dict]] = []
@@ -89,28 +88,29 @@ def _arguments(config: ModelConfig, compute: ComputeConfig, B: int, T: int, dtyp
         captured.append(((q, *args), kwargs))
         return torch.zeros_like(q)
 
-    with torch.device(device), torch.no_grad(), autocast, _swapped(capture):  # float32 weights, autocast to dtype
-        layer = NativeSparseAttention(config, compute)
+    with torch.device(device), torch.no_grad(), autocast, _swapped(layer_class, capture):  # fp32 weights, autocast
+        layer = layer_class(config, compute)
         cos, sin = RotaryEmbedding(config.head_dim, config.rope_theta, T)(T, 0, torch.device(device))
         layer(torch.empty(B, T, config.dim), cos, sin)
     return captured[0]
 
 
 @contextmanager
-def _swapped(fn: object) -> Iterator[None]:
-    """NativeSparseAttention's attention replaced by `fn` while inside."""
-    real = NativeSparseAttention.__dict__["sparse_attention"]
-    NativeSparseAttention.sparse_attention = staticmethod(fn)
+def _swapped(layer_class: type, fn: object) -> Iterator[None]:
+    """The layer class's attention (its `sparse_attention` seam) replaced by `fn` while inside."""
+    real = layer_class.__dict__["sparse_attention"]
+    layer_class.sparse_attention = staticmethod(fn)
     try:
         yield
     finally:
-        NativeSparseAttention.sparse_attention = real
+        layer_class.sparse_attention = real
 
 
 @contextmanager
-def sparse_attention_stand_in(config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
-                              dtype: torch.dtype, device: str) -> Iterator[str]:
-    """While inside, every NativeSparseAttention layer's attention is `_SparseAttentionDouble`, calibrated for
+def sparse_attention_stand_in(layer_class: type, config: ModelConfig, compute: ComputeConfig, batch_size: int,
+                              seq_len: int, dtype: torch.dtype, device: str) -> Iterator[str]:
+    """While inside, the attention of every `layer_class` (NativeSparseAttention) layer is `_SparseAttentionDouble`,
+    calibrated for
     `batch_size` x `seq_len` tokens computing in `dtype` on `device` (call it under FakeTensorMode); yields a
     one-line description."""
     Q = compute.attention_query_chunk
@@ -119,7 +119,8 @@ def sparse_attention_stand_in(config: ModelConfig, compute: ComputeConfig, batch
     triton = compute.triton_kernels and nsa_attention.triton_installed()
     path = nsa_attention.triton_kernels() if triton else nsa_attention.explicit_attention()  # not the CPU kernels
     with path:
-        measured = [_measure(*_arguments(config, compute, batch_size, t, dtype, device, autocast), autocast)
+        measured = [_measure(*_arguments(layer_class, config, compute, batch_size, t, dtype, device, autocast),
+                                  autocast)
                     for t in points]
     spec = measured[-1]
     if len(points) == 2:
@@ -130,7 +131,7 @@ def sparse_attention_stand_in(config: ModelConfig, compute: ComputeConfig, batch
     def stand_in(*args: object, **kwargs: object) -> Tensor:
         return _SparseAttentionDouble.apply(spec, *(a for a in args if isinstance(a, Tensor)))
 
-    with _swapped(stand_in):
+    with _swapped(layer_class, stand_in):
         yield (f"NSA: the attention (three gated branches) is a memory double calibrated on the real function "
                f"({'Triton kernels' if triton else 'explicit path'}, as on CUDA) for one layer at "
                f"T = {' and '.join(map(str, points))} (fake tensors), "

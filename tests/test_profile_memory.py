@@ -92,8 +92,8 @@ def test_nsa_double_replaces_the_layer_seam_only_while_active():
     from nsa.memory import sparse_attention_stand_in
 
     config = pm.StepConfig("tiny", 64, attention_type="nsa")
-    with FakeTensorMode(), sparse_attention_stand_in(config.model_config(), config.compute_config(), 1, 64,
-                                                     torch.float32, "cpu"):
+    with FakeTensorMode(), sparse_attention_stand_in(NativeSparseAttention, config.model_config(),
+                                                     config.compute_config(), 1, 64, torch.float32, "cpu"):
         assert NativeSparseAttention.sparse_attention is not sparse_attention
     assert NativeSparseAttention.sparse_attention is sparse_attention
 
