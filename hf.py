@@ -130,13 +130,20 @@ def config_from_hf(hf_config: dict, **overrides: object) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
+def export_refusal(config: ModelConfig) -> str | None:
+    """Why `config` cannot be written in the Hugging Face layout, or None when it can."""
+    if config.attention_type != "full":
+        return (f"attention_type {config.attention_type!r} has no Hugging Face equivalent; only full attention "
+                "models can be exported in that layout")
+    return None
+
+
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """ModelConfig -> a Hugging Face config.json dict: Qwen3ForCausalLM when qk_norm, else LlamaForCausalLM.
     Rope settings are written both as `rope_theta` + `rope_scaling` (read by every transformers version and by
     serving engines) and as transformers>=5 `rope_parameters`."""
-    if config.attention_type != "full":
-        raise ValueError(f"attention_type {config.attention_type!r} has no Hugging Face equivalent; only full "
-                         "attention models can be exported")
+    if refusal := export_refusal(config):
+        raise ValueError(refusal)
     model_type = "qwen3" if config.qk_norm else "llama"
     hf_config = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,

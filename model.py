@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from config import PRESETS, ComputeConfig, ModelConfig, attention_class
 from layers import FeedForward, RMSNorm, RotaryEmbedding
-from loss import chunked_linear_cross_entropy, shift_labels, standard_linear_cross_entropy
+from loss import chunked_linear_cross_entropy, shift_labels, softcap_logits, standard_linear_cross_entropy
 
 __all__ = ["PRESETS", "ComputeConfig", "ModelConfig", "ModelOutput", "Block", "Transformer", "sample_next_token"]
 
@@ -156,9 +156,15 @@ class Transformer(nn.Module):
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
         h = self.hidden_states(input_ids, start_pos)
         if labels is None:
-            return ModelOutput(None, self.lm_head(h))
+            return ModelOutput(None, self.logits(h))
         loss, logits = self.compute_loss(h, labels, loss_normalizer)
         return ModelOutput(loss, logits)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits (..., V) from final-norm hidden states (..., C), soft-capped when the config says so
+        (in float32 then, as the loss paths do)."""
+        logits, cap = self.lm_head(hidden), self.config.logit_softcap
+        return logits if cap is None else softcap_logits(logits.float(), cap)
 
     # ---- loss: every path goes through compute_loss --------------------------------------------------------
 
@@ -223,7 +229,7 @@ class Transformer(nn.Module):
         try:
             out = [input_ids]
             finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-            logits = self.lm_head(self.hidden_states(input_ids, start_pos=0)[:, -1])  # (B, V)
+            logits = self.logits(self.hidden_states(input_ids, start_pos=0)[:, -1])  # (B, V)
             for i in range(max_new_tokens):
                 token = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B,)
                 if eos_id is not None:
@@ -232,7 +238,7 @@ class Transformer(nn.Module):
                 out.append(token[:, None])
                 if i == max_new_tokens - 1 or (eos_id is not None and bool(finished.all())):
                     break
-                logits = self.lm_head(self.hidden_states(token[:, None], start_pos=T + i)[:, -1])  # (B, V)
+                logits = self.logits(self.hidden_states(token[:, None], start_pos=T + i)[:, -1])  # (B, V)
         finally:
             self.clear_kv_cache()
         return torch.cat(out, dim=1)

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from config import ComputeConfig, ModelConfig
 from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files
+from hf import export_refusal
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from monitor import (
@@ -64,7 +65,7 @@ from train_config import (
     parse_config,
     resolve_config,
 )
-from weights import export_model, hf_export_refusal
+from weights import export_model
 
 GiB = 1024**3
 
@@ -175,8 +176,8 @@ def export_and_sample(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig
     written = export_model(model, Path(cfg.out_dir))
     if rt.rank == 0:
         print(f"exported {', '.join(str(p) for p in written)}")
-        if refusal := hf_export_refusal(model.config):
-            print(refusal)
+        if refusal := export_refusal(model.config):
+            print(f"no hf/ directory: {refusal} (weights.load_model reads {Path(cfg.out_dir) / 'model'})")
     if cfg.sample_tokens:
         text = generate_sample(model, tokenizer, cfg, rt.device, autocast)
         if rt.rank == 0:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from checkpoint import STATE_NAME, load_model_weights, rank
 from config import ComputeConfig, ModelConfig
-from hf import CONFIG_NAME, export_hf_checkpoint, load_hf_checkpoint
+from hf import CONFIG_NAME, export_hf_checkpoint, export_refusal, load_hf_checkpoint
 from model import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
@@ -48,18 +48,10 @@ def gather_model(model: Transformer) -> Transformer | None:
     return plain
 
 
-def hf_export_refusal(config: ModelConfig) -> str | None:
-    """Why `config` cannot be written in the Hugging Face layout, or None when it can."""
-    if config.attention_type != "full":
-        return (f"no hf/ directory: attention_type {config.attention_type!r} has no Hugging Face equivalent "
-                f"(load the export with weights.load_model)")
-    return None
-
-
 def export_model(model: Transformer, out_dir: str | Path) -> list[Path]:
     """Write the final weights of `model` (collective under FSDP: every rank calls it): `out_dir/model/`
     (model.safetensors + config.json, the project's layout, any attention type) and `out_dir/hf/` (the Hugging Face
-    layout) when the architecture has an equivalent there (`hf_export_refusal`). Each file is written to a
+    layout) when the architecture has an equivalent there (`hf.export_refusal`). Each file is written to a
     temporary name and renamed. Returns the directories written on rank 0, [] elsewhere."""
     plain = gather_model(model)
     if plain is None:
@@ -78,7 +70,7 @@ def export_model(model: Transformer, out_dir: str | Path) -> list[Path]:
     tmp.write_text(json.dumps(described, indent=1) + "\n")
     tmp.replace(config_file)
     written = [out_dir / "model"]
-    if hf_export_refusal(plain.config) is None:
+    if export_refusal(plain.config) is None:
         export_hf_checkpoint(plain, out_dir / "hf", overwrite=True)
         written.append(out_dir / "hf")
     return written
@@ -121,10 +113,14 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         raise FileNotFoundError(f"{path} does not exist")
     if _is_training_checkpoint(path):
         state = json.loads((path / STATE_NAME).read_text())
-        with torch.device("cpu"):
+        with torch.device("meta"):
             model = Transformer(ModelConfig.from_dict(state["model_config"]), compute)
+        model.to_empty(device=device)  # no initialisation: every weight is read from the checkpoint
+        if model.config.tie_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rope.init_weights()
         load_model_weights(path, model)
-        return model.to(device=device, dtype=dtype)
+        return model if dtype is None else model.to(dtype)
     config = _export_config(path)
     if config is not None:
         weights = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
@@ -143,8 +139,18 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
             model.lm_head.weight = model.embed_tokens.weight
         model.rope.init_weights()
         return model
-    if path.is_dir() and (path / CONFIG_NAME).is_file():
+    if path.is_dir() and "model_type" in _json_object(path / CONFIG_NAME):
         return load_hf_checkpoint(path, device=device, dtype=dtype, compute=compute)
+    hint = f"; did you mean {path / 'model'} (a run's export)?" if (path / "model" / WEIGHTS_NAME).is_file() else ""
     raise ValueError(f"{path} is not a model: expected a training checkpoint step-N/ ({STATE_NAME} + .metadata), "
                      f"the project's export ({WEIGHTS_NAME} + {CONFIG_NAME} with \"format\": \"{FORMAT}\"), or a "
-                     f"Hugging Face directory ({CONFIG_NAME} + *.safetensors)")
+                     f"Hugging Face directory ({CONFIG_NAME} with \"model_type\" + *.safetensors){hint}")
+
+
+def _json_object(path: Path) -> dict:
+    """The JSON object in file `path`; {} when the file is absent, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

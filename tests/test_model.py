@@ -282,3 +282,12 @@ def test_tiled_ffn_never_holds_more_than_one_tile_of_intermediates():
     with OutputShapes() as spy:
         model(ids, labels=ids).loss.backward()
     assert max(shape.numel() for shape in spy.shapes if shape[-1:] == (ffn_dim,)) == 256 * ffn_dim
+
+
+def test_softcap_applies_to_every_logit_the_model_returns():
+    """forward without labels and generate use the capped logits the loss is computed from."""
+    model = Transformer(tiny(logit_softcap=2.0)).to(torch.float64)
+    ids = torch.randint(0, 512, (2, 12))
+    plain = model(ids).logits
+    assert plain.abs().max() <= 2.0
+    torch.testing.assert_close(plain, model(ids, labels=ids).logits.to(plain.dtype), rtol=0, atol=0)

@@ -66,3 +66,12 @@ def test_not_a_model_is_a_clear_error(tmp_path: Path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match="is not a model: expected a training checkpoint step-N/"):
         load_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"vocab_size": 10}')  # neither an export's nor a Hugging Face config
+    with pytest.raises(ValueError, match="is not a model: expected a training checkpoint step-N/"):
+        load_model(tmp_path)
+
+
+def test_a_run_directory_points_to_its_export(data_dir: Path, tmp_path: Path):
+    train.main([*NSA_RUN, "--sample_tokens", "0", "--data_dir", str(data_dir), "--out_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"did you mean .*/model \(a run's export\)\?"):
+        load_model(tmp_path)  # holds train.py's config.json and step-N/, the weights are in model/
