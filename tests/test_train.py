@@ -244,6 +244,19 @@ def test_missing_data_is_a_clear_error(tmp_path: Path) -> None:
         run(tmp_path / "nowhere", tmp_path / "out")
 
 
+def test_compute_knobs_may_change_on_resume(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
+    """Only the architecture (ModelConfig) binds a checkpoint: a resumed run may tile the FFN, chunk the loss and
+    change the attention's query chunk, and its losses stay those of the uninterrupted run (same maths, another
+    split of the work: equal to float32 rounding)."""
+    shutil.copytree(single_run / "step-2", tmp_path / "step-2")
+    knobs = '{"ffn_chunk_size": 8, "loss_mode": "chunked", "loss_chunk_size": 16, "attention_query_chunk": 4}'
+    run(data_dir, tmp_path, "--gradient_accumulation_steps", "2", "--resume", "--model_overrides", knobs)
+    for got, want in zip(metrics(tmp_path), metrics(single_run)[2:], strict=True):
+        assert got["step"] == want["step"] and got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    resolved = json.loads((tmp_path / "config.json").read_text())
+    assert resolved["compute"]["ffn_chunk_size"] == 8 and resolved["compute"]["loss_mode"] == "chunked"
+
+
 def test_corrupt_checkpoints_are_clear_errors(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="already holds checkpoints"):
         run(data_dir, single_run)  # an existing run needs --resume
