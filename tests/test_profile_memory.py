@@ -114,6 +114,7 @@ def estimates_4b_131k() -> dict[str, dict]:
     return {loss: pm.estimate(pm.StepConfig(**{**config.__dict__, "loss": loss})) for loss in ("auto", "standard")}
 
 
+@pytest.mark.slow
 def test_4b_131k_numbers_in_derived_range(estimates_4b_131k):
     result = estimates_4b_131k["auto"]
     stages, peak = result["stages"], result["peak"]["total"]
@@ -137,6 +138,7 @@ def test_4b_131k_numbers_in_derived_range(estimates_4b_131k):
     assert result["peak"]["phase"] == "backward"
 
 
+@pytest.mark.slow
 def test_4b_131k_standard_loss_shows_the_logits_blow_up(estimates_4b_131k):
     chunked, standard = estimates_4b_131k["auto"], estimates_4b_131k["standard"]
     assert standard["loss_path"] == "standard"
