@@ -106,7 +106,7 @@ def test_nsa_double_matches_reference_path():
     assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])
 
 
-# ---- full size: Qwen3-4B geometry, 131,072 tokens, 2 ranks, checkpointing (about 30 s per estimate) --------------
+# ---- full size: Qwen3-4B geometry, 131,072 tokens, 2 ranks, checkpointing (about 10 s per estimate) --------------
 
 @pytest.fixture(scope="module")
 def estimates_4b_131k() -> dict[str, dict]:
