@@ -3,10 +3,14 @@
 Data directory layout (written by `prepare`, read by `TokenLoader`):
     index.json        {"format": 1, "dtype": "uint16", "vocab_size": V, "num_tokens": N,
                        "shards": [{"file": "shard_00000.bin", "num_tokens": n0}, ...],
-                       "num_documents": D, "eod_id": e, "tokenizer": {"path": ..., "vocab_size": V, "sha256": ...}}
+                       "num_documents": D, "eod_id": e, "tokenizer": {"path": ..., "vocab_size": V, "sha256": ...},
+                       "validation": {"dir": "validation", "every": k, "num_documents": Dv, "num_tokens": Nv}}
     shard_00000.bin   raw native-endian token ids (np.memmap-able); uint16 when V < 65536, else uint32
+    validation/       the held-out split, a data directory of the same layout: every k-th document (documents
+                      0, k, 2k, ... in corpus order; k = round(1 / validation_fraction)), never in the stream above
 The shards, concatenated in index order, form one token stream: every document followed by the
-end-of-document id (`Tokenizer.eod_id`). Documents may straddle shard boundaries.
+end-of-document id (`Tokenizer.eod_id`). Documents may straddle shard boundaries. Data prepared before the
+validation split existed (no "validation" entry) still loads; `validation_dir` then says how to make one.
 
 Notation: T = sequence length (tokens the model sees), B = batch size per rank, W = world size.
 
@@ -34,6 +38,8 @@ from tokenizer import Tokenizer
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = 1
+VALIDATION_DIR = "validation"
+DEFAULT_VALIDATION_FRACTION = 0.01  # held-out documents: 1 in 100, at least one
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # files picked up when walking a directory, besides .jsonl
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per uint16 shard
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -187,6 +193,7 @@ def prepare(
     text_field: str = "text",
     overwrite: bool = False,
     progress: bool = True,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
 ) -> dict:
     """Tokenize a corpus into shards under `out_dir`; return the index (which includes the summary counts).
 
@@ -197,7 +204,11 @@ def prepare(
         shard_tokens: ids per shard file (the last one is shorter).
         text_field: the field holding the text in `.jsonl` records.
         progress: show a progress bar over input bytes.
+        validation_fraction: share of the documents held out in `out_dir/validation/` (documents 0, k, 2k, ...,
+            k = round(1 / fraction), so at least one; 0 for none). Training never sees them.
     """
+    if not 0 <= validation_fraction < 1:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
     files = stdlib_files() if inputs is None else find_input_files(inputs)
     out_dir = Path(out_dir)
     if (out_dir / INDEX_NAME).exists():
@@ -205,19 +216,31 @@ def prepare(
             raise FileExistsError(f"{out_dir} already holds prepared data ({INDEX_NAME}); pass overwrite=True "
                                   "(--overwrite) to replace it")
         (out_dir / INDEX_NAME).unlink()  # first, so an interrupted rewrite leaves no loadable index
-        for old in out_dir.glob("shard_*.bin"):
+        for old in [*out_dir.glob("shard_*.bin"), *out_dir.glob(f"{VALIDATION_DIR}/*")]:
             old.unlink()
     writer = ShardWriter(out_dir, tokenizer.vocab_size, shard_tokens)
-    num_documents = 0
+    every = round(1 / validation_fraction) if validation_fraction else 0
+    held_out = ShardWriter(out_dir / VALIDATION_DIR, tokenizer.vocab_size, shard_tokens) if every else None
+    num_documents = num_validation = 0
     with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="tokenizing",
               disable=not progress) as bar:
         for texts, nbytes in _batches(_documents_with_sizes(files, text_field)):
             for ids in tokenizer.encode_batch(texts):
-                writer.write(np.array([*ids, tokenizer.eod_id], dtype=writer.dtype))
-            num_documents += len(texts)
+                validation = held_out is not None and num_documents % every == 0
+                (held_out if validation else writer).write(np.array([*ids, tokenizer.eod_id], dtype=writer.dtype))
+                num_documents += 1
+                num_validation += validation
             bar.update(nbytes)
     tok_info = {"path": str(tokenizer.path.resolve()), "vocab_size": tokenizer.vocab_size, "sha256": tokenizer.sha256}
-    return writer.finish(num_documents=num_documents, eod_id=tokenizer.eod_id, tokenizer=tok_info)
+    metadata = {"eod_id": tokenizer.eod_id, "tokenizer": tok_info}
+    if held_out is not None and num_documents - num_validation == 0:
+        raise ValueError(f"{num_documents} document(s) leave nothing to train on after the validation split; "
+                         "pass validation_fraction=0 (--validation_fraction 0) or add documents")
+    if held_out is not None and num_validation:
+        split = held_out.finish(num_documents=num_validation, **metadata)
+        metadata["validation"] = {"dir": VALIDATION_DIR, "every": every, "num_documents": num_validation,
+                                  "num_tokens": split["num_tokens"]}
+    return writer.finish(num_documents=num_documents - num_validation, **metadata)
 
 
 def load_index(data_dir: str | os.PathLike) -> dict:
@@ -257,6 +280,15 @@ def load_index(data_dir: str | os.PathLike) -> dict:
             raise ValueError(f"shard {file} has {file.stat().st_size} bytes but {path} says {shard['num_tokens']} "
                              f"{dtype} tokens ({expected} bytes); the directory is corrupt, re-run prepare")
     return index
+
+
+def validation_dir(data_dir: str | os.PathLike) -> Path:
+    """The held-out split of `data_dir` (a data directory of its own), with a clear error when there is none."""
+    index = load_index(data_dir)
+    if "validation" not in index:
+        raise FileNotFoundError(f"{data_dir} has no validation split (prepared before it existed, or with "
+                                f"validation_fraction 0); re-run `python data.py prepare --overwrite` to make one")
+    return Path(data_dir) / index["validation"]["dir"]
 
 
 def check_tokenizer(index: dict, tokenizer: Tokenizer) -> None:
@@ -417,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     prep.add_argument("--text_field", default="text", help="text field of .jsonl records")
     prep.add_argument("--overwrite", action="store_true", help="replace existing prepared data in out_dir")
+    prep.add_argument("--validation_fraction", type=float, default=DEFAULT_VALIDATION_FRACTION,
+                      help="share of documents held out in OUT_DIR/validation (every k-th; 0: none)")
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -427,10 +461,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"wrote {tokenizer.path} (vocab_size {tokenizer.vocab_size}) in {time.perf_counter() - t0:.1f} s")
         return
     index = prepare(args.input, Tokenizer(args.tokenizer), args.out_dir, shard_tokens=args.shard_tokens,
-                    text_field=args.text_field, overwrite=args.overwrite)
+                    text_field=args.text_field, overwrite=args.overwrite,
+                    validation_fraction=args.validation_fraction)
     n_docs, n_tokens = index["num_documents"], index["num_tokens"]
+    held_out = index.get("validation", {"num_documents": 0, "num_tokens": 0})
     print(f"wrote {args.out_dir}: {n_docs} documents, {n_tokens} tokens ({n_tokens / max(n_docs, 1):.0f} per "
-          f"document, {index['dtype']}), {len(index['shards'])} shards in {time.perf_counter() - t0:.1f} s")
+          f"document, {index['dtype']}), {len(index['shards'])} shards, and {held_out['num_documents']} documents "
+          f"({held_out['num_tokens']} tokens) held out for validation, in {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

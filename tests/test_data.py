@@ -20,6 +20,7 @@ from data import (
     main,
     prepare,
     stdlib_files,
+    validation_dir,
 )
 from tokenizer import SPACE_MARK, Tokenizer, check_vocab
 
@@ -138,7 +139,7 @@ def read_stream(data_dir):
 def test_prepare_txt_jsonl_directory(tok, small_corpus, tmp_path):
     inputs, docs = small_corpus
     out = tmp_path / "out"
-    index = prepare(inputs, tok, out, shard_tokens=1000, progress=False)
+    index = prepare(inputs, tok, out, shard_tokens=1000, progress=False, validation_fraction=0)
     stream = read_stream(out)
     expected = np.concatenate([[*tok.encode(d), tok.eod_id] for d in docs])
     np.testing.assert_array_equal(stream, expected)
@@ -152,7 +153,7 @@ def test_prepare_txt_jsonl_directory(tok, small_corpus, tmp_path):
 
     with pytest.raises(FileExistsError, match="overwrite"):
         prepare(inputs, tok, out, progress=False)
-    index2 = prepare(inputs[:1], tok, out, overwrite=True, progress=False)
+    index2 = prepare(inputs[:1], tok, out, overwrite=True, progress=False, validation_fraction=0)
     assert sorted(p.name for p in out.iterdir()) == [INDEX_NAME, "shard_00000.bin"]
     assert index2["num_documents"] == 1
 
@@ -163,7 +164,7 @@ def test_prepare_cli(tok, small_corpus, tmp_path, capsys):
           str(tmp_path / "cli_tok")])
     main(["prepare", "--input", *map(str, inputs), "--tokenizer", str(tmp_path / "cli_tok.model"), "--out_dir",
           str(tmp_path / "cli_out")])
-    assert "5 documents" in capsys.readouterr().out
+    assert "4 documents" in capsys.readouterr().out  # and 1 held out (1 in 100, at least one)
     assert load_index(tmp_path / "cli_out")["vocab_size"] == 420
 
 
@@ -322,3 +323,25 @@ def test_loader_bad_arguments_and_state(stream_dir):
         TokenLoader(stream_dir, seq_len=32, batch_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match="not a whole number of global batches of 3"):
         TokenLoader(stream_dir, seq_len=64, batch_size=3).load_state_dict(state)
+
+
+def test_validation_split_is_disjoint_deterministic_and_optional(tok, small_corpus, tmp_path):
+    """Documents 0, k, 2k, ... go to validation/ and never into the training stream; the split is the same on every
+    run; data prepared without a split still trains, and asking for its split says how to make one."""
+    inputs, docs = small_corpus
+    index = prepare(inputs, tok, tmp_path / "a", progress=False, validation_fraction=0.5)  # k = 2: docs 0, 2, 4
+    train_docs = [tok.decode(d) for d in np.split(read_stream(tmp_path / "a"),
+                                                  np.flatnonzero(read_stream(tmp_path / "a") == tok.eod_id) + 1)[:-1]]
+    held = validation_dir(tmp_path / "a")
+    held_docs = [tok.decode(d) for d in np.split(read_stream(held), np.flatnonzero(read_stream(held) == tok.eod_id)
+                                                 + 1)[:-1]]
+    assert held_docs == docs[0::2] and train_docs == docs[1::2] and not set(held_docs) & set(train_docs)
+    assert index["validation"] == {"dir": "validation", "every": 2, "num_documents": 3,
+                                   "num_tokens": len(read_stream(held))}
+    assert load_index(held)["tokenizer"] == index["tokenizer"]
+    prepare(inputs, tok, tmp_path / "b", progress=False, validation_fraction=0.5)
+    assert (held / "shard_00000.bin").read_bytes() == (tmp_path / "b" / "validation" / "shard_00000.bin").read_bytes()
+    old = prepare(inputs, tok, tmp_path / "old", progress=False, validation_fraction=0)  # the earlier layout
+    assert "validation" not in old and next(TokenLoader(tmp_path / "old", 8, 1))[0].shape == (1, 8)
+    with pytest.raises(FileNotFoundError, match="no validation split .* --overwrite"):
+        validation_dir(tmp_path / "old")
