@@ -205,11 +205,11 @@ def format_loss(result: dict) -> str:
 
 
 def format_grid(name: str, result: dict) -> str:
-    header = f"{name} accuracy ({result['samples']} samples per cell)  depth: " + " ".join(
-        f"{d:>6.2f}" for d in result["depths"])
-    rows = [f"{'length ' + str(length):>{len(header) - 7 * len(result['depths'])}}" + " ".join(
-        f"{a:>6.0%}" for a in accs) for length, accs in zip(result["lengths"], result["accuracy"], strict=True)]
-    return "\n".join([header, *rows])
+    lines = [f"{name} accuracy, {result['samples']} prompts per cell",
+             f"{'length / depth':>15}" + "".join(f"{d:>7.2f}" for d in result["depths"])]
+    lines += [f"{length:>15}" + "".join(f"{a:>7.0%}" for a in accs)
+              for length, accs in zip(result["lengths"], result["accuracy"], strict=True)]
+    return "\n".join(lines)
 
 
 def plot(results: dict, out_dir: Path, title: str) -> list[Path]:
@@ -241,6 +241,9 @@ def plot(results: dict, out_dir: Path, title: str) -> list[Path]:
         ax.set_xticks(range(len(grid["depths"])), [f"{d:.0%}" for d in grid["depths"]])
         ax.set_yticks(range(len(grid["lengths"])), [str(n) for n in grid["lengths"]])
         ax.set(xlabel="needle depth", ylabel="prompt length (tokens)", title=f"{task}: {title}")
+        for i, row in enumerate(grid["accuracy"]):
+            for j, value in enumerate(row):
+                ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8)
         fig.colorbar(image, ax=ax, label="accuracy")
         written.append(out_dir / f"{task}.png")
         fig.tight_layout()
