@@ -116,6 +116,9 @@ def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> 
         tqdm.write(f"step {step:>6}/{cfg.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | grad "
                    f"{metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | mem {metrics['mem_gib']:.2f}"
                    f" GiB (peak {metrics['mem_peak_gib']:.2f}){mfu}")
+    if "val_loss" in metrics:
+        tqdm.write(f"step {step:>6}/{cfg.max_steps} | validation loss {metrics['val_loss']:.4f} | perplexity "
+                   f"{metrics['val_perplexity']:.2f}")
 
 
 def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_size: int, resume_from: Path | None,

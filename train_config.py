@@ -66,6 +66,9 @@ class TrainConfig:
     resume: str | None = _opt(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
     checkpoint_interval: int = _opt(100, "save every this many steps (0: only at the end)")
     log_interval: int = _opt(10, "print a metrics line every this many steps")
+    eval_interval: int = _opt(0, "validation loss every this many steps and at the end (0: never); needs the "
+                                 "data's validation split")
+    eval_tokens: int = _opt(32768, "validation tokens per evaluation (whole windows, at least one per rank)")
     max_memory: float | None = _opt(None, "memory budget in GiB per process (CUDA allocator peak, or RSS on CPU)")
     sample_tokens: int = _opt(200, "tokens to generate from the final model (0: none)")
     sample_prompt: str = _opt("def ", "prompt of the final sample")
@@ -78,6 +81,7 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         minimum = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
                    "warmup_steps": 0, "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1,
+                   "eval_interval": 0, "eval_tokens": 1,
                    "sample_tokens": 0}
         for name, low in minimum.items():
             value = getattr(self, name)

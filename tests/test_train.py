@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -242,6 +243,20 @@ def test_bad_config_files(content: dict, message: str, tmp_path: Path, capsys: p
 def test_missing_data_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist; create it with `python data.py prepare"):
         run(tmp_path / "nowhere", tmp_path / "out")
+
+
+def test_validation_loss_leaves_training_bitwise_unchanged(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
+    """--eval_interval logs validation loss and perplexity at steps 2 and 4 without touching the RNG or the loader:
+    the training losses equal the run without evaluation bit for bit, and a resumed run evaluates the same."""
+    run(data_dir, tmp_path / "a", "--gradient_accumulation_steps", "2", "--eval_interval", "2", "--eval_tokens", "64")
+    rows = metrics(tmp_path / "a")
+    assert [r["loss"] for r in rows] == [r["loss"] for r in metrics(single_run)]
+    assert [("val_loss" in r) for r in rows] == [False, True, False, True]
+    assert rows[1]["val_perplexity"] == pytest.approx(math.exp(rows[1]["val_loss"]))
+    shutil.copytree(tmp_path / "a" / "step-2", tmp_path / "b" / "step-2")
+    run(data_dir, tmp_path / "b", "--gradient_accumulation_steps", "2", "--eval_interval", "2", "--eval_tokens", "64",
+        "--resume")
+    assert metrics(tmp_path / "b")[-1]["val_loss"] == rows[-1]["val_loss"]
 
 
 def test_compute_knobs_may_change_on_resume(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
