@@ -26,7 +26,6 @@ import json
 import math
 import random
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +36,11 @@ from tqdm import tqdm
 from config import ComputeConfig
 from data import TokenLoader, validation_dir
 from model import Transformer
+from synthetic import PromptBuilder
 from tokenizer import Tokenizer
 from weights import load_model
 
 TASKS = ("loss", "passkey", "needle")
-FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
-          "The river flows to the sea.", "A bird sings in the tree.", "The road goes on and on.")
 LOSS_CHUNK = 512  # positions whose logits exist at a time when scoring windows
 
 
@@ -84,70 +82,6 @@ def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int, seed
 
 
 # ---- retrieval prompts ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Prompt:
-    ids: list[int]  # exactly the requested number of tokens
-    answer: str  # the digits the model should continue with
-    needle_start: int  # token position where the queried needle begins
-
-
-class PromptBuilder:
-    """Builds passkey and multi-key needle prompts of an exact token length from text pieces encoded separately."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._filler = [tokenizer.encode(" " + sentence) for sentence in FILLER]
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def filler(self, n_tokens: int, rng: random.Random) -> list[int]:
-        """n_tokens ids of filler sentences in a seeded random order (the last one cut)."""
-        ids: list[int] = []
-        while len(ids) < n_tokens:
-            ids += rng.choice(self._filler)
-        return ids[:n_tokens]
-
-    def _assemble(self, length: int, head: list[int], needles: list[tuple[float, list[int]]], question: list[int],
-                  rng: random.Random) -> tuple[list[int], list[int]]:
-        """head + filler with each (depth, needle) inserted at that depth of the filler + question, `length` tokens;
-        returns (ids, start positions of the needles in input order)."""
-        n_filler = length - len(head) - len(question) - sum(len(n) for _, n in needles)
-        if n_filler < 0:
-            raise ValueError(f"a prompt of {length} tokens cannot hold the task's text ({length - n_filler} tokens); "
-                             f"use longer --lengths")
-        filler = self.filler(n_filler, rng)
-        order = sorted(range(len(needles)), key=lambda i: needles[i][0])
-        ids, starts, cut = list(head), [0] * len(needles), 0
-        for i in order:
-            depth, needle = needles[i]
-            at = round(depth * n_filler)
-            ids += filler[cut:at]
-            starts[i] = len(ids)
-            ids += needle
-            cut = at
-        return ids + filler[cut:] + question, starts
-
-    def passkey(self, length: int, depth: float, rng: random.Random) -> Prompt:
-        key = str(rng.randrange(10_000, 100_000))
-        head = self._encode("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.")
-        needle = self._encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
-        question = self._encode(" What is the pass key? The pass key is")
-        ids, (start,) = self._assemble(length, head, [(depth, needle)], question, rng)
-        return Prompt(ids, key, start)
-
-    def needle(self, length: int, depth: float, rng: random.Random, n_keys: int = 4) -> Prompt:
-        keys = rng.sample([f"{a}{b}" for a in ("red", "blue", "green", "gold", "grey", "pink") for b in
-                           ("fox", "owl", "cat", "elk", "bee", "ant")], n_keys)
-        values = [str(rng.randrange(100_000, 1_000_000)) for _ in keys]
-        head = self._encode("Some keys and their values are hidden inside a lot of irrelevant text. Memorize them.")
-        needles = [(depth if i == 0 else rng.random(), self._encode(f" The value of key {k} is {v}."))
-                   for i, (k, v) in enumerate(zip(keys, values, strict=True))]
-        question = self._encode(f" What is the value of key {keys[0]}? The value of key {keys[0]} is")
-        ids, starts = self._assemble(length, head, needles, question, rng)
-        return Prompt(ids, values[0], starts[0])
 
 
 def first_number(text: str) -> str | None:

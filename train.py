@@ -56,6 +56,7 @@ from monitor import (
     stop_on_signals,
 )
 from parallel import apply_fsdp, init_sharded_weights
+from synthetic import SyntheticMix
 from tokenizer import Tokenizer, check_vocab
 from train_config import (
     DEFAULT_DATA_DIR,
@@ -259,6 +260,8 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
     tokenizer = Tokenizer(tokenizer_path(cfg))
     check_tokenizer(loader.index, tokenizer)
+    if cfg.synthetic_mix:
+        loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed)
     model_config, compute = build_model_config(cfg, tokenizer.vocab_size)
 
     resume_from = latest_checkpoint(out_dir) if cfg.resume == "auto" else cfg.resume and Path(cfg.resume)

@@ -61,6 +61,8 @@ class TrainConfig:
     # data
     data_dir: str = _opt(DEFAULT_DATA_DIR, f"prepared data (data.py); {DEFAULT_DATA_DIR} is created if missing")
     tokenizer: str | None = _opt(None, "tokenizer .model file (default: DATA_DIR/tokenizer.model)")
+    synthetic_mix: float = _opt(0.0, "share of training rows replaced by synthetic passkey / key-value recall "
+                                     "documents (synthetic.py); deterministic and resumable")
     # run
     out_dir: str = _opt("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
     resume: str | None = _opt(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
@@ -93,6 +95,8 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.synthetic_mix <= 1:
+            raise ValueError(f"--synthetic_mix must be in [0, 1], got {self.synthetic_mix}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         try:
