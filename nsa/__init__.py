@@ -5,4 +5,6 @@
     attention.py   sparse_attention: the three gated branches chunk by chunk, custom backward (CPU fused / explicit)
     blocks.py      block geometry, Eq. 9's score pooling, top-n selection
     kernels.py     Triton kernels of the three branches, used for CUDA tensors when Triton is installed
+    memory.py      how profile_memory.py models the attention's memory (a calibrated stand-in)
+    inspection.py  for a prompt: the blocks each KV group selected and the branch gates, layer by layer
 """

@@ -1,0 +1,120 @@
+"""What an NSA model looks at: for a prompt, the selection blocks each KV group chose for each query and the gate
+values of the three branches, layer by layer. The tool researchers reach for when NSA misses a needle: was the
+needle's block ever selected, and does one branch's gate dominate?
+
+    python -m nsa.inspection runs/experiment/nsa/model --tokenizer data/stdlib/tokenizer.model --text @prompt.txt
+    python -m nsa.inspection CHECKPOINT --tokenizer TOK.model --text "..." --positions -1 --find 12345
+
+Selection scores are recomputed explicitly from the layer's own queries and compressed keys (Eqs. 8-10, as in
+nsa/reference.py), so this is for prompts of up to a few thousand tokens. Nothing of the attention's arithmetic is
+changed: the layer's inputs are captured at its `sparse_attention` seam while the model runs normally.
+
+Notation: L layers, KV key/value heads, H query heads, T prompt tokens, n selected blocks, Nc compressed blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from model import Transformer
+from nsa.blocks import pool_to_selection_blocks, select_blocks
+from nsa.layer import NativeSparseAttention
+
+
+def selected_blocks(q: Tensor, k_cmp: Tensor, config: object) -> Tensor:
+    """Selection blocks (B, KV, T, n) chosen for queries q (B, H, T, D) at positions 0..T-1 from compressed keys
+    k_cmp (B, KV, Nc, D): compression probabilities over the visible blocks, summed over each GQA group and pooled
+    onto selection blocks (Eq. 9), then top-n with block 0 and the two most recent forced in. Slots beyond the
+    blocks that exist yet hold -1."""
+    B, H, T, D = q.shape
+    KV, Nc = k_cmp.shape[1], k_cmp.shape[2]
+    l, d, l_sel, n = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_num_selected
+    positions = torch.arange(T, device=q.device)
+    visible = torch.arange(Nc, device=q.device)[None, :] * d + l - 1 <= positions[:, None]  # (T, Nc)
+    q_groups = q.float().view(B, KV, H // KV, T, D)
+    logits = torch.einsum("bkgtd,bknd->bkgtn", q_groups, k_cmp.float()) * D**-0.5  # (B, KV, G, T, Nc)
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0).sum(2)  # (B, KV, T, Nc)
+    scores = pool_to_selection_blocks(probs, l, d, l_sel, (T - 1) // l_sel + 1)  # (B, KV, T, Ns)
+    idx, valid = select_blocks(scores, positions, l_sel, n)
+    return idx.masked_fill(~valid, -1).sort(-1).values
+
+
+def inspect(model: Transformer, input_ids: Tensor) -> list[dict[str, Tensor]]:
+    """Per NSA layer: {"gates": (B, H, T, 3) compression/selection/window gates, "selected": (B, KV, T, n) selection
+    blocks} for `input_ids` (B, T), from one forward of the model."""
+    found: list[dict[str, Tensor]] = []
+
+    def capture(layer: NativeSparseAttention):
+        def attend(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+                   v_win: Tensor, gates: Tensor, config: object, *args: object, **kwargs: object) -> Tensor:
+            found.append({"gates": gates.detach().float(), "selected": selected_blocks(q, k_cmp, config)})
+            return NativeSparseAttention.sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config,
+                                                          *args, **kwargs)
+        return attend
+
+    layers = [m for m in model.modules() if isinstance(m, NativeSparseAttention)]
+    if not layers:
+        raise ValueError(f"the model has no NSA layers (attention_type {model.config.attention_type!r})")
+    for layer in layers:
+        layer.sparse_attention = capture(layer)  # an instance attribute shadows the class's seam
+    try:
+        with torch.no_grad():
+            model(input_ids)
+    finally:
+        for layer in layers:
+            del layer.sparse_attention
+    return found
+
+
+def report(found: list[dict[str, Tensor]], positions: list[int], select_block_size: int,
+           needle_blocks: set[int] | None = None) -> str:
+    """Text: per layer, the mean gates over heads and tokens, then for each query position the blocks each KV group
+    selected (marked * where they hold the needle) and that position's gates averaged over heads."""
+    lines = []
+    for i, layer in enumerate(found):
+        gates, selected = layer["gates"][0], layer["selected"][0]  # (H, T, 3), (KV, T, n)
+        mean = gates.mean((0, 1)).tolist()
+        lines.append(f"layer {i}: mean gates compression {mean[0]:.2f} selection {mean[1]:.2f} window {mean[2]:.2f}")
+        for t in positions:
+            t = t % gates.shape[1]
+            g = gates[:, t].mean(0).tolist()
+            groups = []
+            for kv in range(selected.shape[0]):
+                blocks = [b for b in selected[kv, t].tolist() if b >= 0]
+                groups.append(" ".join(f"{b}{'*' if needle_blocks and b in needle_blocks else ''}" for b in blocks))
+            lines.append(f"  query {t:>6} (block {t // select_block_size}): gates {g[0]:.2f}/{g[1]:.2f}/{g[2]:.2f}; "
+                         f"selected " + " | ".join(groups))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    from tokenizer import Tokenizer
+    from weights import load_model
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--text", required=True, help="the prompt (or @FILE to read it from a file)")
+    p.add_argument("--positions", type=int, nargs="+", default=[-1], help="query positions to show (-1: the last)")
+    p.add_argument("--find", help="text whose selection blocks are marked with * (e.g. the needle's number)")
+    args = p.parse_args(argv)
+    text = Path(args.text[1:]).read_text() if args.text.startswith("@") else args.text
+    tokenizer, model = Tokenizer(args.tokenizer), load_model(args.checkpoint).eval()
+    ids = tokenizer.encode(text)
+    needle_blocks = None
+    if args.find:
+        target = tokenizer.encode(" " + args.find)[1:] or tokenizer.encode(args.find)
+        starts = [i for i in range(len(ids) - len(target) + 1) if ids[i:i + len(target)] == target]
+        needle_blocks = {i // model.config.nsa_select_block_size for i in starts}
+    out = report(inspect(model, torch.tensor([ids])), args.positions, model.config.nsa_select_block_size,
+                 needle_blocks)
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""nsa/inspection.py: the selection it reports equals the one the attention computes (nsa/attention.py's explicit
+path, chunk by chunk), the gates are the layer's, and the command prints them for a prompt."""
+
+from __future__ import annotations
+
+import torch
+
+from config import ComputeConfig
+from model import ModelConfig, Transformer
+from nsa import attention as nsa_attention
+from nsa.inspection import inspect, report, selected_blocks
+
+
+def test_reported_selection_is_the_attention_s_own():
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("tiny", attention_type="nsa", nsa_num_selected=3)
+    B, H, KV, T, D = 1, 4, 2, 90, 8
+    q = torch.randn(B, H, T, D, dtype=torch.float64)
+    n_cmp = (T - config.nsa_block_size) // config.nsa_stride + 1
+    k_cmp, v_cmp = torch.randn(B, KV, n_cmp, D, dtype=torch.float64), torch.randn(B, KV, n_cmp, D, dtype=torch.float64)
+    k = torch.randn(B, KV, T, D, dtype=torch.float64)
+    blocks = nsa_attention._as_blocks(k, config.nsa_select_block_size)
+    with nsa_attention.explicit_attention():
+        (_, _, _, chunk), = nsa_attention._chunks(q, k_cmp, v_cmp, blocks, blocks, k, k, 0, 0, config,
+                                                  ComputeConfig(attention_query_chunk=T))
+        _, _, idx = chunk.forward()  # (B, KV, T, n); unused slots hold the number of blocks
+    n_blocks = blocks.shape[2]
+    want = idx.masked_fill(idx >= n_blocks, -1).sort(-1).values
+    got = selected_blocks(q, k_cmp, config)
+    assert torch.equal(got, want)
+
+
+def test_inspect_reports_every_layer_and_the_gates():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa")).eval()
+    ids = torch.randint(0, 512, (1, 70))
+    found = inspect(model, ids)
+    assert len(found) == model.config.n_layers
+    layer = model.layers[0].attn
+    x = model.layers[0].attn_norm(model.embed_tokens(ids))
+    want = torch.sigmoid(layer.gate_proj(x)).view(1, 70, -1, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
+    torch.testing.assert_close(found[0]["gates"], want)
+    assert "sparse_attention" not in vars(layer)  # the seam is restored
+    text = report(found, [-1, 5], 16, needle_blocks={1})
+    assert "layer 1: mean gates" in text and "query     69 (block 4)" in text and "1*" in text
