@@ -5,6 +5,10 @@ Layout of `out_dir/step-N/` (N = optimizer steps taken):
                               written by W ranks resumes on any number of ranks (with or without FSDP)
     train_state.json          step, scheduler, data-loader position, configs, world size (written by rank 0)
     rng_rank{r}.pt            torch RNG states of rank r (CPU, and CUDA when used)
+Loading never runs code from the checkpoint: `.metadata` is unpickled with an allow-list of the classes DCP
+metadata holds (`SafeReader`), non-tensor entries are read with torch.load(weights_only=True) (`SafeLoadPlanner`);
+anything else raises `UnsafeCheckpoint` before it is built. A checkpoint is still trusted to be the one you meant:
+integrity (a damaged but harmless file) is checked only as far as DCP's own reads go.
 Every rank writes into `step-N.tmp/`; once all have finished, rank 0 renames it to `step-N`. A directory named
 `step-N` is therefore complete, and `latest_checkpoint` never considers the `.tmp` leftovers of an interrupted save.
 
@@ -14,7 +18,9 @@ The final weights are exported by weights.py (`export_model`), which also reads 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import pickle
 import re
 import shutil
 import warnings
@@ -24,7 +30,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -141,11 +152,70 @@ def load_model_weights(path: Path, model: Transformer) -> None:
     set_model_state_dict(model, state["model"])
 
 
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file asked to run code or build an object outside the allow-list: nothing was executed."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` building only the classes such metadata holds (`SAFE_GLOBALS`)."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) not in SAFE_GLOBALS:
+            raise UnsafeCheckpoint(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+# Everything torch.distributed.checkpoint writes into .metadata (dataclasses, their enums and the torch types of
+# tensor properties); a pickle naming anything else is refused before it is built.
+SAFE_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+    "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict")} | {("torch", str(d).removeprefix("torch.")) for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+        torch.int8, torch.uint8, torch.bool)}
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` is read with `_MetadataUnpickler` (DCP's own reader uses pickle.load)."""
+
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that reads non-tensor entries (the optimizer's step counts, ...) with
+    torch.load(weights_only=True) instead of weights_only=False."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
 def _read(path: Path, state: dict) -> None:
-    """dcp.load of the entries of `state` from checkpoint `path`, in place, with a clear error when unreadable."""
+    """dcp.load of the entries of `state` from checkpoint `path`, in place, through `SafeReader` and
+    `SafeLoadPlanner` (no code in the checkpoint runs), with a clear error when unreadable or unsafe."""
+    reader = SafeReader(path)
+    try:
+        reader.read_metadata()  # refused here, with its own error, before DCP would wrap it per rank
+    except UnsafeCheckpoint as e:
+        raise UnsafeCheckpoint(f"checkpoint {path} is not safe to load: its .metadata asks to build {e}, outside "
+                               "the allow-list; nothing was run. Do not resume from it") from None
+    except Exception:
+        pass  # unreadable: dcp.load below reports it like any other damage
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
         raise ValueError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); delete it, or resume "
                          "from an earlier step-N with --resume PATH") from e

@@ -1,0 +1,49 @@
+"""checkpoint.py: resuming never runs code from a checkpoint. DCP's own reader unpickles `.metadata` with
+pickle.load and reads non-tensor entries with torch.load(weights_only=False); ours builds only allow-listed classes
+and reads with weights_only=True, so a crafted `.metadata` is refused before anything in it runs."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+import train
+from checkpoint import UnsafeCheckpoint
+from weights import load_model
+
+RUN = ["--model_size", "tiny", "--context_length", "32", "--batch_size", "2", "--max_steps", "2", "--warmup_steps",
+       "1", "--checkpoint_interval", "1", "--sample_tokens", "0"]
+
+
+class _Payload:
+    """Unpickling this writes a marker file: what an attacker's `.metadata` would do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.write_text, (self.marker, "pwned"))
+
+
+def test_a_crafted_metadata_runs_nothing(data_dir: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(run_dir)])
+    marker = tmp_path / "marker"
+    for name in ("step-1", "step-2"):
+        (run_dir / name / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(UnsafeCheckpoint, match="step-2 is not safe to load.*pathlib.*write_text.*nothing was run"):
+        train.main([*RUN, "--max_steps", "3", "--data_dir", str(data_dir), "--out_dir", str(run_dir), "--resume"])
+    with pytest.raises(UnsafeCheckpoint):
+        load_model(run_dir / "step-1")
+    assert not marker.exists()
+
+
+def test_the_safe_reader_reads_real_checkpoints(data_dir: Path, tmp_path: Path):
+    """A genuine checkpoint (model and AdamW state, step counts included) resumes through the safe reader."""
+    train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "a")])
+    shutil.copytree(tmp_path / "a" / "step-1", tmp_path / "b" / "step-1")
+    metrics = train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "b"), "--resume"])
+    assert metrics["step"] == 2
