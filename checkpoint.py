@@ -95,6 +95,21 @@ def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: tor
     return final
 
 
+def prune_checkpoints(out_dir: Path, keep: int, spare: Path | None = None) -> list[Path]:
+    """Rank 0: delete all but the `keep` newest complete `step-N` (the newest is never deleted: keep >= 1) and
+    `spare` (the checkpoint being resumed from), and every `step-N.tmp` left by an interrupted save. Returns what
+    was deleted."""
+    if rank() != 0 or not out_dir.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in out_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+    stale = [p for p in out_dir.iterdir() if p.is_dir() and p.name.endswith(".tmp") and p.name.startswith("step-")]
+    spared = spare.resolve() if spare else None
+    doomed = [p for _, p in steps[:-max(1, keep)] if p.resolve() != spared] + stale
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
     """The complete checkpoint `out_dir/step-N` with the largest N, or None. Partial `step-N.tmp` are ignored."""
     if not out_dir.is_dir():

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from config import ComputeConfig, ModelConfig
 from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files, validation_dir
 from hf import export_refusal
@@ -268,6 +268,7 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     if cfg.resume is None and latest_checkpoint(out_dir) is not None:
         raise FileExistsError(f"{out_dir} already holds checkpoints ({latest_checkpoint(out_dir).name}); pass "
                               "--resume to continue that run, or choose another --out_dir")
+    prune_checkpoints(out_dir, cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
     model = task.build(model_config, compute, cfg, rt)
     check_vocab(tokenizer, model.config.vocab_size)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -301,7 +302,9 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
                        "loader": loader.state_dict(), "config": dataclasses.asdict(cfg),
                        "model_config": model.config.to_dict(), "compute": model.compute.to_dict(), "world_size": W,
                        **task_state}
-        return save_checkpoint(out_dir, at_step, model, optimizer, train_state)
+        path = save_checkpoint(out_dir, at_step, model, optimizer, train_state)
+        prune_checkpoints(out_dir, cfg.keep_checkpoints, resume_from)
+        return path
 
     bar = tqdm(total=cfg.max_steps, initial=step, desc="training", unit="step", disable=not main_rank or None,
                dynamic_ncols=True)

@@ -67,6 +67,7 @@ class TrainConfig:
     out_dir: str = _opt("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
     resume: str | None = _opt(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
     checkpoint_interval: int = _opt(100, "save every this many steps (0: only at the end)")
+    keep_checkpoints: int = _opt(3, "complete step-N directories kept (the newest always); older ones are deleted")
     log_interval: int = _opt(10, "print a metrics line every this many steps")
     eval_interval: int = _opt(0, "validation loss every this many steps and at the end (0: never); needs the "
                                  "data's validation split")
@@ -83,7 +84,7 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         minimum = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
                    "warmup_steps": 0, "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1,
-                   "eval_interval": 0, "eval_tokens": 1,
+                   "eval_interval": 0, "eval_tokens": 1, "keep_checkpoints": 1,
                    "sample_tokens": 0}
         for name, low in minimum.items():
             value = getattr(self, name)

@@ -47,3 +47,15 @@ def test_the_safe_reader_reads_real_checkpoints(data_dir: Path, tmp_path: Path):
     shutil.copytree(tmp_path / "a" / "step-1", tmp_path / "b" / "step-1")
     metrics = train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "b"), "--resume"])
     assert metrics["step"] == 2
+
+
+def test_old_checkpoints_and_stale_tmp_are_deleted(data_dir: Path, tmp_path: Path):
+    """--keep_checkpoints 2 keeps the two newest step-N; a stale step-N.tmp goes at start; the checkpoint being
+    resumed from is never deleted."""
+    (tmp_path / "step-7.tmp").mkdir(parents=True)
+    train.main([*RUN, "--max_steps", "4", "--keep_checkpoints", "2", "--data_dir", str(data_dir), "--out_dir",
+                str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-3", "step-4"]
+    train.main([*RUN, "--max_steps", "6", "--keep_checkpoints", "1", "--data_dir", str(data_dir), "--out_dir",
+                str(tmp_path), "--resume", str(tmp_path / "step-3")])
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-3", "step-6"]  # step-3 spared: resumed from
