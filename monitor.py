@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import resource
 import signal
@@ -103,11 +104,25 @@ def stop_on_signals() -> Iterator[dict]:
             signal.signal(s, h)
 
 
+def strict_json(metrics: dict) -> dict:
+    """`metrics` with non-finite floats (a skipped step's NaN loss) as null, so every line is strict JSON."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+
+
+def _json_line(line: str) -> dict | None:
+    """A metrics.jsonl line as a dict; None for a line cut short by a kill (or otherwise unreadable)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> None:
     """Rank 0: append the step's metrics to metrics.jsonl, advance the progress bar, print a line every
     log_interval steps (and at the first and last)."""
     with metrics_file.open("a") as f:
-        f.write(json.dumps(metrics) + "\n")
+        f.write(json.dumps(strict_json(metrics), allow_nan=False) + "\n")
     step = metrics["step"]
     bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
     bar.update()
@@ -124,7 +139,8 @@ def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> 
 def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_size: int, resume_from: Path | None,
               step: int, task_state: dict) -> None:
     """Rank 0: print the resolved configuration (with the task's state) and save it as out_dir/config.json; on
-    resume, drop the metrics lines of steps after the checkpoint (written by the interrupted run)."""
+    resume, drop the metrics lines of steps after the checkpoint (written by the interrupted run) and any line a
+    kill cut short."""
     out_dir.mkdir(parents=True, exist_ok=True)
     resolved = {"train": dataclasses.asdict(cfg), "model": model.config.to_dict(),
                 "compute": model.compute.to_dict(), "world_size": world_size,
@@ -136,6 +152,7 @@ def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_siz
         print(f"resumed from {resume_from} (step {step})")
         if metrics_file.exists():
             lines = metrics_file.read_text().splitlines()
-            metrics_file.write_text("".join(f"{ln}\n" for ln in lines if json.loads(ln)["step"] <= step))
+            kept = [ln for ln in lines if (row := _json_line(ln)) is not None and row.get("step", step + 1) <= step]
+            metrics_file.write_text("".join(f"{ln}\n" for ln in kept))
     elif cfg.resume == "auto":
         print(f"no checkpoint in {out_dir}: starting from scratch")

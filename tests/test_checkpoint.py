@@ -59,3 +59,33 @@ def test_old_checkpoints_and_stale_tmp_are_deleted(data_dir: Path, tmp_path: Pat
     train.main([*RUN, "--max_steps", "6", "--keep_checkpoints", "1", "--data_dir", str(data_dir), "--out_dir",
                 str(tmp_path), "--resume", str(tmp_path / "step-3")])
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-3", "step-6"]  # step-3 spared: resumed from
+
+
+def test_metrics_are_strict_json_and_survive_a_cut_line(data_dir: Path, tmp_path: Path, monkeypatch):
+    """A skipped step's NaN loss is written as null; on resume a partial last line (a kill mid-write) and the
+    lines after the checkpoint are dropped, so each step appears once."""
+    import json
+    import math
+
+    from model import Transformer
+
+    compute_loss = Transformer.compute_loss
+    calls = {"n": 0}
+
+    def nan_once(self, *args):
+        calls["n"] += 1
+        loss, logits = compute_loss(self, *args)
+        return (loss * math.nan if calls["n"] == 2 else loss), logits
+
+    monkeypatch.setattr(Transformer, "compute_loss", nan_once)
+    train.main([*RUN, "--max_steps", "3", "--data_dir", str(data_dir), "--out_dir", str(tmp_path)])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) for line in lines]
+    assert rows[1]["loss"] is None and rows[1]["skipped"]
+    monkeypatch.setattr(Transformer, "compute_loss", compute_loss)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 1.2')  # a line cut short
+    shutil.rmtree(tmp_path / "step-3")
+    train.main([*RUN, "--max_steps", "3", "--data_dir", str(data_dir), "--out_dir", str(tmp_path), "--resume"])
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
