@@ -37,7 +37,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from checkpoint import (
+    UnsafeCheckpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    read_train_state,
+    save_checkpoint,
+)
 from config import ComputeConfig, ModelConfig
 from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files, validation_dir
 from hf import export_refusal
@@ -256,6 +263,8 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     task = task or Task()
     cfg = resolve_config(cfg, rt.device)
     out_dir = Path(cfg.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out_dir {out_dir} is a file; pass a directory")
     ensure_default_data(cfg, rt)
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
     tokenizer = Tokenizer(tokenizer_path(cfg))
@@ -268,6 +277,12 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     if cfg.resume is None and latest_checkpoint(out_dir) is not None:
         raise FileExistsError(f"{out_dir} already holds checkpoints ({latest_checkpoint(out_dir).name}); pass "
                               "--resume to continue that run, or choose another --out_dir")
+    if resume_from and read_train_state(resume_from)["step"] >= cfg.max_steps:
+        step = read_train_state(resume_from)["step"]
+        if rt.rank == 0:
+            print(f"{resume_from} is step {step} of a run that has finished (--max_steps {cfg.max_steps}): nothing "
+                  "to train; pass a larger --max_steps to continue it")
+        return {"step": step}
     prune_checkpoints(out_dir, cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
     model = task.build(model_config, compute, cfg, rt)
     check_vocab(tokenizer, model.config.vocab_size)
@@ -405,4 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileExistsError, NotADirectoryError, UnsafeCheckpoint) as e:  # a wrong option, not a bug: one line
+        raise SystemExit(f"error: {e}") from None

@@ -147,7 +147,10 @@ def load_config_file(path: str) -> dict:
             raise ValueError(f"{file}: TOML configs need Python 3.11+; use a JSON file") from e
         values = tomllib.loads(file.read_text())
     else:
-        values = json.loads(file.read_text())
+        try:
+            values = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(values, dict):
         raise ValueError(f"{file} must hold an object of TrainConfig fields")
     names = {f.name for f in dataclasses.fields(TrainConfig)}

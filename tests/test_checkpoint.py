@@ -89,3 +89,28 @@ def test_metrics_are_strict_json_and_survive_a_cut_line(data_dir: Path, tmp_path
     train.main([*RUN, "--max_steps", "3", "--data_dir", str(data_dir), "--out_dir", str(tmp_path), "--resume"])
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_run_directory_errors_are_one_line(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    """From the command line: a directory holding a run, or a file as --out_dir, is one line with what to pass; a
+    finished run resumed says so and trains nothing; malformed JSON in --config names the file."""
+    import subprocess
+    import sys
+
+    train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "run")])
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, str(root / "train.py"), *RUN, "--data_dir", str(data_dir)]
+    again = subprocess.run([*command, "--out_dir", str(tmp_path / "run")], capture_output=True, text=True)
+    assert again.returncode == 1 and again.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'run'} already holds checkpoints (step-2); pass --resume to continue that run, or "
+        "choose another --out_dir"]
+    (tmp_path / "file").write_text("")
+    on_file = subprocess.run([*command, "--out_dir", str(tmp_path / "file")], capture_output=True, text=True)
+    assert on_file.stderr.strip().splitlines() == [f"error: --out_dir {tmp_path / 'file'} is a file; pass a directory"]
+    finished = subprocess.run([*command, "--out_dir", str(tmp_path / "run"), "--resume"], capture_output=True,
+                              text=True)
+    assert finished.returncode == 0 and "a run that has finished (--max_steps 2): nothing to train" in finished.stdout
+    (tmp_path / "bad.json").write_text('{"lr": 0.1,')
+    with pytest.raises(SystemExit):
+        train.main(["--config", str(tmp_path / "bad.json")])
+    assert f"{tmp_path / 'bad.json'} is not valid JSON" in capsys.readouterr().err
