@@ -26,10 +26,12 @@ import json
 import math
 import random
 import re
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -73,12 +75,33 @@ def loss_by_position(model: Transformer, windows: torch.Tensor, batch_size: int 
             "buckets": buckets}
 
 
-def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int, seed: int = 0) -> torch.Tensor:
-    """Up to max_tokens / seq_len (at least one) windows of seq_len tokens of `data_dir`'s held-out split (N, T),
-    in the loader's seeded order."""
+def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int, seed: int = 0, rank: int = 0,
+                       world_size: int = 1) -> torch.Tensor:
+    """This rank's share (N, T) of about `max_tokens` tokens of whole windows of seq_len tokens of `data_dir`'s
+    held-out split, in the loader's seeded order: the same windows every call, as many on every rank (collectives
+    under FSDP stay in step), at least one."""
     loader = TokenLoader(validation_dir(data_dir), seq_len, 1, seed=seed)
-    n = min(loader.num_windows, max(1, max_tokens // seq_len))
-    return torch.cat([next(loader)[0] for _ in range(n)])
+    per_rank = min(max(1, max_tokens // seq_len // world_size), loader.num_windows // world_size)
+    if per_rank == 0:
+        raise ValueError(f"the validation split of {data_dir} holds {loader.num_windows} windows of {seq_len} "
+                         "tokens, fewer than one per rank; use shorter windows or prepare the data with a larger "
+                         "--validation_fraction")
+    windows = torch.cat([next(loader)[0] for _ in range(per_rank * world_size)])  # (N * W, T)
+    return windows[rank::world_size]
+
+
+def validation_loss(model: Transformer, windows: torch.Tensor, autocast: AbstractContextManager) -> float:
+    """Mean next-token loss over every rank's validation windows (N, T), through the model's own loss path (chunked
+    at long T). Reads neither the torch RNG nor a training loader, so evaluating during training changes nothing."""
+    device = model.embed_tokens.weight.device
+    total = torch.zeros((), device=device)
+    with torch.no_grad(), autocast:
+        for row in windows.to(device):
+            total += model(row[None], row[None]).loss.float()  # each window's mean token loss
+    stats = torch.stack([total, torch.tensor(float(len(windows)), device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(stats)
+    return (stats[0] / stats[1]).item()
 
 
 # ---- retrieval prompts ------------------------------------------------------------------------------------------

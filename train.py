@@ -46,7 +46,8 @@ from checkpoint import (
     save_checkpoint,
 )
 from config import ComputeConfig, ModelConfig
-from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files, validation_dir
+from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files
+from eval import validation_loss, validation_windows
 from hf import export_refusal
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
@@ -208,35 +209,6 @@ class Task:
         export_and_sample)
 
 
-def validation_windows(cfg: TrainConfig, rt: Runtime) -> Tensor:
-    """This rank's share (N, T) of `cfg.eval_tokens` tokens of whole windows of the data's validation split, the
-    same windows at every evaluation; every rank gets as many (collectives under FSDP stay in step)."""
-    loader = TokenLoader(validation_dir(cfg.data_dir), cfg.context_length, 1, seed=cfg.seed)
-    per_rank = max(1, cfg.eval_tokens // cfg.context_length // rt.world_size)
-    if per_rank * rt.world_size > loader.num_windows:
-        per_rank = loader.num_windows // rt.world_size
-    if per_rank == 0:
-        raise ValueError(f"the validation split of {cfg.data_dir} holds {loader.num_windows} windows of "
-                         f"{cfg.context_length} tokens, fewer than one per rank; lower --context_length or prepare "
-                         "the data with a larger --validation_fraction")
-    windows = torch.cat([next(loader)[0] for _ in range(per_rank * rt.world_size)])  # (N * W, T)
-    return windows[rt.rank::rt.world_size]
-
-
-def validation_loss(model: Transformer, windows: Tensor, autocast: contextlib.AbstractContextManager) -> float:
-    """Mean next-token loss over every rank's validation windows (N, T). Reads neither the torch RNG nor the
-    training loader, so evaluating leaves training bitwise unchanged."""
-    device = model.embed_tokens.weight.device
-    total = torch.zeros((), device=device)
-    with torch.no_grad(), autocast:
-        for row in windows.to(device):
-            total += model(row[None], row[None]).loss.float()  # each window's mean token loss
-    stats = torch.stack([total, torch.tensor(float(len(windows)), device=device)])
-    if dist.is_initialized():
-        dist.all_reduce(stats)
-    return (stats[0] / stats[1]).item()
-
-
 def forward_backward(model: Transformer, batches: list[list[Tensor]], autocast: contextlib.AbstractContextManager,
                      loss_fn: Loss = lm_loss) -> tuple[Tensor, dict[str, Tensor]]:
     """Accumulate into `.grad` the gradient of the step's loss from this rank's micro-batches `batches`
@@ -306,7 +278,8 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     main_rank = rt.rank == 0
     metrics_file = out_dir / "metrics.jsonl"
     task_state = task.start(model, cfg) if task.start else {}
-    val_windows = validation_windows(cfg, rt) if cfg.eval_interval else None
+    val_windows = (validation_windows(cfg.data_dir, cfg.context_length, cfg.eval_tokens, cfg.seed, rt.rank,
+                                      rt.world_size) if cfg.eval_interval else None)
     if main_rank:
         start_run(out_dir, cfg, model, W, resume_from, step, task_state)
         print(f"{model.num_parameters() / 1e6:.2f}M parameters, {W} process(es) x {A} micro-steps x {B} x {T} "
