@@ -221,6 +221,9 @@ class Transformer(nn.Module):
             input_ids = torch.tensor(input_ids, device=self.embed_tokens.weight.device)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_sampling(temperature, top_k, top_p)
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty prompt of shape (B, T), got {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         if T + max_new_tokens > self.config.context_length:
             raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds context_length "
@@ -244,12 +247,21 @@ class Transformer(nn.Module):
         return torch.cat(out, dim=1)
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError naming the argument unless temperature >= 0 (0: greedy), top_k >= 1 and 0 < top_p <= 1."""
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+        raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p}")
+
+
 def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                       generator: torch.Generator | None = None) -> Tensor:
     """Next token per row from logits (B, V): greedy when temperature == 0, else sampled from the
     temperature-scaled distribution restricted to the top_k tokens and the top_p nucleus. Returns (B,) long."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature

@@ -9,6 +9,7 @@ Sizes are binary GiB (2^30 bytes). Nothing large is allocated: the 4B model and 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from unittest import mock
@@ -140,7 +141,8 @@ def check_full_size_peak(report: Report) -> None:
                                     f"lower)")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options: refuse any
     torch.manual_seed(0)
     report = Report()
     check_path_selection(report)

@@ -63,3 +63,18 @@ def test_sampling_filters():
     draws = {int(sample_next_token(logits, 1.0, top_p=0.5, generator=g)) for _ in range(200)}
     assert draws == {3}  # p(3) = 0.64 >= 0.5 alone
     assert int(sample_next_token(logits, 0.0)) == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_k=0), "top_k must be None or an integer >= 1"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_p=1.5), r"top_p must be None or in \(0, 1\]"),
+])
+def test_bad_sampling_arguments_name_the_argument(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 2, **kwargs)
+
+
+def test_empty_prompt_is_refused(model):
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), 2)

@@ -212,3 +212,11 @@ def test_model_chunked_equals_standard_and_rowwise_reference(tie):
                     terms.append(lse - hidden[b, t] @ weight[labels[b, t + 1]] + 1e-3 * lse**2)
     assert abs(results["chunked"][0].item() - torch.stack(terms).mean().item()) < 1e-5
     assert torch.equal(shift_labels(labels)[:, -1], torch.full((2,), IGNORE_INDEX))
+
+
+def test_verify_chunked_loss_refuses_unknown_options(capsys):
+    import verify_chunked_loss
+
+    with pytest.raises(SystemExit) as exit_info:
+        verify_chunked_loss.main(["--bogus"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
