@@ -10,10 +10,11 @@ every tensor has its real shape, dtype and storage size and nothing is allocated
 device, FSDP2 (bf16 compute copies of fp32 master weights, summed float32 gradients), materialised, on a fake
 process group (`FakeStore`: collectives do nothing) over a CPU device mesh of N ranks, so the numbers are one
 rank's. With world size 1: fp32 weights, forward under bf16 autocast, no FSDP (train.py's single-process path).
-memtrack's stage trackers (torch's MemTracker / FSDPMemTracker, TorchDispatchModes) read each stage of one
-steady-state step (optimizer state present, as in every step after the first): forward (embedding, first block, all
-blocks), loss, backward, gradient clipping + AdamW. AdamW runs its per-parameter loop here (PyTorch's default for
-CPU tensors); on CUDA its default multi-tensor path adds step temporaries that the estimate does not show.
+memtrack's LiveBytesTracker (a TorchDispatchMode; storages labelled by `memtrack.track_training_step`) reads each
+stage of one steady-state step (optimizer state present, as in every step after the first): forward (embedding,
+first block, all blocks), loss, backward, gradient clipping + AdamW. AdamW runs its per-parameter loop here
+(PyTorch's default for CPU tensors); on CUDA its default multi-tensor path adds step temporaries that the estimate
+does not show.
 
 Stand-ins, named in the output, come from the attention type (`AttentionLayer.memory_stand_in`): full attention
 runs the CPU flash SDPA kernel's fake implementation, which, like the CUDA flash/cuDNN kernels, keeps only the
@@ -28,9 +29,10 @@ operators), which keeps the 4B / 131k / NSA estimate to seconds. Not seen by the
 stages and prints them beside the estimate (with the fake process group, `--world_size N` measures one of N ranks on
 a single GPU).
 
-Categories: parameters (weights, unsharded compute copies, all-gather buffers, buffers), gradients (with
-reduce-scatter buffers), optimizer (AdamW moments and step temporaries), activations (made in forward, including the
-inputs and what is saved for backward), temporaries (made in backward: activation gradients, recomputation). Sizes
+Categories: parameters (weights, unsharded compute copies, all-gather buffers, buffers), gradients (`.grad`, with
+reduce-scatter buffers), optimizer (AdamW moments, and what gradient clipping and the step make), activations (made
+in forward, including the inputs and what is saved for backward), temporaries (made in backward: activation
+gradients, recomputation). Sizes
 are bytes in the returned dicts, GiB in the table (MiB for toy models).
 
 Notation: B batch, T tokens per sequence, H query heads, D head dimension, Q NSA query chunk.
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d collectives: FSDP under FakeTensorMode)
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -59,7 +62,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import train
 import train_config
 from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, attention_class
-from memtrack import CATEGORIES, FSDPStageTracker, StageTracker
+from memtrack import CATEGORIES, PHASE_CATEGORIES, LiveBytesTracker, track_training_step
 from model import Transformer
 
 GiB = 1024**3
@@ -136,14 +139,42 @@ class _CudaStats:
     def current(self) -> dict[str, int]:
         return {"total": torch.cuda.memory_allocated()}
 
-    def start_phase(self) -> None:
+    def start_phase(self, phase: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
     def phase_peak(self) -> dict[str, int]:
         return {"total": torch.cuda.max_memory_allocated()}
 
 
-Probe = StageTracker | FSDPStageTracker | _CudaStats
+class _Tracked:
+    """memtrack's LiveBytesTracker over the step, its storages labelled in CATEGORIES (`track_training_step`):
+    the model, optimizer state and `inputs` are counted from the start."""
+
+    def __init__(self, model: Transformer, optimizer: torch.optim.Optimizer, inputs: tuple[Tensor, ...]) -> None:
+        self.tracker = LiveBytesTracker()
+        self._stack = ExitStack()
+        self._labels = track_training_step(self.tracker, model, optimizer, inputs)
+
+    def __enter__(self) -> _Tracked:
+        self._stack.enter_context(self._labels)
+        self._stack.enter_context(self.tracker)
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self._stack.__exit__(*args)
+
+    def current(self) -> dict[str, int]:
+        return {"total": self.tracker.live, **{c: self.tracker.live_by_category[c] for c in CATEGORIES}}
+
+    def start_phase(self, phase: str) -> None:
+        self.tracker.category = PHASE_CATEGORIES[phase]
+        self.tracker.reset_peak()
+
+    def phase_peak(self) -> dict[str, int]:
+        return {"total": self.tracker.peak, **{c: self.tracker.peak_by_category.get(c, 0) for c in CATEGORIES}}
+
+
+Probe = _Tracked | _CudaStats
 
 
 # ---- the step ---------------------------------------------------------------------------------------------------
@@ -214,19 +245,19 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
                model.layers[0].register_forward_hook(mark("after first layer")),
                model.norm.register_forward_hook(mark("after forward"))]
     try:
-        probe.start_phase()
+        probe.start_phase("forward")
         with autocast:
             output = model(input_ids, labels=labels)
         loss, loss_path = output.loss, "standard" if output.logits is not None else "chunked"
         del output  # the logits of the standard path are not kept
         stages["after loss"] = probe.current()
         stages["peak during forward"] = probe.phase_peak()
-        probe.start_phase()
+        probe.start_phase("backward")
         loss.backward()
         del loss
         stages["peak during backward"] = probe.phase_peak()
         stages["after backward"] = probe.current()
-        probe.start_phase()
+        probe.start_phase("optimizer step")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         stages["after optimizer step"] = probe.current()
@@ -267,7 +298,7 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
             if device == "cuda" and not fake:
                 probe: Probe = _CudaStats()
             else:
-                probe = (StageTracker if mesh is None else FSDPStageTracker)(model, optimizer, (input_ids, labels))
+                probe = _Tracked(model, optimizer, (input_ids, labels))
             with probe:
                 stages, loss_path = _training_step(model, optimizer, input_ids, labels, _autocast(config, device),
                                                    probe)
@@ -300,7 +331,7 @@ def estimate(config: StepConfig) -> dict:
     """
     start = time.perf_counter()
     profile = profile_step(config, "cpu", fake=True)
-    method = "estimate: fake tensors on CPU, memtrack stage tracker"
+    method = "estimate: fake tensors on CPU, memtrack.LiveBytesTracker"
     return _summarize(config, profile, time.perf_counter() - start, method)
 
 

@@ -42,7 +42,7 @@ class LiveBytesProbe:
     def current(self) -> dict[str, int]:
         return {"total": self.baseline + self.tracker.live}
 
-    def start_phase(self) -> None:
+    def start_phase(self, phase: str) -> None:
         self.tracker.reset_peak()
 
     def phase_peak(self) -> dict[str, int]:
