@@ -91,6 +91,7 @@ def test_metrics_are_strict_json_and_survive_a_cut_line(data_dir: Path, tmp_path
     assert steps == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_run_directory_errors_are_one_line(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
     """From the command line: a directory holding a run, or a file as --out_dir, is one line with what to pass; a
     finished run resumed says so and trains nothing; malformed JSON in --config names the file."""
