@@ -23,8 +23,8 @@ DEFAULT_DATA_DIR = "data/stdlib"
 TOKENIZER_VOCAB = 8192  # vocabulary of the tokenizer trained for the default corpus
 
 
-def _opt(default: object, help: str) -> typing.Any:
-    """A TrainConfig field with its command-line help."""
+def option(default: object, help: str) -> typing.Any:
+    """A dataclass field with its command-line help (TrainConfig's, and NPTConfig's in npt/train_equivalence.py)."""
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
@@ -35,46 +35,47 @@ class TrainConfig:
     """Every training option; `--name value` on the command line, or a key of the `--config` JSON/TOML file."""
 
     # model
-    model_size: str = _opt("auto", f"preset: {', '.join(PRESETS)}; 'auto' = "
+    model_size: str = option("auto", f"preset: {', '.join(PRESETS)}; 'auto' = "
                                    f"4B on CUDA from {LONG_CONTEXT} tokens of context, else demo")
-    attention_type: str = _opt("auto", f"a registered type (config.ATTENTION_TYPES: 'full', 'nsa', ...) or 'auto' = "
+    attention_type: str = option("auto", f"a registered type (config.ATTENTION_TYPES: 'full', 'nsa', ...) or 'auto' = "
                                        f"nsa from {LONG_CONTEXT} tokens, else full")
-    context_length: int = _opt(256, "T: tokens per training sequence")
-    model_overrides: dict = _opt({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
-    gradient_checkpointing: bool | None = _opt(None, f"recompute blocks in backward (default: on from "
+    context_length: int = option(256, "T: tokens per training sequence")
+    model_overrides: dict = option({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
+    gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
-    compile: bool = _opt(False, "torch.compile each block")
-    dtype: str = _opt("auto", "'float32' or 'bfloat16' (mixed precision: fp32 master weights, bf16 compute, fp32 "
+    compile: bool = option(False, "torch.compile each block")
+    dtype: str = option("auto", "'float32' or 'bfloat16' (mixed precision: fp32 master weights, bf16 compute, fp32 "
                               "gradient reduction); 'auto' = bfloat16 on CUDA, float32 on CPU")
     # optimisation
-    batch_size: int | None = _opt(None, f"B: sequences per rank per micro-step (default: max(1, {BATCH_TOKENS} // T))")
-    gradient_accumulation_steps: int = _opt(1, "A: micro-steps per optimizer step")
-    max_steps: int = _opt(300, "optimizer steps")
-    lr: float | None = _opt(None, "peak learning rate of AdamW (default: 3e-3 for demo/tiny, 3e-4 for the larger "
+    batch_size: int | None = option(None, f"B: sequences per rank per micro-step (default: max(1, {BATCH_TOKENS} "
+                                          "// T))")
+    gradient_accumulation_steps: int = option(1, "A: micro-steps per optimizer step")
+    max_steps: int = option(300, "optimizer steps")
+    lr: float | None = option(None, "peak learning rate of AdamW (default: 3e-3 for demo/tiny, 3e-4 for the larger "
                                   "presets)")
-    warmup_steps: int = _opt(30, "linear warmup steps, then cosine decay to lr * min_lr_ratio at max_steps")
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr")
-    weight_decay: float = _opt(0.1, "AdamW weight decay of the matrices (norm weights are not decayed)")
-    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping; the norm is still logged)")
-    max_bad_steps: int = _opt(5, "stop after this many consecutive steps with a non-finite loss or gradient norm")
-    seed: int = _opt(0, "seed of the initialisation, the data order and the sample")
+    warmup_steps: int = option(30, "linear warmup steps, then cosine decay to lr * min_lr_ratio at max_steps")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of lr")
+    weight_decay: float = option(0.1, "AdamW weight decay of the matrices (norm weights are not decayed)")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: no clipping; the norm is still logged)")
+    max_bad_steps: int = option(5, "stop after this many consecutive steps with a non-finite loss or gradient norm")
+    seed: int = option(0, "seed of the initialisation, the data order and the sample")
     # data
-    data_dir: str = _opt(DEFAULT_DATA_DIR, f"prepared data (data.py); {DEFAULT_DATA_DIR} is created if missing")
-    tokenizer: str | None = _opt(None, "tokenizer .model file (default: DATA_DIR/tokenizer.model)")
-    synthetic_mix: float = _opt(0.0, "share of training rows replaced by synthetic passkey / key-value recall "
+    data_dir: str = option(DEFAULT_DATA_DIR, f"prepared data (data.py); {DEFAULT_DATA_DIR} is created if missing")
+    tokenizer: str | None = option(None, "tokenizer .model file (default: DATA_DIR/tokenizer.model)")
+    synthetic_mix: float = option(0.0, "share of training rows replaced by synthetic passkey / key-value recall "
                                      "documents (synthetic.py); deterministic and resumable")
     # run
-    out_dir: str = _opt("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
-    resume: str | None = _opt(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
-    checkpoint_interval: int = _opt(100, "save every this many steps (0: only at the end)")
-    keep_checkpoints: int = _opt(3, "complete step-N directories kept (the newest always); older ones are deleted")
-    log_interval: int = _opt(10, "print a metrics line every this many steps")
-    eval_interval: int = _opt(0, "validation loss every this many steps and at the end (0: never); needs the "
+    out_dir: str = option("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
+    resume: str | None = option(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
+    checkpoint_interval: int = option(100, "save every this many steps (0: only at the end)")
+    keep_checkpoints: int = option(3, "complete step-N directories kept (the newest always); older ones are deleted")
+    log_interval: int = option(10, "print a metrics line every this many steps")
+    eval_interval: int = option(0, "validation loss every this many steps and at the end (0: never); needs the "
                                  "data's validation split")
-    eval_tokens: int = _opt(32768, "validation tokens per evaluation (whole windows, at least one per rank)")
-    max_memory: float | None = _opt(None, "memory budget in GiB per process (CUDA allocator peak, or RSS on CPU)")
-    sample_tokens: int = _opt(200, "tokens to generate from the final model (0: none)")
-    sample_prompt: str = _opt("def ", "prompt of the final sample")
+    eval_tokens: int = option(32768, "validation tokens per evaluation (whole windows, at least one per rank)")
+    max_memory: float | None = option(None, "memory budget in GiB per process (CUDA allocator peak, or RSS on CPU)")
+    sample_tokens: int = option(200, "tokens to generate from the final model (0: none)")
+    sample_prompt: str = option("def ", "prompt of the final sample")
 
     def __post_init__(self) -> None:
         choices = {"model_size": [*PRESETS, "auto"], "attention_type": ["auto", *ATTENTION_TYPES],

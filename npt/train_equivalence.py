@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import json
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,30 +33,26 @@ from npt.adapters import save_adapters
 from npt.convert import convert, np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
 from train import Runtime, Task, build_model, init_runtime, train
-from train_config import TrainConfig, build_parser
+from train_config import TrainConfig, build_parser, option
 
 ADAPTERS_NAME = "adapters.safetensors"
-
-
-def _opt(default: object, help: str) -> typing.Any:
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class NPTConfig:
     """The conversion and the equivalence objective; keys of the same JSON file as the TrainConfig options."""
 
-    layers: str | list = _opt("upper_half", "converted layers: 'upper_half', 'all' or a JSON list such as [4, 5]")
-    rank: int = _opt(16, "r: rank of the modulation")
-    targets: str = _opt("gate,up", "modulated FFN projections, comma-separated from gate, up, down")
-    residual_mode: str = _opt("modulate", "'modulate' (attention only modulates the FFN) or 'additive'")
-    base_dtype: str = _opt("auto", "frozen base weights: 'float32', 'bfloat16', or 'auto' = the resolved --dtype")
-    offload: bool = _opt(False, "keep tensors saved for backward by converted layers in CPU memory")
-    mse_weight: float = _opt(1.0, "weight of the per-layer output MSE")
-    kl_weight: float = _opt(1.0, "weight of KL(original || converted) of the next-token distributions")
-    l2_weight: float = _opt(1e-4, "weight of the modulation penalty ||dW(token)||_F^2")
-    kl_chunk_size: int = _opt(1024, "tokens per chunk of the KL (bounds the logits held at once)")
-    init_from: str | None = _opt(None, "Hugging Face checkpoint directory to convert (hf.py); default: a model "
+    layers: str | list = option("upper_half", "converted layers: 'upper_half', 'all' or a JSON list such as [4, 5]")
+    rank: int = option(16, "r: rank of the modulation")
+    targets: str = option("gate,up", "modulated FFN projections, comma-separated from gate, up, down")
+    residual_mode: str = option("modulate", "'modulate' (attention only modulates the FFN) or 'additive'")
+    base_dtype: str = option("auto", "frozen base weights: 'float32', 'bfloat16', or 'auto' = the resolved --dtype")
+    offload: bool = option(False, "keep tensors saved for backward by converted layers in CPU memory")
+    mse_weight: float = option(1.0, "weight of the per-layer output MSE")
+    kl_weight: float = option(1.0, "weight of KL(original || converted) of the next-token distributions")
+    l2_weight: float = option(1e-4, "weight of the modulation penalty ||dW(token)||_F^2")
+    kl_chunk_size: int = option(1024, "tokens per chunk of the KL (bounds the logits held at once)")
+    init_from: str | None = option(None, "Hugging Face checkpoint directory to convert (hf.py); default: a model "
                                        "initialised from --seed as train.py builds it")
 
     def __post_init__(self) -> None:
