@@ -17,9 +17,11 @@ https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -171,7 +173,31 @@ def read_hf_config(path: str | Path) -> dict:
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no {CONFIG_NAME}; expected a Hugging Face checkpoint directory")
-    return json.loads(config_file.read_text())
+    return _read_json_object(config_file)
+
+
+def _read_json_object(file: Path) -> dict:
+    """The JSON object in `file`; ValueError naming the file when it is not valid JSON or not an object."""
+    try:
+        value = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _weight_map(index_file: Path) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file name) of a sharded checkpoint's index; shard names must be plain
+    file names in the checkpoint directory (no paths, no '..')."""
+    weight_map = _read_json_object(index_file).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_file} has no weight_map object")
+    for name in set(weight_map.values()):
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"{index_file} names the shard {name!r}, which is not a file name in "
+                             f"{index_file.parent}: shards must lie in the checkpoint directory")
+    return weight_map
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -179,7 +205,7 @@ def _checkpoint_files(path: Path) -> list[Path]:
     every *.safetensors in the directory."""
     index_file = path / INDEX_NAME
     if index_file.is_file():
-        files = [path / name for name in sorted(set(json.loads(index_file.read_text())["weight_map"].values()))]
+        files = [path / name for name in sorted(set(_weight_map(index_file).values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{index_file} names shard files that are absent: {missing}")
@@ -198,7 +224,7 @@ def _check_tokenizer_vocab(path: Path, vocab_size: int) -> None:
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
         return
-    tokenizer = json.loads(tokenizer_file.read_text())
+    tokenizer = _read_json_object(tokenizer_file)
     vocab = (tokenizer.get("model") or {}).get("vocab") or {}
     ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # Unigram: a list
     ids += [token["id"] for token in tokenizer.get("added_tokens") or []]
@@ -212,19 +238,40 @@ def _read_headers(path: Path, files: list[Path]) -> dict[str, tuple[Path, tuple[
     """HF tensor name -> (file, shape), from the safetensors headers only (no tensor data is read)."""
     found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name in found:
                     raise ValueError(f"tensor {name!r} appears in both {found[name][0].name} and {file.name}")
                 found[name] = (file, tuple(f.get_slice(name).get_shape()))
     index_file = path / INDEX_NAME
     if index_file.is_file():
-        indexed = set(json.loads(index_file.read_text())["weight_map"])
+        indexed = set(_weight_map(index_file))
         if indexed != set(found):
             raise ValueError(f"{index_file.name} and its shard files disagree: only in the index "
                              f"{sorted(indexed - set(found))[:10]}, only in the shards "
                              f"{sorted(set(found) - indexed)[:10]}")
     return found
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path, device: str = "cpu") -> Iterator[object]:
+    """safe_open(file), with an error naming the file when its header is unreadable (truncated, not safetensors)."""
+    try:
+        handle = safe_open(file, framework="pt", device=device)
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); it may be truncated: download it "
+                         "again") from None
+    with handle as f:
+        yield f
+
+
+def _get_tensor(f: object, name: str, file: Path) -> Tensor:
+    """Tensor `name` of the open safetensors `f`, with an error naming the file when its data is cut short."""
+    try:
+        return f.get_tensor(name)
+    except Exception as e:
+        raise ValueError(f"{file}: tensor {name!r} is unreadable ({e}); the file may be truncated: download it "
+                         "again") from None
 
 
 def _check_keys(found: dict[str, tuple[Path, tuple[int, ...]]], model: Transformer, path: Path) -> None:
@@ -265,10 +312,10 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dty
 
     state: dict[str, Tensor] = {}
     for file in sorted({file for file, _ in found.values()}):
-        with safe_open(file, framework="pt", device=str(torch.device(device))) as f:
+        with _open_safetensors(file, str(torch.device(device))) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if not name.endswith(_IGNORED_SUFFIXES):
-                    tensor = f.get_tensor(name)
+                    tensor = _get_tensor(f, name, file)
                     state[our_name(name)] = tensor if dtype is None else tensor.to(dtype)
     dtype = dtype or state["embed_tokens.weight"].dtype
     state = {name: tensor.to(dtype) for name, tensor in state.items()}  # a no-op unless the file mixes dtypes

@@ -16,11 +16,12 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from config import PRESETS, ComputeConfig, ModelConfig, attention_class
 from layers import FeedForward, RMSNorm, RotaryEmbedding
-from loss import chunked_linear_cross_entropy, shift_labels, softcap_logits, standard_linear_cross_entropy
+from loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, softcap_logits, standard_linear_cross_entropy
 
 __all__ = ["PRESETS", "ComputeConfig", "ModelConfig", "ModelOutput", "Block", "Transformer", "sample_next_token"]
 
@@ -132,6 +133,9 @@ class Transformer(nn.Module):
             raise ValueError(f"input_ids must be an integer tensor of shape (B, T), got {tuple(input_ids.shape)} "
                              f"{input_ids.dtype}")
         T = input_ids.shape[1]
+        if T == 0:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no tokens (T = 0)")
+        check_token_range("input_ids", input_ids, self.config.vocab_size)
         offset = start_pos or 0
         if offset + T > self.config.context_length:
             raise ValueError(f"sequence of {offset + T} positions exceeds context_length "
@@ -154,6 +158,8 @@ class Transformer(nn.Module):
         """
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+        if labels is not None:
+            check_token_range("labels", labels, self.config.vocab_size, ignore=IGNORE_INDEX)
         h = self.hidden_states(input_ids, start_pos)
         if labels is None:
             return ModelOutput(None, self.logits(h))
@@ -245,6 +251,21 @@ class Transformer(nn.Module):
         finally:
             self.clear_kv_cache()
         return torch.cat(out, dim=1)
+
+
+def check_token_range(name: str, ids: Tensor, vocab_size: int, ignore: int | None = None) -> None:
+    """ValueError naming `name` when a token id of `ids` is negative or >= vocab_size (`ignore` is allowed).
+    Checked on CPU tensors only: on an accelerator the check would stall the host every call, and the embedding
+    reports a bad id itself (the trainer's ids come from data whose tokenizer is checked against the vocabulary)."""
+    if ids.device.type != "cpu" or ids.numel() == 0 or is_fake(ids):
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore is not None:
+        bad &= ids != ignore
+    if bad.any():
+        first = ids[bad][0].item()
+        raise ValueError(f"{name} holds {int(bad.sum())} id(s) outside [0, {vocab_size}) (vocab_size), e.g. {first}"
+                         + (f"; {ignore} marks an ignored target" if ignore is not None else ""))
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -74,7 +74,11 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer model {self.path} does not exist (train one with `python data.py "
                                     "train-tokenizer`)")
         proto = self.path.read_bytes()
-        self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        except RuntimeError:
+            raise ValueError(f"{self.path} is not a SentencePiece model file (.model); pass the tokenizer that "
+                             "data.py trained (DATA_DIR/tokenizer.model)") from None
         self.sha256 = hashlib.sha256(proto).hexdigest()
         self.vocab_size: int = self.sp.vocab_size()
         self.bos_id: int = self.sp.bos_id()

@@ -93,6 +93,13 @@ def test_tokenizer_save_load_and_special_ids(tok, train_files):
         Tokenizer(tok.path.with_name("missing.model"))
 
 
+def test_a_file_that_is_not_a_sentencepiece_model_is_refused(tmp_path):
+    file = tmp_path / "tokenizer.json"
+    file.write_text('{"model": {"type": "BPE"}}')
+    with pytest.raises(ValueError, match=r"tokenizer.json is not a SentencePiece model file"):
+        Tokenizer(file)
+
+
 def test_check_vocab(tok):
     check_vocab(tok, 400)
     check_vocab(tok, 512)  # a padded model vocabulary is fine

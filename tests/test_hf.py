@@ -248,6 +248,29 @@ def test_bad_config(tiny_dir, changes, match):
         load_hf_checkpoint(tiny_dir)
 
 
+@pytest.mark.parametrize("text,match", [("[1, 2]", "must hold a JSON object, got list"),
+                                        ("{bad", "is not valid JSON")], ids=["list", "malformed"])
+def test_unreadable_config_names_the_file(tiny_dir, text, match):
+    (tiny_dir / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"config.json {match}"):
+        load_hf_checkpoint(tiny_dir)
+
+
+def test_truncated_safetensors_names_the_file(tiny_dir):
+    file = tiny_dir / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file.*truncated"):
+        load_hf_checkpoint(tiny_dir)
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "/etc/model.safetensors", ".."])
+def test_shard_names_outside_the_directory_are_refused(tiny_dir, shard):
+    names = list(load_file(tiny_dir / "model.safetensors"))
+    (tiny_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, shard)}))
+    with pytest.raises(ValueError, match="shards must lie in the checkpoint directory"):
+        load_hf_checkpoint(tiny_dir)
+
+
 def test_missing_and_unexpected_tensors(tiny_dir):
     tensors = load_file(tiny_dir / "model.safetensors")
     tensors["model.layers.0.self_attn.extra.weight"] = tensors.pop("model.layers.1.mlp.up_proj.weight")

@@ -180,6 +180,20 @@ def test_labels_must_match_input_shape():
         model(torch.zeros(2, 8, dtype=torch.long), labels=torch.zeros(2, 7, dtype=torch.long))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["standard_loss", "chunked_loss"])
+def test_out_of_range_ids_and_empty_input_name_the_argument(chunked):
+    model = Transformer(tiny(), ComputeConfig(loss_mode="chunked" if chunked else "standard"))
+    V, ids = model.config.vocab_size, torch.tensor([[1, 2, 3]])
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=rf"input_ids holds 1 id\(s\) outside \[0, {V}\).*e.g. {bad}"):
+            model(torch.tensor([[1, bad, 3]]))
+        with pytest.raises(ValueError, match=rf"labels holds 1 id\(s\) outside \[0, {V}\)"):
+            model(ids, labels=torch.tensor([[1, 2, bad if bad != -1 else -7]]))
+    assert model(ids, labels=torch.tensor([[-100, 2, 3]])).loss.isfinite()  # -100 is an ignored target
+    with pytest.raises(ValueError, match=r"holds no tokens \(T = 0\)"):
+        model(torch.zeros(1, 0, dtype=torch.long), labels=torch.zeros(1, 0, dtype=torch.long))
+
+
 def test_context_longer_than_config_is_refused():
     model = Transformer(tiny(context_length=32))
     with pytest.raises(ValueError, match="context_length"):
