@@ -137,10 +137,11 @@ def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> 
 
 
 def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_size: int, resume_from: Path | None,
-              step: int, task_state: dict) -> None:
+              step: int, task_state: dict, changed: dict) -> None:
     """Rank 0: print the resolved configuration (with the task's state) and save it as out_dir/config.json; on
     resume, drop the metrics lines of steps after the checkpoint (written by the interrupted run) and any line a
-    kill cut short."""
+    kill cut short, and record the options that changed (`changed`: {option: [checkpoint value, new value]}) as a
+    metrics line {"step", "resumed_with"}. A run started without a checkpoint begins a fresh metrics.jsonl."""
     out_dir.mkdir(parents=True, exist_ok=True)
     resolved = {"train": dataclasses.asdict(cfg), "model": model.config.to_dict(),
                 "compute": model.compute.to_dict(), "world_size": world_size,
@@ -154,5 +155,12 @@ def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_siz
             lines = metrics_file.read_text().splitlines()
             kept = [ln for ln in lines if (row := _json_line(ln)) is not None and row.get("step", step + 1) <= step]
             metrics_file.write_text("".join(f"{ln}\n" for ln in kept))
-    elif cfg.resume == "auto":
-        print(f"no checkpoint in {out_dir}: starting from scratch")
+        for name, (old, new) in changed.items():
+            print(f"--{name} {new} takes effect from step {step + 1} (the checkpoint was trained with {old})")
+        if changed:
+            with metrics_file.open("a") as f:
+                f.write(json.dumps({"step": step, "resumed_with": changed}) + "\n")
+    else:
+        if cfg.resume == "auto":
+            print(f"no checkpoint in {out_dir}: starting from scratch")
+        metrics_file.unlink(missing_ok=True)

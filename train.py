@@ -38,7 +38,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from checkpoint import (
+    DamagedCheckpoint,
     UnsafeCheckpoint,
+    checkpoint_to_resume,
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
@@ -150,6 +152,39 @@ def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainCon
     return model
 
 
+def check_run_directory(out_dir: Path, resume: str | None) -> None:
+    """FileExistsError (one line, naming what to pass) unless starting or resuming into `out_dir` leaves every other
+    run's files alone: a fresh run needs a directory without a run (config.json, metrics.jsonl or step-N), and a
+    checkpoint resumed from another directory may not be continued in one that holds a run."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out_dir {out_dir} is a file; pass a directory")
+    holds_run = any((out_dir / name).exists() for name in ("config.json", "metrics.jsonl")) or latest_checkpoint(
+        out_dir) is not None
+    if resume is None and holds_run:
+        what = latest_checkpoint(out_dir).name if latest_checkpoint(out_dir) else "a run without a checkpoint"
+        raise FileExistsError(f"{out_dir} already holds a run ({what}); pass --resume to continue it (from scratch "
+                              "when it has no checkpoint), or choose another --out_dir")
+    if resume not in (None, "auto") and holds_run and Path(resume).resolve().parent != out_dir.resolve():
+        raise FileExistsError(f"{out_dir} holds another run: continuing {resume} there would rewrite its files; "
+                              "choose an empty --out_dir")
+
+
+def apply_optimizer_options(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: TrainConfig,
+                            saved: dict) -> dict:
+    """After a resume, make this run's lr, weight decay and schedule take effect over the restored optimizer and
+    scheduler state (which would otherwise keep the checkpoint's): the lr follows the new schedule from the restored
+    step on. Returns {option: [checkpoint value, new value]} of the options that changed."""
+    names = ("lr", "weight_decay", "warmup_steps", "max_steps", "min_lr_ratio", "grad_clip")
+    changed = {k: [saved.get(k), getattr(cfg, k)] for k in names if saved.get(k) != getattr(cfg, k)}
+    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
+        group["initial_lr"], group["weight_decay"] = cfg.lr, decay
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["lr"] = cfg.lr * factor(scheduler.last_epoch)  # what scheduler.step() computes
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return changed
+
+
 def build_optimizer(model: Transformer, cfg: TrainConfig) -> tuple[torch.optim.AdamW, LambdaLR]:
     """AdamW over the trainable parameters (weight decay on matrices only) and the warmup + cosine schedule:
     lr * lr_factor(step)."""
@@ -235,8 +270,7 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     task = task or Task()
     cfg = resolve_config(cfg, rt.device)
     out_dir = Path(cfg.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out_dir {out_dir} is a file; pass a directory")
+    check_run_directory(out_dir, cfg.resume)
     ensure_default_data(cfg, rt)
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
     tokenizer = Tokenizer(tokenizer_path(cfg))
@@ -245,10 +279,7 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
         loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed)
     model_config, compute = build_model_config(cfg, tokenizer.vocab_size)
 
-    resume_from = latest_checkpoint(out_dir) if cfg.resume == "auto" else cfg.resume and Path(cfg.resume)
-    if cfg.resume is None and latest_checkpoint(out_dir) is not None:
-        raise FileExistsError(f"{out_dir} already holds checkpoints ({latest_checkpoint(out_dir).name}); pass "
-                              "--resume to continue that run, or choose another --out_dir")
+    resume_from = checkpoint_to_resume(out_dir, cfg.resume)
     if resume_from and read_train_state(resume_from)["step"] >= cfg.max_steps:
         step = read_train_state(resume_from)["step"]
         if rt.rank == 0:
@@ -260,12 +291,13 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     check_vocab(tokenizer, model.config.vocab_size)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
-    step, bad_steps = 0, 0
+    step, bad_steps, changed = 0, 0, {}
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer)
         step, bad_steps = state["step"], state["bad_steps"]
         scheduler.load_state_dict(state["scheduler"])
         loader.load_state_dict(state["loader"])
+        changed = apply_optimizer_options(optimizer, scheduler, cfg, state["config"])
 
     W, A, B, T = rt.world_size, cfg.gradient_accumulation_steps, cfg.batch_size, cfg.context_length
     step_tokens = W * A * B * T
@@ -281,7 +313,7 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     val_windows = (validation_windows(cfg.data_dir, cfg.context_length, cfg.eval_tokens, cfg.seed, rt.rank,
                                       rt.world_size) if cfg.eval_interval else None)
     if main_rank:
-        start_run(out_dir, cfg, model, W, resume_from, step, task_state)
+        start_run(out_dir, cfg, model, W, resume_from, step, task_state, changed)
         print(f"{model.num_parameters() / 1e6:.2f}M parameters, {W} process(es) x {A} micro-steps x {B} x {T} "
               f"= {step_tokens} tokens per step, {flops / 1e9:.3f} GFLOP per token")
 
@@ -297,6 +329,7 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     bar = tqdm(total=cfg.max_steps, initial=step, desc="training", unit="step", disable=not main_rank or None,
                dynamic_ncols=True)
     metrics: dict = {}
+    last_save = time.monotonic()
     with stop_on_signals() as signals:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
@@ -308,11 +341,12 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip or math.inf)
             if isinstance(grad_norm, DTensor):
                 grad_norm = grad_norm.full_tensor()
-            flag = torch.tensor(float(signals["stop"]), device=rt.device)
-            stats = torch.stack([loss_sum, flag, *extras.values()])  # (2 + extras,)
+            due = bool(cfg.checkpoint_minutes) and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes
+            flags = torch.tensor([float(signals["stop"]), float(due)], device=rt.device)
+            stats = torch.stack([loss_sum, *flags, *extras.values()])  # (3 + extras,)
             if rt.mesh is not None:
-                dist.all_reduce(stats)  # global loss and metrics; any rank signalled
-            loss_value, stop, *extra_values, norm_value = torch.cat([stats, grad_norm.reshape(1)]).tolist()  # sync
+                dist.all_reduce(stats)  # global loss and metrics; any rank signalled, or its save clock ran out
+            loss_value, stop, due, *extra_values, norm_value = torch.cat([stats, grad_norm.reshape(1)]).tolist()
             lr = scheduler.get_last_lr()[0]
             finite = math.isfinite(loss_value) and math.isfinite(norm_value)
             if finite:
@@ -354,8 +388,10 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
                 raise MemoryBudgetExceeded(f"peak memory {mem_peak:.2f} GiB exceeds --max_memory {cfg.max_memory} "
                                            f"GiB (step {step}, checkpoint {path}): {memory_advice(cfg)}; then "
                                            "continue with --resume")
-            if stop or step == cfg.max_steps or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+            if (stop or due or step == cfg.max_steps
+                    or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)):
                 path = save(step)
+                last_save = time.monotonic()
                 if main_rank:
                     tqdm.write(f"saved {path}")
             if stop:
@@ -395,5 +431,5 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (FileExistsError, NotADirectoryError, UnsafeCheckpoint) as e:  # a wrong option, not a bug: one line
+    except (FileExistsError, NotADirectoryError, UnsafeCheckpoint, DamagedCheckpoint) as e:  # not a bug: one line
         raise SystemExit(f"error: {e}") from None

@@ -68,6 +68,8 @@ class TrainConfig:
     out_dir: str = option("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
     resume: str | None = option(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
     checkpoint_interval: int = option(100, "save every this many steps (0: only at the end)")
+    checkpoint_minutes: float = option(0.0, "also save at the first step boundary this many minutes after the last "
+                                            "save (0: off); bounds the work a kill or a preemption can lose")
     keep_checkpoints: int = option(3, "complete step-N directories kept (the newest always); older ones are deleted")
     log_interval: int = option(10, "print a metrics line every this many steps")
     eval_interval: int = option(0, "validation loss every this many steps and at the end (0: never); needs the "
@@ -94,7 +96,7 @@ class TrainConfig:
         for name in ("lr", "max_memory"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip"):
+        for name in ("weight_decay", "grad_clip", "checkpoint_minutes"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.synthetic_mix <= 1:

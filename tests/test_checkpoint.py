@@ -1,17 +1,21 @@
-"""checkpoint.py: resuming never runs code from a checkpoint. DCP's own reader unpickles `.metadata` with
-pickle.load and reads non-tensor entries with torch.load(weights_only=False); ours builds only allow-listed classes
-and reads with weights_only=True, so a crafted `.metadata` is refused before anything in it runs."""
+"""checkpoint.py and the run directory: resuming never runs code from a checkpoint (DCP's own reader unpickles
+`.metadata` with pickle.load and reads non-tensor entries with torch.load(weights_only=False); ours builds only
+allow-listed classes and reads with weights_only=True), a damaged file is found by the manifest before anything is
+loaded, options changed on resume take effect, and a run never rewrites another run's files."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import pickle
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
-from checkpoint import UnsafeCheckpoint
+from checkpoint import MANIFEST_NAME, DamagedCheckpoint, UnsafeCheckpoint, file_records, verify_checkpoint
 from weights import load_model
 
 RUN = ["--model_size", "tiny", "--context_length", "32", "--batch_size", "2", "--max_steps", "2", "--warmup_steps",
@@ -34,11 +38,91 @@ def test_a_crafted_metadata_runs_nothing(data_dir: Path, tmp_path: Path):
     marker = tmp_path / "marker"
     for name in ("step-1", "step-2"):
         (run_dir / name / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+        forge_manifest(run_dir / name)  # an attacker can rewrite the manifest too: it detects damage, not intent
     with pytest.raises(UnsafeCheckpoint, match="step-2 is not safe to load.*pathlib.*write_text.*nothing was run"):
         train.main([*RUN, "--max_steps", "3", "--data_dir", str(data_dir), "--out_dir", str(run_dir), "--resume"])
     with pytest.raises(UnsafeCheckpoint):
         load_model(run_dir / "step-1")
     assert not marker.exists()
+
+
+def forge_manifest(path: Path) -> None:
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    manifest["files"] = file_records([path / name for name in manifest["files"]])
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def flip_bit(file: Path, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 1
+    file.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_names_the_file_and_resume_falls_back(data_dir: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture):
+    """One flipped bit, a truncated or a missing file: a one-line error naming the file and the next-older
+    checkpoint, before anything is loaded; plain --resume falls back to that checkpoint with a warning and continues
+    exactly as an uninterrupted run."""
+    run = [*RUN, "--max_steps", "3", "--data_dir", str(data_dir)]
+    reference = train.main([*run, "--out_dir", str(tmp_path / "reference")])
+    train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "run")])
+    step2 = tmp_path / "run" / "step-2"
+    for damage in (lambda f: f.write_bytes(f.read_bytes()[:-10]), Path.unlink):
+        victim = tmp_path / "victim"
+        shutil.copytree(step2, victim / "step-2")
+        damage(victim / "step-2" / "train_state.json")
+        with pytest.raises(DamagedCheckpoint, match="train_state.json .*no older checkpoint exists"):
+            verify_checkpoint(victim / "step-2")
+        shutil.rmtree(victim)
+    weights = next(step2.glob("*.distcp"))
+    flip_bit(weights, weights.stat().st_size // 2)
+    with pytest.raises(DamagedCheckpoint, match=rf"step-2 is damaged: {weights.name} has \d+ bytes, CRC-32 \w+; the "
+                                               rf"manifest says .*--resume {tmp_path / 'run' / 'step-1'}"):
+        verify_checkpoint(step2)
+    with pytest.raises(DamagedCheckpoint, match="step-2 is damaged"):
+        load_model(step2)
+    resumed = train.main([*run, "--out_dir", str(tmp_path / "run"), "--resume"])
+    assert "step-2 is damaged" in capsys.readouterr().out
+    assert resumed["loss"] == reference["loss"]  # bitwise: resumed at step 1, trained steps 2 and 3 again
+
+
+def test_changed_optimizer_options_take_effect_on_resume(data_dir: Path, tmp_path: Path):
+    """--lr and --weight_decay given on resume replace the checkpoint's (restored optimizer and scheduler state would
+    keep them otherwise); the change is printed and recorded in metrics.jsonl. Unchanged options resume bitwise."""
+    run = [*RUN, "--max_steps", "4", "--data_dir", str(data_dir)]
+    train.main([*run, "--max_steps", "2", "--out_dir", str(tmp_path / "a")])
+    train.main([*run, "--out_dir", str(tmp_path / "a"), "--resume", "--lr", "0.5", "--weight_decay", "0.25"])
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[2] == {"step": 2, "resumed_with": {"lr": [3e-3, 0.5], "weight_decay": [0.1, 0.25], "max_steps": [2, 4]}}
+    train.main([*run, "--lr", "0.5", "--weight_decay", "0.25", "--out_dir", str(tmp_path / "b")])
+    expected = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[3]["lr"] == expected[2]["lr"] and rows[4]["lr"] == expected[3]["lr"]  # the new schedule at step 3
+    model = torch.nn.Linear(2, 2)
+    cfg = train.TrainConfig(lr=0.5, weight_decay=0.25, max_steps=4, warmup_steps=1)
+    optimizer, scheduler = train.build_optimizer(model, dataclasses.replace(cfg, lr=3e-3, weight_decay=0.1))
+    train.apply_optimizer_options(optimizer, scheduler, cfg, {})
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(0.5, 0.25), (0.5, 0.0)]
+
+
+def test_a_run_never_rewrites_another_runs_files(data_dir: Path, tmp_path: Path):
+    """A directory holding a run refuses a fresh start and a checkpoint from elsewhere; a run killed before its
+    first checkpoint restarts with --resume and a fresh metrics.jsonl."""
+    train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "a")])
+    train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "b")])
+    before = {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match="holds another run: continuing .*step-1 there would rewrite its files"):
+        train.main([*RUN, "--max_steps", "3", "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "b"),
+                    "--resume", str(tmp_path / "a" / "step-1")])
+    with pytest.raises(FileExistsError, match=r"already holds a run \(step-2\); pass --resume"):
+        train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "b")])
+    assert before == {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    with pytest.raises(FileExistsError, match="a run without a checkpoint"):
+        train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(killed)])
+    train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(killed), "--resume"])
+    assert [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_the_safe_reader_reads_real_checkpoints(data_dir: Path, tmp_path: Path):
@@ -103,8 +187,8 @@ def test_run_directory_errors_are_one_line(data_dir: Path, tmp_path: Path, capsy
     command = [sys.executable, str(root / "train.py"), *RUN, "--data_dir", str(data_dir)]
     again = subprocess.run([*command, "--out_dir", str(tmp_path / "run")], capture_output=True, text=True)
     assert again.returncode == 1 and again.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'run'} already holds checkpoints (step-2); pass --resume to continue that run, or "
-        "choose another --out_dir"]
+        f"error: {tmp_path / 'run'} already holds a run (step-2); pass --resume to continue it (from scratch when "
+        "it has no checkpoint), or choose another --out_dir"]
     (tmp_path / "file").write_text("")
     on_file = subprocess.run([*command, "--out_dir", str(tmp_path / "file")], capture_output=True, text=True)
     assert on_file.stderr.strip().splitlines() == [f"error: --out_dir {tmp_path / 'file'} is a file; pass a directory"]

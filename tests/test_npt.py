@@ -396,7 +396,7 @@ def test_equivalence_guards_checkpoints_and_memory(data_dir, tmp_path):
     from monitor import MemoryBudgetExceeded
 
     _equivalence(data_dir, tmp_path / "a")
-    with pytest.raises(FileExistsError, match="already holds checkpoints .* pass --resume"):
+    with pytest.raises(FileExistsError, match="already holds a run .* pass --resume"):
         _equivalence(data_dir, tmp_path / "a")
     assert _equivalence(data_dir, tmp_path / "a", "--resume", "--max_steps", "4")["step"] == 4
     with pytest.raises(MemoryBudgetExceeded, match="exceeds --max_memory"):

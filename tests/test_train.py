@@ -273,17 +273,17 @@ def test_compute_knobs_may_change_on_resume(single_run: Path, data_dir: Path, tm
 
 
 def test_corrupt_checkpoints_are_clear_errors(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+    with pytest.raises(FileExistsError, match="already holds a run"):
         run(data_dir, single_run)  # an existing run needs --resume
     ckpt = tmp_path / "step-2"
     shutil.copytree(single_run / "step-2", ckpt)
     shard = next(ckpt.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ValueError, match="step-2 could not be read"):
+    with pytest.raises(ValueError, match=r"step-2 is damaged: __0_0.distcp has 100 bytes"):
         run(data_dir, tmp_path, "--resume")
     (ckpt / ".metadata").unlink()
-    with pytest.raises(ValueError, match=r"step-2 is corrupt: \.metadata is missing"):
-        run(data_dir, tmp_path, "--resume")
+    with pytest.raises(ValueError, match=r"step-2 is damaged: \.metadata is missing"):
+        run(data_dir, tmp_path, "--resume", str(ckpt))
     with pytest.raises(ValueError, match="holds a different model: n_layers=2 \\(now 3\\)"):
         run(data_dir, tmp_path / "other", "--resume", str(single_run / "step-2"), "--model_overrides",
             '{"n_layers": 3}')

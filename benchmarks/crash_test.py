@@ -1,0 +1,113 @@
+"""Kill training with SIGKILL at random moments, resume, and check that every step's loss is bitwise equal to an
+uninterrupted run's: checkpoints are complete or ignored, resume is exact, and metrics.jsonl holds each step once.
+
+    python benchmarks/crash_test.py --cycles 20                # single process, then 2 processes (torchrun, gloo)
+    python benchmarks/crash_test.py --cycles 5 --procs 1
+
+Each cycle starts `train.py --resume` (tiny model, a checkpoint every step so that kills often land mid-write),
+waits a random 2-8 s, and kills the whole process group with SIGKILL. The table counts the kills that left a
+`step-N.tmp` behind (a save interrupted mid-write), resumes that failed, and the steps lost (trained, then redone
+after the kill). Exit code 1 when any loss differs or any resume failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ["--model_size", "tiny", "--context_length", "64", "--batch_size", "2", "--warmup_steps", "5",
+       "--checkpoint_interval", "1", "--keep_checkpoints", "2", "--sample_tokens", "0", "--log_interval", "1000"]
+
+
+def command(procs: int, out_dir: Path, steps: int, data_dir: str) -> list[str]:
+    args = [*RUN, "--max_steps", str(steps), "--data_dir", data_dir, "--out_dir", str(out_dir), "--resume"]
+    if procs == 1:
+        return [sys.executable, str(ROOT / "train.py"), *args]
+    with socket.socket() as s:  # a free port per launch: a killed agent's port may linger
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={port}",
+            str(ROOT / "train.py"), *args]
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl; a step logged twice is an error."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "loss" in row]
+    if len(steps) != len(set(steps)):
+        raise AssertionError(f"{out_dir}/metrics.jsonl logs a step twice: {steps}")
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def run_to_end(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random.Random, work: Path) -> dict:
+    reference = work / f"reference-{procs}"
+    run_to_end(command(procs, reference, steps, data_dir))
+    expected = losses(reference)
+    out_dir = work / f"crashed-{procs}"
+    kills = mid_write = failures = lost = finished_early = 0
+    for _ in range(cycles):
+        before = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
+        proc = subprocess.Popen(command(procs, out_dir, steps, data_dir), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            proc.wait(timeout=rng.uniform(2, 8))
+            finished_early += 1
+            failures += proc.returncode != 0
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            mid_write += any(out_dir.glob("step-*.tmp"))
+            logged = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
+            saved = max((int(p.name.split("-")[1]) for p in out_dir.glob("step-*") if p.suffix != ".tmp"), default=0)
+            lost += max(0, logged - saved)
+        if (out_dir / "metrics.jsonl").exists() and before > max(losses(out_dir), default=0):
+            failures += 1  # progress went backwards further than the last checkpoint
+        if finished_early and (out_dir / "model").exists():
+            break
+    run_to_end(command(procs, out_dir, steps, data_dir))
+    got = losses(out_dir)
+    differ = [s for s in expected if got.get(s) != expected[s]]
+    return {"processes": procs, "cycles": kills + finished_early, "kills": kills, "kills mid-write": mid_write,
+            "resume failures": failures, "steps lost (redone)": lost, "steps": len(got),
+            "losses bitwise equal": not differ and len(got) == len(expected)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=400, help="steps of the run (enough to outlast the cycles)")
+    parser.add_argument("--data_dir", default="data/stdlib", help="prepared data (created by train.py if missing)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [crash_cycles(p, args.cycles, args.steps, args.data_dir, rng, Path(tmp)) for p in args.procs]
+    print("| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row.values()) + " |")
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+    if any(not r["losses bitwise equal"] or r["resume failures"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
