@@ -144,6 +144,7 @@ class ComputeConfig:
     loss_chunk_threshold_bytes: int = 10 * GiB
     loss_chunk_size: int = 4096
     z_loss_coef: float = 0.0  # weight of the z-loss (lse^2), a training objective term
+    offload_activations: bool = False  # tensors the blocks save for backward live in host memory (offload.py)
 
     def __post_init__(self) -> None:
         _positive_int("ComputeConfig", "ffn_chunk_size", self.ffn_chunk_size, optional=True)

@@ -6,8 +6,10 @@ results allocate nothing); the bytes are subtracted when that storage is freed, 
 place (`UntypedStorage.resize_`, as FSDP2 does to free and refill its unsharded parameters). `peak` is the high-water
 mark of the bytes counted and still alive, i.e. memory *beyond* whatever existed before (inputs, parameters) unless
 those are counted with `track`; the same numbers exist per device type (`live_by_device`, `peak_by_device`), which
-tells accelerator memory from host memory when activations are offloaded. Backward is included when `.backward()`
-runs inside the `with` block (the CPU autograd engine runs on the caller's thread).
+tells accelerator memory from host memory when activations are offloaded. Storages labelled HOST (the host copies
+of offloaded activations, see offload.simulated) count only under `live_by_device[HOST]`, not in `live` or `peak`.
+Backward is included when `.backward()` runs inside the `with` block (the CPU autograd engine runs on the caller's
+thread).
 
 Every counted storage carries a category: new storages get the tracker's current `category` (set it at each phase),
 `track(tensors, category)` counts existing tensors or moves counted ones to a category, and the buffers of FSDP's
@@ -50,6 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # The category of storages each phase of a training step makes (track_training_step).
 PHASE_CATEGORIES = {"forward": "activations", "backward": "temporaries", "optimizer step": "optimizer"}
+HOST = "host"  # device label of offloaded activations' host copies (`track(..., device=HOST)`)
 _c10d = torch.ops.c10d
 # Collectives whose buffers get a category: {op: (category, positions of the buffers in the op's arguments)}.
 _COLLECTIVE_BUFFERS = {_c10d._allgather_base_.default: ("parameters", (0,)),
@@ -133,18 +136,20 @@ class LiveBytesTracker(TorchDispatchMode):
                     self._register(storage, t.device.type, self.category)
         return out
 
-    def track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+    def track(self, tensors: Iterable[torch.Tensor], category: str, device: str | None = None) -> None:
         """Count the storages of `tensors` under `category`: made before the tracker (weights, optimizer state,
-        inputs), they are counted from now on; already counted, they move to `category`."""
+        inputs), they are counted from now on; already counted, they move to `category`. `device` relabels their
+        device type: HOST for the host copies of offloaded activations, counted apart from `live` and `peak`."""
         for t in tensors:
             for storage in _storages(t):
                 record = self._counted.get(storage)
                 if record is None:
-                    self._register(storage, t.device.type, category)
-                elif record.category != category:
-                    self.live_by_category[record.category] -= record.nbytes
-                    self.live_by_category[category] += record.nbytes
-                    record.category = category
+                    self._register(storage, device or t.device.type, category)
+                elif record.category != category or (device and record.device != device):
+                    nbytes = record.nbytes
+                    self._add(record, None)
+                    record.category, record.device = category, device or record.device
+                    self._add(record, nbytes)
 
     def reset_peak(self) -> None:
         """Restart the high-water marks from the bytes live now (e.g. to measure backward alone)."""
@@ -168,14 +173,16 @@ class LiveBytesTracker(TorchDispatchMode):
         nbytes = -record.nbytes if nbytes is None else nbytes
         record.nbytes += nbytes
         self.largest = max(self.largest, record.nbytes)
-        self.live += nbytes
         self.live_by_device[record.device] += nbytes
+        if self.live_by_device[record.device] > self.peak_by_device[record.device]:
+            self.peak_by_device[record.device] = self.live_by_device[record.device]
+        if record.device == HOST:
+            return
+        self.live += nbytes
         self.live_by_category[record.category] += nbytes
         if self.live > self.peak:
             self.peak = self.live
             self.peak_by_category = dict(self.live_by_category)
-        if self.live_by_device[record.device] > self.peak_by_device[record.device]:
-            self.peak_by_device[record.device] = self.live_by_device[record.device]
 
 
 @contextmanager

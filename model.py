@@ -11,6 +11,7 @@ NSA https://arxiv.org/abs/2502.11089 (see nsa/).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from config import PRESETS, ComputeConfig, ModelConfig, attention_class
 from layers import FeedForward, RMSNorm, RotaryEmbedding
 from loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, softcap_logits, standard_linear_cross_entropy
+from offload import OffloadSavedTensors
 
 __all__ = ["PRESETS", "ComputeConfig", "ModelConfig", "ModelOutput", "Block", "Transformer", "sample_next_token"]
 
@@ -144,8 +146,10 @@ class Transformer(nn.Module):
             raise RuntimeError("KV-cache decoding (start_pos given) runs without gradients: use torch.no_grad()")
         x = self.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = self.rope(T, offset, x.device)  # (T, D) each
-        for block in self.layers:
-            x = block(x, cos, sin, start_pos)
+        offload = self.compute.offload_activations and torch.is_grad_enabled()
+        with OffloadSavedTensors(resident=(cos, sin)) if offload else contextlib.nullcontext():
+            for block in self.layers:
+                x = block(x, cos, sin, start_pos)
         return self.norm(x)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, start_pos: int | None = None,

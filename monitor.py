@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,6 +103,44 @@ def stop_on_signals() -> Iterator[dict]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+class Heartbeat:
+    """Rank 0: a progress line inside long steps (a 131k step takes minutes): every `seconds`, the micro-batch, the
+    pass (forward, or the backward's recomputation of a checkpointed block) and the block running. Forward
+    pre-hooks only; nothing is synchronised."""
+
+    def __init__(self, blocks: torch.nn.ModuleList, seconds: float, micro_steps: int, checkpointing: bool) -> None:
+        self.seconds, self.micro_steps, self.n_layers = seconds, micro_steps, len(blocks)
+        self.passes = 2 if checkpointing else 1  # checkpointed blocks run again in backward
+        self.step, self.calls, self.start, self.last = 0, 0, 0.0, 0.0
+        # On each block's attention: checkpointing recomputes a block by calling its function, not the block
+        # module, so a hook on the block itself would not see the recomputation.
+        self.handles = [block.attn.register_forward_pre_hook(self._make_hook(i)) for i, block in enumerate(blocks)]
+
+    def begin(self, step: int) -> None:
+        self.step, self.calls = step, 0
+        self.start = self.last = time.monotonic()
+
+    def _make_hook(self, index: int):
+        def hook(module: torch.nn.Module, args: object) -> None:
+            if not torch.is_grad_enabled():
+                return  # evaluation or sampling, not the step
+            self.calls += 1
+            now = time.monotonic()
+            if now - self.last < self.seconds:
+                return
+            self.last = now
+            call = (self.calls - 1) // self.n_layers  # passes over the blocks so far
+            micro, backward = call // self.passes, call % self.passes == 1
+            tqdm.write(f"step {self.step}: micro-batch {min(micro, self.micro_steps - 1) + 1}/{self.micro_steps}, "
+                       f"{'backward (recomputing)' if backward else 'forward'} block {index + 1}/{self.n_layers}, "
+                       f"{now - self.start:.0f} s into the step")
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def strict_json(metrics: dict) -> dict:

@@ -32,8 +32,8 @@ a single GPU).
 Categories: parameters (weights, unsharded compute copies, all-gather buffers, buffers), gradients (`.grad`, with
 reduce-scatter buffers), optimizer (AdamW moments, and what gradient clipping and the step make), activations (made
 in forward, including the inputs and what is saved for backward), temporaries (made in backward: activation
-gradients, recomputation). Sizes
-are bytes in the returned dicts, GiB in the table (MiB for toy models).
+gradients, recomputation). With `--offload_activations`, "host" is the host memory holding offloaded activations,
+not part of the total. Sizes are bytes in the returned dicts, GiB in the table (MiB for toy models).
 
 Notation: B batch, T tokens per sequence, H query heads, D head dimension, Q NSA query chunk.
 """
@@ -62,8 +62,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import train
 import train_config
 from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, attention_class
-from memtrack import CATEGORIES, PHASE_CATEGORIES, LiveBytesTracker, track_training_step
+from memtrack import CATEGORIES, HOST, PHASE_CATEGORIES, LiveBytesTracker, track_training_step
 from model import Transformer
+from offload import simulated
 
 GiB = 1024**3
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # as train.py
@@ -88,6 +89,7 @@ class StepConfig:
     dtype: str = "bfloat16"  # compute dtype; master weights, gradients and AdamW state stay float32
     ffn_chunk_size: int | None = None  # tiled MLP (ComputeConfig.ffn_chunk_size); None: untiled
     query_chunk: int = 512  # ComputeConfig.attention_query_chunk
+    offload_activations: bool = False  # ComputeConfig.offload_activations: saved block inputs in host memory
 
     def __post_init__(self) -> None:
         if self.model_size not in PRESETS:
@@ -110,7 +112,7 @@ class StepConfig:
 
     def compute_config(self) -> ComputeConfig:
         return ComputeConfig(loss_mode=self.loss, ffn_chunk_size=self.ffn_chunk_size,
-                             attention_query_chunk=self.query_chunk)
+                             attention_query_chunk=self.query_chunk, offload_activations=self.offload_activations)
 
     def train_config(self) -> train_config.TrainConfig:
         """The train.py options of this step (what train.build_model and build_optimizer read)."""
@@ -121,7 +123,8 @@ class StepConfig:
     def describe(self) -> str:
         return (f"{self.model_size}, {self.batch_size} x {self.context_length} tokens per rank, {self.attention_type} "
                 f"attention, world size {self.world_size}, {self.dtype} compute, checkpointing "
-                f"{'on' if self.gradient_checkpointing else 'off'}")
+                f"{'on' if self.gradient_checkpointing else 'off'}"
+                + (", activations offloaded to host memory" if self.offload_activations else ""))
 
 
 # ---- memory probes: the same interface over the trackers (fake or real tensors) and over torch.cuda statistics ----
@@ -158,20 +161,24 @@ class _Tracked:
     def __enter__(self) -> _Tracked:
         self._stack.enter_context(self._labels)
         self._stack.enter_context(self.tracker)
+        # Offloaded activations: their host copies count as host memory, apart from the device's total.
+        self._stack.enter_context(simulated(lambda host: self.tracker.track([host], "activations", HOST)))
         return self
 
     def __exit__(self, *args: object) -> None:
         self._stack.__exit__(*args)
 
     def current(self) -> dict[str, int]:
-        return {"total": self.tracker.live, **{c: self.tracker.live_by_category[c] for c in CATEGORIES}}
+        return {"total": self.tracker.live, **{c: self.tracker.live_by_category[c] for c in CATEGORIES},
+                "host": self.tracker.live_by_device[HOST]}
 
     def start_phase(self, phase: str) -> None:
         self.tracker.category = PHASE_CATEGORIES[phase]
         self.tracker.reset_peak()
 
     def phase_peak(self) -> dict[str, int]:
-        return {"total": self.tracker.peak, **{c: self.tracker.peak_by_category.get(c, 0) for c in CATEGORIES}}
+        return {"total": self.tracker.peak, **{c: self.tracker.peak_by_category.get(c, 0) for c in CATEGORIES},
+                "host": self.tracker.peak_by_device[HOST]}
 
 
 Probe = _Tracked | _CudaStats
@@ -348,7 +355,8 @@ def measure(config: StepConfig) -> dict:
 
 def _cheaper_steps(config: StepConfig, result: dict) -> Iterator[tuple[str, StepConfig]]:
     """Changes that lower memory, cheapest first, each on top of the previous ones: chunked loss (almost free),
-    checkpointing (~1/3 more compute), a tiled FFN (one more FFN forward), more GPUs (shards parameters, gradients
+    checkpointing (~1/3 more compute), a tiled FFN (one more FFN forward), activation offload (host memory and
+    PCIe traffic, overlapped with compute), more GPUs (shards parameters, gradients
     and optimizer state), a smaller batch (fewer tokens per step unless accumulated), a shorter context (changes the
     task)."""
     if result["loss_path"] == "standard":
@@ -360,6 +368,9 @@ def _cheaper_steps(config: StepConfig, result: dict) -> Iterator[tuple[str, Step
     if config.ffn_chunk_size is None and config.context_length > TILED_FFN_CHUNK:
         config = dataclasses.replace(config, ffn_chunk_size=TILED_FFN_CHUNK)
         yield f"--ffn_chunk_size {TILED_FFN_CHUNK}", config
+    if not config.offload_activations:
+        config = dataclasses.replace(config, offload_activations=True)
+        yield "--offload_activations", config
     for _ in range(6):
         config = dataclasses.replace(config, world_size=config.world_size * 2)
         yield f"--world_size {config.world_size}", config
@@ -407,7 +418,8 @@ def _unit(result: dict) -> tuple[str, int]:
 def format_table(result: dict, measured: dict | None = None) -> str:
     """Aligned per-stage table in GiB (MiB for toy models); with `measured`, its totals in an extra column."""
     unit_name, unit = _unit(result)
-    columns = ["total", *(["measured"] if measured else []), *CATEGORIES]
+    host = any(values.get("host") for values in result["stages"].values())
+    columns = ["total", *(["measured"] if measured else []), *CATEGORIES, *(["host"] if host else [])]
     width = max(len(s) for s in result["stages"]) + 2
     lines = [f"{'stage':<{width}}" + "".join(f"{c:>13}" for c in columns)]
     rows = [*result["stages"].items(), (f"peak ({result['peak']['phase']})", result["peak"])]
@@ -418,7 +430,7 @@ def format_table(result: dict, measured: dict | None = None) -> str:
                 value = measured["peak"] if stage.startswith("peak (") else measured["stages"][stage]
                 nbytes = value["total"]
             else:
-                nbytes = values[column]
+                nbytes = values.get(column, 0)
             cells.append(f"{nbytes / unit:13.2f}")
         lines.append(f"{stage:<{width}}" + "".join(cells))
     return "\n".join(lines)
@@ -484,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default="auto", choices=["auto", "standard", "chunked"])
     p.add_argument("--ffn_chunk_size", type=int, default=None, help="tokens per FFN tile (tiled MLP); default untiled")
     p.add_argument("--query_chunk", type=int, default=512, help="queries an attention processes at a time (NSA)")
+    p.add_argument("--offload_activations", action="store_true",
+                   help="keep the tensors blocks save for backward in host memory (with checkpointing: the inputs)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (master weights fp32)")
     p.add_argument("--gpu_memory", type=float, default=None, help="GiB per GPU: say whether it fits, else what would")
     p.add_argument("--reserve", type=float, default=2.0, help="GiB of the GPU kept for what the tracker cannot see")
@@ -503,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = StepConfig(args.model_size, args.context_length, args.attention_type, args.batch_size,
                             args.world_size, args.gradient_checkpointing, args.loss, args.dtype, args.ffn_chunk_size,
-                            args.query_chunk)
+                            args.query_chunk, args.offload_activations)
     except ValueError as e:
         parser.error(str(e))
     if args.measure and not torch.cuda.is_available():

@@ -54,6 +54,7 @@ from hf import export_refusal
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from monitor import (
+    Heartbeat,
     MemoryBudgetExceeded,
     TooManyBadSteps,
     flops_per_token,
@@ -277,7 +278,8 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     check_tokenizer(loader.index, tokenizer)
     if cfg.synthetic_mix:
         loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed)
-    model_config, compute = build_model_config(cfg, tokenizer.vocab_size)
+    device_memory = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
+    model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size)
 
     resume_from = checkpoint_to_resume(out_dir, cfg.resume)
     if resume_from and read_train_state(resume_from)["step"] >= cfg.max_steps:
@@ -330,9 +332,13 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
                dynamic_ncols=True)
     metrics: dict = {}
     last_save = time.monotonic()
+    heartbeat = (Heartbeat(model.layers, cfg.heartbeat_seconds, A, cfg.gradient_checkpointing)
+                 if main_rank and cfg.heartbeat_seconds else None)
     with stop_on_signals() as signals:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
+            if heartbeat:
+                heartbeat.begin(step + 1)
             batches = [[t.to(rt.device, non_blocking=True) for t in next(loader)] for _ in range(A)]  # A x 2 x (B, T)
             try:
                 loss_sum, extras = forward_backward(model, batches, autocast, task.loss)
@@ -395,9 +401,12 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
                 if main_rank:
                     tqdm.write(f"saved {path}")
             if stop:
-                bar.close()
-                return metrics
+                break
     bar.close()
+    if heartbeat:
+        heartbeat.remove()
+    if stop:
+        return metrics
     task.finish(model, tokenizer, cfg, rt, autocast)
     return metrics
 

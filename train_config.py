@@ -21,6 +21,7 @@ BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per 
 TILED_FFN_CHUNK = 8192  # FFN tile from LONG_CONTEXT on: one tile's (T, ffn_dim) intermediates at a time
 DEFAULT_DATA_DIR = "data/stdlib"
 TOKENIZER_VOCAB = 8192  # vocabulary of the tokenizer trained for the default corpus
+OFFLOAD_SHARE = 0.2  # auto activation offload: when the checkpointed block inputs exceed this share of GPU memory
 
 
 def option(default: object, help: str) -> typing.Any:
@@ -43,6 +44,10 @@ class TrainConfig:
     model_overrides: dict = option({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
+    offload_activations: bool | None = option(None, "keep the tensors blocks save for backward (with checkpointing: "
+                                                    "their inputs) in pinned host memory, copied on a side stream "
+                                                    "(CUDA); default: on when those inputs would take over "
+                                                    f"{OFFLOAD_SHARE:.0%} of the GPU's memory")
     compile: bool = option(False, "torch.compile each block")
     dtype: str = option("auto", "'float32' or 'bfloat16' (mixed precision: fp32 master weights, bf16 compute, fp32 "
                               "gradient reduction); 'auto' = bfloat16 on CUDA, float32 on CPU")
@@ -72,6 +77,8 @@ class TrainConfig:
                                             "save (0: off); bounds the work a kill or a preemption can lose")
     keep_checkpoints: int = option(3, "complete step-N directories kept (the newest always); older ones are deleted")
     log_interval: int = option(10, "print a metrics line every this many steps")
+    heartbeat_seconds: float = option(60.0, "inside a step, print which micro-batch, pass and block runs every this "
+                                            "many seconds (0: never)")
     eval_interval: int = option(0, "validation loss every this many steps and at the end (0: never); needs the "
                                  "data's validation split")
     eval_tokens: int = option(32768, "validation tokens per evaluation (whole windows, at least one per rank)")
@@ -96,7 +103,7 @@ class TrainConfig:
         for name in ("lr", "max_memory"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "checkpoint_minutes"):
+        for name in ("weight_decay", "grad_clip", "checkpoint_minutes", "heartbeat_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.synthetic_mix <= 1:
@@ -202,15 +209,29 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     return dataclasses.replace(cfg, **values)
 
 
-def build_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> tuple[ModelConfig, ComputeConfig]:
+def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: int | None = None,
+                       world_size: int = 1) -> tuple[ModelConfig, ComputeConfig]:
     """The resolved run's (ModelConfig, ComputeConfig): preset, then context length, attention type, a vocabulary
     that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger) and, from LONG_CONTEXT
     tokens on, a tiled FFN (TILED_FFN_CHUNK tokens per tile) and the chunked loss (at 32k the 10 GiB logits rule of
-    loss_mode="auto" would still pick the standard loss, whose float32 copies cost ~47 GiB), then model_overrides."""
+    loss_mode="auto" would still pick the standard loss, whose float32 copies cost ~47 GiB), then model_overrides.
+    Activation offload left at None is on when the checkpointed block inputs (`checkpointed_bytes`) would exceed
+    OFFLOAD_SHARE of `device_memory` (bytes of one GPU; None: not a GPU, never)."""
     model_overrides, compute_overrides = split_overrides(cfg.model_overrides)
     vocab = max(ModelConfig.from_preset(cfg.model_size).vocab_size, -(-tokenizer_vocab // 64) * 64)
     long = {"ffn_chunk_size": TILED_FFN_CHUNK, "loss_mode": "chunked"} if cfg.context_length >= LONG_CONTEXT else {}
     model_config = ModelConfig.from_preset(cfg.model_size, **{
         "vocab_size": vocab, "context_length": cfg.context_length, "attention_type": cfg.attention_type,
         **model_overrides})
-    return model_config, ComputeConfig(**{**long, **compute_overrides})
+    offload = cfg.offload_activations
+    if offload is None:
+        offload = bool(device_memory and cfg.gradient_checkpointing
+                       and checkpointed_bytes(model_config, cfg, world_size) > OFFLOAD_SHARE * device_memory)
+    return model_config, ComputeConfig(**{**long, "offload_activations": offload, **compute_overrides})
+
+
+def checkpointed_bytes(model_config: ModelConfig, cfg: TrainConfig, world_size: int) -> int:
+    """Bytes of the block inputs gradient checkpointing keeps per rank: n_layers x B x T x dim, in bf16 under FSDP
+    with bfloat16 compute, else float32 (a single process keeps fp32 weights and runs under autocast)."""
+    element = 2 if world_size > 1 and cfg.dtype == "bfloat16" else 4
+    return model_config.n_layers * cfg.batch_size * cfg.context_length * model_config.dim * element

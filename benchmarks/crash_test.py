@@ -5,14 +5,15 @@ uninterrupted run's: checkpoints are complete or ignored, resume is exact, and m
     python benchmarks/crash_test.py --cycles 5 --procs 1
 
 Each cycle starts `train.py --resume` (tiny model, a checkpoint every step so that kills often land mid-write),
-waits a random 2-8 s, and kills the whole process group with SIGKILL. The table counts the kills that left a
-`step-N.tmp` behind (a save interrupted mid-write), resumes that failed, and the steps lost (trained, then redone
-after the kill). Exit code 1 when any loss differs or any resume failed.
+waits a random 2-8 s, and kills it and every process below it with SIGKILL (Linux: /proc). The table counts the
+kills that left a `step-N.tmp` behind (a save interrupted mid-write), resumes that failed, and the steps lost
+(trained, then redone after the kill). Exit code 1 when any loss differs or any resume failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -49,6 +50,29 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def kill_all(pid: int) -> None:
+    """SIGKILL `pid` and its descendants at once, as a machine crash would."""
+    for p in descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
 def run_to_end(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -70,7 +94,7 @@ def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random
             finished_early += 1
             failures += proc.returncode != 0
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_all(proc.pid)
             proc.wait()
             kills += 1
             mid_write += any(out_dir.glob("step-*.tmp"))

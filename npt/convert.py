@@ -61,7 +61,7 @@ def convert(model: Transformer, layers: LayerSpec = "upper_half", rank: int = 16
             makes it the compute dtype); requires freeze_base.
         np_dtype: dtype of the NP parameters (float32 masters by default; None = that of the FFN weights). They
             are cast to the compute dtype in forward.
-        offload: tensors saved for backward by converted layers go to CPU memory (npt.offload).
+        offload: tensors saved for backward by converted layers go to CPU memory (offload.py).
     Returns:
         The converted layer indices.
     """
@@ -160,6 +160,6 @@ def fold(model: Transformer, input_ids: Tensor, token: int | tuple[int, int]) ->
 
 
 def set_offload(model: Transformer, enabled: bool = True) -> None:
-    """Turn activation offload (npt.offload) on or off for every converted layer."""
+    """Turn activation offload (offload.py) on or off for every converted layer."""
     for block in np_blocks(model).values():
         block.offload = enabled

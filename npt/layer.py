@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import Block, ModelConfig
-from npt.offload import OffloadSavedTensors, OffloadStats
+from offload import OffloadSavedTensors, OffloadStats
 
 TARGETS = ("gate", "up", "down")
 ResidualMode = Literal["modulate", "additive"]
@@ -119,7 +119,7 @@ class NPBlock(Block):
       "plastic"  W + dW(token) on the targets (the converted layer);
       "static"   the converted wiring (residual mode) with the plain FFN weights, e.g. after folding;
       "original" exactly `Block._forward` (the unconverted layer; the teacher in equivalence training).
-    With `offload` set, tensors saved for backward go to CPU memory (npt.offload).
+    With `offload` set, tensors saved for backward go to CPU memory (offload.py).
     """
 
     def __init__(self, block: Block, rank: int = 16, targets: tuple[str, ...] = ("gate", "up"),

@@ -166,7 +166,8 @@ def test_fit_verdict_and_cheapest_change():
     assert tight["fitting_config"] is not None and tight["fitting_peak_gib"] * GiB <= peak - 1
     hopeless = pm.check_fit(result, gpu_memory_gib=1e-6, reserve_gib=0, log=lambda msg: None)
     assert not hopeless["fits"] and hopeless["fitting_config"] is None
-    assert hopeless["changes"][:3] == ["--loss chunked", "--gradient_checkpointing", "--world_size 2"]
+    assert hopeless["changes"][:4] == ["--loss chunked", "--gradient_checkpointing", "--offload_activations",
+                                       "--world_size 2"]
 
 
 # ---- command line and errors ---------------------------------------------------------------------------------------

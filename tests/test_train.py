@@ -199,7 +199,11 @@ def test_auto_options_resolve_by_device_and_context() -> None:
     model, compute = train_config.build_model_config(gpu, 8192)
     assert model.vocab_size == 151936 and model.context_length == 131072
     assert compute.ffn_chunk_size == train_config.TILED_FFN_CHUNK  # from LONG_CONTEXT on
-    assert compute.loss_mode == "chunked"
+    assert compute.loss_mode == "chunked" and not compute.offload_activations  # no GPU memory given
+    _, on_80gb = train_config.build_model_config(gpu, 8192, device_memory=80 * 10**9, world_size=2)
+    _, on_32k = train_config.build_model_config(dataclasses.replace(gpu, context_length=32768), 8192,
+                                                device_memory=80 * 10**9, world_size=2)
+    assert on_80gb.offload_activations and not on_32k.offload_activations  # 22.5 GiB of inputs at 131k, 5.6 at 32k
     with torch.device("meta"):  # (full attention: only the loss rule matters here)
         full = Transformer(dataclasses.replace(model, attention_type="full"), compute)
     assert full.use_chunked_loss(131072, torch.bfloat16)  # 131072 x 151936 bf16 logits > 10 GiB
@@ -326,6 +330,16 @@ def test_sigterm_finishes_the_step_saves_and_returns(data_dir: Path, tmp_path: P
     result = run(data_dir, tmp_path, "--max_steps", "100", "--checkpoint_interval", "0")
     assert result["step"] == 2 and latest_checkpoint(tmp_path).name == "step-2"
     assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
+
+
+def test_heartbeat_names_micro_batch_pass_and_block(data_dir: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    run(data_dir, tmp_path, "--max_steps", "1", "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
+        "--heartbeat_seconds", "1e-9")
+    beats = [line.split(": ", 1)[1].rsplit(",", 1)[0] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("step 1: micro-batch")]
+    assert beats == [f"micro-batch {m}/2, {p} block {b}/2" for m in (1, 2)
+                     for p, blocks in (("forward", (1, 2)), ("backward (recomputing)", (2, 1))) for b in blocks]
 
 
 def test_flops_per_token_counts_every_matmul() -> None:
