@@ -1,4 +1,7 @@
-"""SentencePiece BPE tokenizer with byte fallback: train, save, load, encode, decode.
+"""Tokenizers: the project's SentencePiece BPE (train, save, load, encode, decode), and a released model's Hugging
+Face `tokenizer.json` (`HFTokenizer`, read with the optional `tokenizers` library); `load_tokenizer` picks by file.
+
+SentencePiece BPE with byte fallback:
 
 Any text round-trips exactly: `decode(encode(s)) == s` for every Python str that is valid Unicode (no lone
 surrogates). Three settings make that true:
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -156,7 +160,65 @@ class Tokenizer:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
-def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (a released model's tokenizer, e.g. Qwen3's or Llama's), with the attributes
+    and methods of `Tokenizer`. The end-of-document id `eod_id` is the `eos_token` of the `tokenizer_config.json`
+    beside it (else `<|endoftext|>`, `</s>` or `<|end_of_text|>` when the vocabulary has one); nothing is added to
+    encoded text (no bos)."""
+
+    EOD_FALLBACKS = ("<|endoftext|>", "</s>", "<|end_of_text|>")
+
+    def __init__(self, path: str | os.PathLike):
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError as e:
+            raise ImportError("reading a Hugging Face tokenizer.json needs the tokenizers library: pip install "
+                              "tokenizers") from e
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"tokenizer file {self.path} does not exist")
+        data = self.path.read_bytes()
+        try:
+            self.tk = _Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:
+            raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json ({e})") from None
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self.vocab_size: int = self.tk.get_vocab_size(with_added_tokens=True)
+        self.eod_id = self.eos_id = self._eod_id()
+        self.bos_id = self.pad_id = -1
+
+    def _eod_id(self) -> int:
+        config_file = self.path.parent / "tokenizer_config.json"
+        names = list(self.EOD_FALLBACKS)
+        if config_file.is_file():
+            eos = json.loads(config_file.read_text()).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            names = [eos] if isinstance(eos, str) else names
+        for name in names:
+            if (token := self.tk.token_to_id(name)) is not None:
+                return token
+        raise ValueError(f"{self.path}: no end-of-document token among {names}; add a tokenizer_config.json with "
+                         "its eos_token beside it")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
+        return [e.ids for e in self.tk.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer | HFTokenizer:
+    """The tokenizer in file `path`: a Hugging Face tokenizer.json (by its .json suffix) or a SentencePiece .model."""
+    return HFTokenizer(path) if Path(path).suffix == ".json" else Tokenizer(path)
+
+
+def check_vocab(tokenizer: Tokenizer | HFTokenizer, model_vocab_size: int) -> None:
     """Raise ValueError unless every id of `tokenizer` is a valid row of a `model_vocab_size` embedding.
 
     A model vocabulary larger than the tokenizer's is fine (e.g. padded to a multiple of 64).

@@ -68,7 +68,7 @@ from monitor import (
 )
 from parallel import apply_fsdp, init_sharded_weights
 from synthetic import SyntheticMix
-from tokenizer import Tokenizer, check_vocab
+from tokenizer import Tokenizer, check_vocab, load_tokenizer
 from train_config import (
     DEFAULT_DATA_DIR,
     TOKENIZER_VOCAB,
@@ -77,7 +77,7 @@ from train_config import (
     parse_config,
     resolve_config,
 )
-from weights import export_model
+from weights import export_model, load_initial_weights, stored_config
 
 GiB = 1024**3
 
@@ -114,15 +114,26 @@ def tokenizer_path(cfg: TrainConfig) -> Path:
     return Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.data_dir) / "tokenizer.model"
 
 
+def resolve_tokenizer(cfg: TrainConfig) -> TrainConfig:
+    """With --init_from a directory holding tokenizer.json and no --tokenizer: that tokenizer. A tokenizer given
+    with the default data directory gets a default data directory of its own (DEFAULT_DATA_DIR-<sha256[:12]>)."""
+    if cfg.init_from and not cfg.tokenizer and (Path(cfg.init_from) / "tokenizer.json").is_file():
+        cfg = dataclasses.replace(cfg, tokenizer=str(Path(cfg.init_from) / "tokenizer.json"))
+    if cfg.tokenizer and cfg.data_dir == DEFAULT_DATA_DIR:
+        cfg = dataclasses.replace(cfg, data_dir=f"{DEFAULT_DATA_DIR}-{load_tokenizer(cfg.tokenizer).sha256[:12]}")
+    return cfg
+
+
 def ensure_default_data(cfg: TrainConfig, rt: Runtime) -> None:
-    """Make `python train.py` work out of the box: if DEFAULT_DATA_DIR is selected and empty, train the tokenizer
-    and tokenize this interpreter's standard library into it (~20 s). Rank 0 works while the others wait."""
+    """Make `python train.py` work out of the box: if the default data directory (DEFAULT_DATA_DIR, or its
+    per-tokenizer variant) is selected and empty, tokenize this interpreter's standard library into it (~20 s), with
+    the tokenizer given or one trained for it. Rank 0 works while the others wait."""
     data_dir = Path(cfg.data_dir)
-    if rt.rank == 0 and cfg.data_dir == DEFAULT_DATA_DIR and not (data_dir / INDEX_NAME).exists():
+    if rt.rank == 0 and cfg.data_dir.startswith(DEFAULT_DATA_DIR) and not (data_dir / INDEX_NAME).exists():
         files = stdlib_files()
         tok_file = tokenizer_path(cfg)
         if tok_file.exists():
-            tokenizer = Tokenizer(tok_file)
+            tokenizer = load_tokenizer(tok_file)
         else:  # the tokenizer trains on a sample of lines: shuffle the sorted files so it sees all packages
             shuffled = random.Random(0).sample(files, len(files))
             tokenizer = Tokenizer.train(iter_documents(shuffled), TOKENIZER_VOCAB, tok_file.with_suffix(""))
@@ -272,14 +283,16 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     cfg = resolve_config(cfg, rt.device)
     out_dir = Path(cfg.out_dir)
     check_run_directory(out_dir, cfg.resume)
+    cfg = resolve_tokenizer(cfg)
     ensure_default_data(cfg, rt)
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
-    tokenizer = Tokenizer(tokenizer_path(cfg))
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
     check_tokenizer(loader.index, tokenizer)
     if cfg.synthetic_mix:
         loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed)
     device_memory = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
-    model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size)
+    stored = stored_config(cfg.init_from) if cfg.init_from else None
+    model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size, stored)
 
     resume_from = checkpoint_to_resume(out_dir, cfg.resume)
     if resume_from and read_train_state(resume_from)["step"] >= cfg.max_steps:
@@ -294,6 +307,8 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     step, bad_steps, changed = 0, 0, {}
+    if cfg.init_from and not resume_from:
+        load_initial_weights(model, cfg.init_from)
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer)
         step, bad_steps = state["step"], state["bad_steps"]

@@ -40,7 +40,13 @@ class TrainConfig:
                                    f"4B on CUDA from {LONG_CONTEXT} tokens of context, else demo")
     attention_type: str = option("auto", f"a registered type (config.ATTENTION_TYPES: 'full', 'nsa', ...) or 'auto' = "
                                        f"nsa from {LONG_CONTEXT} tokens, else full")
+    init_from: str | None = option(None, "start from these weights: a Hugging Face Qwen3/Llama directory, an export "
+                                         "(OUT_DIR/model) or a step-N; the architecture is theirs (--model_size is "
+                                         "ignored), and so is the directory's tokenizer.json unless --tokenizer is "
+                                         "given")
     context_length: int = option(256, "T: tokens per training sequence")
+    rope_theta: float | None = option(None, "RoPE base (default: the preset's or the --init_from model's); a larger "
+                                            "base extends the context")
     model_overrides: dict = option({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
@@ -57,7 +63,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = option(1, "A: micro-steps per optimizer step")
     max_steps: int = option(300, "optimizer steps")
     lr: float | None = option(None, "peak learning rate of AdamW (default: 3e-3 for demo/tiny, 3e-4 for the larger "
-                                  "presets)")
+                                  "presets, 2e-5 from --init_from weights)")
     warmup_steps: int = option(30, "linear warmup steps, then cosine decay to lr * min_lr_ratio at max_steps")
     min_lr_ratio: float = option(0.1, "final learning rate as a fraction of lr")
     weight_decay: float = option(0.1, "AdamW weight decay of the matrices (norm weights are not decayed)")
@@ -100,7 +106,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name} must be >= {low}, got {value}")
-        for name in ("lr", "max_memory"):
+        for name in ("lr", "max_memory", "rope_theta"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
         for name in ("weight_decay", "grad_clip", "checkpoint_minutes", "heartbeat_seconds"):
@@ -199,9 +205,12 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
         "attention_type": "nsa" if long else "full",
         "dtype": "bfloat16" if cuda else "float32",
     }
+    if cfg.init_from:  # the architecture is the stored model's (build_model_config)
+        del auto["model_size"], auto["attention_type"]
     values = {k: v for k, v in auto.items() if getattr(cfg, k) == "auto"}
     if cfg.lr is None:
-        values["lr"] = 3e-3 if values.get("model_size", cfg.model_size) in ("demo", "tiny") else 3e-4
+        small = values.get("model_size", cfg.model_size) in ("demo", "tiny")
+        values["lr"] = 2e-5 if cfg.init_from else 3e-3 if small else 3e-4
     if cfg.gradient_checkpointing is None:
         values["gradient_checkpointing"] = long
     if cfg.batch_size is None:
@@ -210,19 +219,29 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
 
 
 def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: int | None = None,
-                       world_size: int = 1) -> tuple[ModelConfig, ComputeConfig]:
+                       world_size: int = 1, stored: ModelConfig | None = None) -> tuple[ModelConfig, ComputeConfig]:
     """The resolved run's (ModelConfig, ComputeConfig): preset, then context length, attention type, a vocabulary
     that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger) and, from LONG_CONTEXT
     tokens on, a tiled FFN (TILED_FFN_CHUNK tokens per tile) and the chunked loss (at 32k the 10 GiB logits rule of
     loss_mode="auto" would still pick the standard loss, whose float32 copies cost ~47 GiB), then model_overrides.
     Activation offload left at None is on when the checkpointed block inputs (`checkpointed_bytes`) would exceed
-    OFFLOAD_SHARE of `device_memory` (bytes of one GPU; None: not a GPU, never)."""
+    OFFLOAD_SHARE of `device_memory` (bytes of one GPU; None: not a GPU, never).
+    `stored`: the architecture of the --init_from weights, used instead of the preset (its vocabulary and attention
+    type kept; the context length, --rope_theta and model_overrides applied)."""
     model_overrides, compute_overrides = split_overrides(cfg.model_overrides)
-    vocab = max(ModelConfig.from_preset(cfg.model_size).vocab_size, -(-tokenizer_vocab // 64) * 64)
     long = {"ffn_chunk_size": TILED_FFN_CHUNK, "loss_mode": "chunked"} if cfg.context_length >= LONG_CONTEXT else {}
-    model_config = ModelConfig.from_preset(cfg.model_size, **{
-        "vocab_size": vocab, "context_length": cfg.context_length, "attention_type": cfg.attention_type,
-        **model_overrides})
+    theta = {"rope_theta": cfg.rope_theta} if cfg.rope_theta else {}
+    if stored is not None:
+        if cfg.attention_type not in ("auto", stored.attention_type):
+            raise ValueError(f"--attention_type {cfg.attention_type}: the --init_from model has "
+                             f"{stored.attention_type!r} attention, and converting it is not supported; leave "
+                             "--attention_type out")
+        model_config = dataclasses.replace(stored, context_length=cfg.context_length, **theta, **model_overrides)
+    else:
+        vocab = max(ModelConfig.from_preset(cfg.model_size).vocab_size, -(-tokenizer_vocab // 64) * 64)
+        model_config = ModelConfig.from_preset(cfg.model_size, **{
+            "vocab_size": vocab, "context_length": cfg.context_length, "attention_type": cfg.attention_type,
+            **theta, **model_overrides})
     offload = cfg.offload_activations
     if offload is None:
         offload = bool(device_memory and cfg.gradient_checkpointing

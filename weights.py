@@ -21,13 +21,14 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from checkpoint import STATE_NAME, load_model_weights, rank
 from config import ComputeConfig, ModelConfig
-from hf import CONFIG_NAME, export_hf_checkpoint, export_refusal, load_hf_checkpoint
+from hf import CONFIG_NAME, config_from_hf, export_hf_checkpoint, export_refusal, load_hf_checkpoint, read_hf_config
 from model import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
@@ -145,6 +146,36 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     raise ValueError(f"{path} is not a model: expected a training checkpoint step-N/ ({STATE_NAME} + .metadata), "
                      f"the project's export ({WEIGHTS_NAME} + {CONFIG_NAME} with \"format\": \"{FORMAT}\"), or a "
                      f"Hugging Face directory ({CONFIG_NAME} with \"model_type\" + *.safetensors){hint}")
+
+
+def stored_config(path: str | Path) -> ModelConfig:
+    """The architecture stored at `path` (any layout `load_model` reads), read without touching the weights."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if _is_training_checkpoint(path):
+        return ModelConfig.from_dict(json.loads((path / STATE_NAME).read_text())["model_config"])
+    config = _export_config(path)
+    if config is not None:
+        return ModelConfig.from_dict(config)
+    if path.is_dir() and "model_type" in _json_object(path / CONFIG_NAME):
+        return config_from_hf(read_hf_config(path))
+    load_model(path)  # raises the error that names every layout
+    raise AssertionError("unreachable")
+
+
+def load_initial_weights(model: Transformer, path: str | Path) -> None:
+    """Fill `model` (plain, or sharded by FSDP2: collective then) with the weights stored at `path`, which must have
+    the same parameter names and shapes (RoPE settings and the context length may differ: they are not weights).
+    Only rank 0 reads the file; under FSDP its full state dict is broadcast and each rank keeps its shards."""
+    source = load_model(path, "cpu", torch.float32) if rank() == 0 else None
+    state = source.state_dict() if source is not None else {}
+    if not dist.is_initialized():
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path} does not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
+        return
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _json_object(path: Path) -> dict:

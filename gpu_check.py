@@ -1,0 +1,234 @@
+"""Validate the project on a GPU in one command: a Markdown report of what only a GPU can show.
+
+    python gpu_check.py                        # writes gpu_check.md (about 15 minutes on one H100)
+    python gpu_check.py --out report.md --only kernels bench
+    python gpu_check.py --dry_run              # the plan: each section's command, run or skipped and why
+
+Sections, each run as its own subprocess (an out-of-memory error or a crash in one is reported, and the next runs):
+  kernels   the Triton kernels against the PyTorch path: forward and all gradients, float32 and bfloat16
+            (tests/nsa_triton_gpu_check.py)
+  bench     one NSA layer against SDPA (flash), forward and forward+backward at 8k, 32k and 64k
+            (benchmarks/bench_nsa_gpu.py); target: NSA forward at least 3x faster than SDPA at 64k
+  estimate  profile_memory.py --measure against its CPU estimate, 0.6B and 1.7B at 8k (full attention) and 32k (the
+            long-context recipe: NSA, checkpointing, tiled FFN, chunked loss); target: within 10% of the measured peak
+  train     train.py for 20 steps at 32k on 1.7B with NSA: tokens/s, MFU and peak memory
+  headline  the 4B / 131k headline (NSA, checkpointing, tiled FFN, chunked loss, activation offload) for 3 steps on
+            one GPU, where it has at least 140 GB
+Sections that cannot run here (no CUDA, no Triton, too little GPU memory) are listed as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+GB = 10**9
+
+
+@dataclass
+class Section:
+    """One part of the report: `commands` run in order; `needs` returns why it cannot run here (None: it can);
+    `summarise` turns the outputs (and the run directory) into Markdown."""
+
+    name: str
+    title: str
+    commands: Callable[[Path], list[list[str]]]
+    needs: Callable[[dict], str | None]
+    summarise: Callable[[list[str], Path], str]
+    timeout_s: int = 600
+
+
+def machine() -> dict:
+    """What this machine has: CUDA, its name and memory, Triton."""
+    import torch
+
+    info = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "gpu": None, "memory": 0}
+    if info["cuda"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, memory=props.total_memory)
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def _needs_cuda(info: dict) -> str | None:
+    return None if info["cuda"] else "no CUDA device"
+
+
+def _needs_triton(info: dict) -> str | None:
+    return _needs_cuda(info) or (None if info["triton"] else "Triton is not installed (pip install triton)")
+
+
+def _needs_memory(gb: float) -> Callable[[dict], str | None]:
+    def needs(info: dict) -> str | None:
+        if not info["cuda"]:
+            return "no CUDA device"
+        return None if info["memory"] >= gb * GB else f"needs {gb:g} GB of GPU memory, this GPU has " \
+                                                        f"{info['memory'] / GB:.0f} GB"
+    return needs
+
+
+def _tail(output: str, lines: int = 40) -> str:
+    return "```\n" + "\n".join(output.strip().splitlines()[-lines:]) + "\n```"
+
+
+def _table_lines(output: str) -> str:
+    """The Markdown table lines of a benchmark's output."""
+    return "\n".join(line for line in output.splitlines() if line.startswith("|"))
+
+
+# ---- profile_memory --measure against the estimate ------------------------------------------------------------------
+
+ESTIMATE_RUNS = [(size, T) for size in ("0.6B", "1.7B") for T in (8192, 32768)]
+
+
+def _estimate_command(size: str, T: int) -> list[str]:
+    recipe = ["--attention_type", "nsa", "--ffn_chunk_size", "8192", "--loss", "chunked"] if T >= 32768 else []
+    return [sys.executable, "profile_memory.py", "--model_size", size, "--context_length", str(T),
+            "--gradient_checkpointing", *recipe, "--measure", "--json"]
+
+
+def estimate_error(result: dict) -> float:
+    """(estimated peak - measured peak) / measured peak, from profile_memory's --json output."""
+    return (result["peak"]["total"] - result["measured"]["peak"]["total"]) / result["measured"]["peak"]["total"]
+
+
+def _summarise_estimates(outputs: list[str], work: Path) -> str:
+    rows = ["| model | T | estimated peak GiB | measured peak GiB | error |", "|---|---|---|---|---|"]
+    for (size, T), output in zip(ESTIMATE_RUNS, outputs, strict=True):
+        try:
+            result = json.loads(output[output.index("{"):])
+        except ValueError:
+            rows.append(f"| {size} | {T} | failed | | |\n\n{_tail(output, 15)}\n")
+            continue
+        rows.append(f"| {size} | {T} | {result['peak']['total'] / 2**30:.2f} | "
+                    f"{result['measured']['peak']['total'] / 2**30:.2f} | {estimate_error(result):+.1%} |")
+    return "\n".join(rows) + "\n\nTarget: within 10% of the measured peak."
+
+
+# ---- training -------------------------------------------------------------------------------------------------------
+
+def _train_command(out_dir: Path, *options: str) -> list[str]:
+    return [sys.executable, "train.py", "--checkpoint_interval", "0", "--sample_tokens", "0", "--log_interval", "5",
+            "--warmup_steps", "2", "--out_dir", str(out_dir), *options]
+
+
+def training_summary(metrics: list[dict], skip: int = 2) -> dict:
+    """Medians over the steps after the first `skip` (compilation, allocator warm-up): tokens/s, MFU, step time;
+    the largest peak memory."""
+    steady = [m for m in metrics if "loss" in m][skip:] or [m for m in metrics if "loss" in m]
+    median = {k: statistics.median(m[k] for m in steady) for k in ("tokens_per_s", "step_time_s")}
+    if all("mfu" in m for m in steady):
+        median["mfu"] = statistics.median(m["mfu"] for m in steady)
+    return {**median, "mem_peak_gib": max(m["mem_peak_gib"] for m in metrics if "loss" in m),
+            "final_loss": steady[-1]["loss"], "steps": len([m for m in metrics if "loss" in m])}
+
+
+def _summarise_training(name: str) -> Callable[[list[str], Path], str]:
+    def summarise(outputs: list[str], work: Path) -> str:
+        metrics_file = work / name / "metrics.jsonl"
+        if not metrics_file.exists():
+            return "failed before its first step:\n\n" + _tail(outputs[-1])
+        s = training_summary([json.loads(line) for line in metrics_file.read_text().splitlines()])
+        mfu = f"{s['mfu']:.1%}" if "mfu" in s else "n/a (unknown GPU peak)"
+        return (f"| steps | tokens/s | MFU | step time | peak memory | final loss |\n|---|---|---|---|---|---|\n"
+                f"| {s['steps']} | {s['tokens_per_s']:,.0f} | {mfu} | {s['step_time_s']:.2f} s | "
+                f"{s['mem_peak_gib']:.1f} GiB | {s['final_loss']:.3f} |\n\nMedians after the first 2 steps."
+                + ("" if s["steps"] else "\n\n" + _tail(outputs[-1])))
+    return summarise
+
+
+SECTIONS = [
+    Section("kernels", "Triton kernels against the PyTorch path",
+            lambda work: [[sys.executable, "tests/nsa_triton_gpu_check.py"]], _needs_triton,
+            lambda outputs, work: _tail(outputs[0])),
+    Section("bench", "NSA against SDPA (flash), one 4B-geometry layer",
+            lambda work: [[sys.executable, "benchmarks/bench_nsa_gpu.py"]], _needs_triton,
+            lambda outputs, work: (_table_lines(outputs[0]) or _tail(outputs[0]))
+            + "\n\nTarget: NSA forward at least 3x faster than SDPA at 64k (the paper reports 9x)."),
+    Section("estimate", "profile_memory.py: estimate against measured peak",
+            lambda work: [_estimate_command(size, T) for size, T in ESTIMATE_RUNS], _needs_cuda,
+            _summarise_estimates, timeout_s=1200),
+    Section("train", "train.py, 1.7B, NSA, 32k tokens, 20 steps",
+            lambda work: [_train_command(work / "train", "--model_size", "1.7B", "--attention_type", "nsa",
+                                         "--context_length", "32768", "--max_steps", "20")],
+            _needs_memory(40), _summarise_training("train")),
+    Section("headline", "The 4B / 131k headline on one GPU, 3 steps",
+            lambda work: [_train_command(work / "headline", "--context_length", "131072", "--max_steps", "3",
+                                         "--offload_activations")],
+            _needs_memory(140), _summarise_training("headline"), timeout_s=1500),
+]
+
+
+def run_section(section: Section, work: Path) -> tuple[str, float]:
+    """Run the section's commands; return its Markdown body and the seconds it took."""
+    start, outputs = time.perf_counter(), []
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real kernels
+    for command in section.commands(work):
+        try:
+            proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=section.timeout_s)
+            outputs.append(proc.stdout + proc.stderr + ("" if proc.returncode == 0 else
+                                                        f"\n(exit code {proc.returncode})"))
+        except subprocess.TimeoutExpired as e:
+            outputs.append(f"{e.stdout or ''}\n(timed out after {section.timeout_s} s)")
+    return section.summarise(outputs, work), time.perf_counter() - start
+
+
+def report(info: dict, sections: list[Section], dry_run: bool, work: Path, log: Callable[[str], None] = print
+           ) -> str:
+    """The Markdown report: the machine, then each section (its commands, and its result, skip reason or plan)."""
+    gpu = f"{info['gpu']}, {info['memory'] / GB:.0f} GB" if info["cuda"] else "no CUDA device"
+    parts = [f"# gpu_check report\n\n{gpu}; torch {info['torch']}, Triton {info['triton'] or 'not installed'}; "
+             f"{time.strftime('%Y-%m-%d %H:%M')}\n"]
+    for section in sections:
+        reason = section.needs(info)
+        commands = "\n".join(shlex.join(c).replace(sys.executable, "python") for c in section.commands(work))
+        parts.append(f"## {section.title} (`{section.name}`)\n\n```\n{commands}\n```\n")
+        if reason:
+            parts.append(f"Skipped: {reason}.\n")
+            log(f"{section.name}: skipped ({reason})")
+        elif dry_run:
+            parts.append("Would run (dry run).\n")
+            log(f"{section.name}: would run")
+        else:
+            log(f"{section.name}: running")
+            body, seconds = run_section(section, work)
+            parts.append(f"{body}\n\n({seconds:.0f} s)\n")
+            log(f"{section.name}: done in {seconds:.0f} s")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_check.md", help="the Markdown report")
+    parser.add_argument("--only", nargs="+", choices=[s.name for s in SECTIONS], help="run these sections only")
+    parser.add_argument("--dry_run", action="store_true", help="write the plan without running anything")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        parser.error(f"--out {out}: directory {out.parent} does not exist")
+    sections = [s for s in SECTIONS if not args.only or s.name in args.only]
+    with tempfile.TemporaryDirectory() as tmp:
+        text = report(machine(), sections, args.dry_run, Path(tmp))
+    out.write_text(text)
+    print(f"wrote {out}")
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""gpu_check.py without a GPU: the plan on a machine like an H100 (what runs, what is skipped and why), the report on
+this CPU, and the parsing of each section's output (profile_memory --json, metrics.jsonl)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gpu_check
+
+
+def test_the_plan_on_an_80_gb_gpu_skips_only_the_140_gb_headline(tmp_path: Path):
+    info = {"cuda": True, "gpu": "NVIDIA H100 80GB HBM3", "memory": 80 * 10**9, "torch": "2.13", "triton": "3.9"}
+    lines: list[str] = []
+    text = gpu_check.report(info, gpu_check.SECTIONS, dry_run=True, work=tmp_path, log=lines.append)
+    assert lines == ["kernels: would run", "bench: would run", "estimate: would run", "train: would run",
+                     "headline: skipped (needs 140 GB of GPU memory, this GPU has 80 GB)"]
+    assert text.count("## ") == 5 and "profile_memory.py --model_size 1.7B --context_length 32768" in text
+    no_triton = gpu_check.report({**info, "triton": None}, gpu_check.SECTIONS[:1], True, tmp_path, lines.append)
+    assert "Skipped: Triton is not installed" in no_triton
+
+
+def test_on_this_cpu_every_section_is_skipped_with_its_reason(tmp_path: Path, capsys):
+    text = gpu_check.main(["--out", str(tmp_path / "report.md")])
+    assert (tmp_path / "report.md").read_text() == text
+    assert text.count("Skipped: no CUDA device") == 5
+
+
+def test_section_outputs_become_tables(tmp_path: Path):
+    peak = {"total": 11 * 2**30}
+    result = {"peak": peak, "measured": {"peak": {"total": 10 * 2**30}}}
+    assert gpu_check.estimate_error(result) == 0.1
+    text = gpu_check._summarise_estimates(["log line\n" + json.dumps(result)] * 3 + ["Traceback: OOM"], tmp_path)
+    assert "| 0.6B | 8192 | 11.00 | 10.00 | +10.0% |" in text and "| 1.7B | 32768 | failed |" in text
+    rows = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000.0 * s, "step_time_s": 1.0, "mem_peak_gib": 30.0 + s,
+             "mfu": 0.01 * s} for s in range(1, 6)]
+    summary = gpu_check.training_summary([*rows, {"step": 5, "resumed_with": {}}])
+    assert summary == {"tokens_per_s": 4000.0, "step_time_s": 1.0, "mfu": 0.04, "mem_peak_gib": 35.0,
+                       "final_loss": 4.5, "steps": 5}
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "| 5 | 4,000 | 4.0% | 1.00 s | 35.0 GiB | 4.500 |" in gpu_check._summarise_training("train")([""], tmp_path)

@@ -1,0 +1,98 @@
+"""train.py --init_from: a tiny Qwen3 saved by transformers, with a Hugging Face tokenizer.json, is trained from its
+weights. The first step's loss (before any update) equals the loss transformers computes on the same batch, in one
+process and sharded over two gloo ranks (weights read by rank 0 and broadcast); the run's data is tokenized with the
+model's own tokenizer, and --rope_theta and the context length change the architecture's RoPE only."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+
+import train
+from data import TokenLoader, prepare, stdlib_files
+from tokenizer import HFTokenizer, check_vocab
+
+tokenizers = pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+
+T, B = 32, 2
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a Hugging Face Qwen3 directory with model and tokenizer, data tokenized with that tokenizer)."""
+    root = tmp_path_factory.mktemp("qwen3")
+    model_dir, data_dir = root / "qwen3", root / "data"
+    files = stdlib_files()[:40]
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train([str(f) for f in files], trainer)
+    config = transformers.Qwen3Config(vocab_size=448, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, tie_word_embeddings=True, rope_theta=1e6)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(model_dir)
+    bpe.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    tokenizer = HFTokenizer(model_dir / "tokenizer.json")
+    assert tokenizer.eod_id == 0 and tokenizer.vocab_size == 400
+    check_vocab(tokenizer, config.vocab_size)
+    prepare(files, tokenizer, data_dir)
+    return model_dir, data_dir
+
+
+def transformers_first_loss(model_dir: Path, data_dir: Path) -> float:
+    """transformers' loss on the first batch the run sees (rank 0 of 1 and ranks 0 and 1 of 2 together)."""
+    model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+    input_ids, labels = next(TokenLoader(data_dir, T, B, 0, 1, 0))
+    with torch.no_grad():
+        return model(input_ids=input_ids, labels=labels).loss.item()
+
+
+def run(model_dir: Path, data_dir: Path, out_dir: Path, *extra: str) -> dict:
+    return train.main(["--init_from", str(model_dir), "--data_dir", str(data_dir), "--out_dir", str(out_dir),
+                       "--context_length", str(T), "--batch_size", str(B), "--max_steps", "1", "--sample_tokens", "4",
+                       "--dtype", "float32", *extra])
+
+
+def test_first_step_loss_equals_transformers(qwen3: tuple[Path, Path], tmp_path: Path):
+    model_dir, data_dir = qwen3
+    first = run(model_dir, data_dir, tmp_path / "run")
+    assert first["loss"] == pytest.approx(transformers_first_loss(model_dir, data_dir), abs=1e-5)
+    resolved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert resolved["model"]["vocab_size"] == 448 and resolved["model"]["context_length"] == T
+    assert resolved["train"]["tokenizer"] == str(model_dir / "tokenizer.json") and resolved["train"]["lr"] == 2e-5
+
+
+def _sharded_first_loss(model_dir: str, data_dir: str, out_dir: str, results: str) -> None:
+    metrics = run(Path(model_dir), Path(data_dir), Path(out_dir), "--batch_size", "1")
+    if os.environ["RANK"] == "0":
+        Path(results).write_text(json.dumps(metrics))
+
+
+@pytest.mark.slow
+def test_sharded_start_broadcasts_the_weights(qwen3: tuple[Path, Path], tmp_path: Path):
+    """Two ranks x 1 sequence see the single process's batch of 2: the same first loss, the weights read by rank 0
+    only and broadcast into FSDP2's shards."""
+    model_dir, data_dir = qwen3
+    results = tmp_path / "metrics.json"
+    run_distributed(_sharded_first_loss, str(model_dir), str(data_dir), str(tmp_path / "run"), str(results))
+    loss = json.loads(results.read_text())["loss"]
+    assert loss == pytest.approx(transformers_first_loss(model_dir, data_dir), abs=1e-5)
+
+
+def test_rope_theta_and_context_change_only_rope(qwen3: tuple[Path, Path], tmp_path: Path):
+    model_dir, data_dir = qwen3
+    run(model_dir, data_dir, tmp_path / "run", "--rope_theta", "4e6")
+    resolved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert resolved["rope_theta"] == 4e6 and resolved["n_layers"] == 2 and resolved["head_dim"] == 16
+    with pytest.raises(ValueError, match="converting it is not supported"):
+        run(model_dir, data_dir, tmp_path / "nsa", "--attention_type", "nsa")
