@@ -186,21 +186,29 @@ def split_overrides(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
 
 
 LLAMA3_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+YARN_ROPE_KEYS = ("rope_type", "factor", "original_max_position_embeddings")  # required
+YARN_OPTIONAL_KEYS = ("beta_fast", "beta_slow", "attention_factor", "truncate")
 
 
 def validate_rope_scaling(scaling: object) -> None:
-    """ValueError unless `scaling` is a well-formed llama3 rope_scaling dict (the only scaling supported)."""
-    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
-        raise ValueError(f"ModelConfig.rope_scaling must be None or a dict with rope_type 'llama3' (the only "
-                         f"supported scaling), got {scaling!r}")
-    if sorted(scaling) != sorted(LLAMA3_ROPE_KEYS):
-        raise ValueError(f"ModelConfig.rope_scaling needs exactly the keys {list(LLAMA3_ROPE_KEYS)}, "
-                         f"got {sorted(scaling)}")
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original_length = scaling["original_max_position_embeddings"]
-    if not (factor >= 1 and 0 < low < high):
-        raise ValueError(f"ModelConfig.rope_scaling needs factor >= 1 and 0 < low_freq_factor < high_freq_factor, "
-                         f"got factor={factor}, low_freq_factor={low}, high_freq_factor={high}")
+    """ValueError unless `scaling` is a well-formed rope_scaling dict: rope_type "llama3" (Llama 3.1) with exactly
+    LLAMA3_ROPE_KEYS, or "yarn" (Qwen3's long-context setting) with YARN_ROPE_KEYS and any of YARN_OPTIONAL_KEYS."""
+    kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+    if kind not in ("llama3", "yarn"):
+        raise ValueError(f"ModelConfig.rope_scaling must be None or a dict with rope_type 'llama3' or 'yarn', got "
+                         f"{scaling!r}")
+    required, optional = (LLAMA3_ROPE_KEYS, ()) if kind == "llama3" else (YARN_ROPE_KEYS, YARN_OPTIONAL_KEYS)
+    if not set(required) <= set(scaling) <= set(required) | set(optional):
+        raise ValueError(f"ModelConfig.rope_scaling ({kind}) needs the keys {list(required)}"
+                         + (f" and may have {list(optional)}" if optional else "") + f", got {sorted(scaling)}")
+    factor, original_length = scaling["factor"], scaling["original_max_position_embeddings"]
+    if not factor >= 1:
+        raise ValueError(f"ModelConfig.rope_scaling needs factor >= 1, got {factor}")
+    if kind == "llama3" and not 0 < scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ValueError(f"ModelConfig.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                         f"{scaling['low_freq_factor']}, {scaling['high_freq_factor']}")
+    if kind == "yarn" and not scaling.get("beta_fast", 32) > scaling.get("beta_slow", 1) > 0:
+        raise ValueError(f"ModelConfig.rope_scaling needs beta_fast > beta_slow > 0, got {scaling}")
     if not isinstance(original_length, int) or isinstance(original_length, bool) or original_length <= 0:
         raise ValueError(f"ModelConfig.rope_scaling original_max_position_embeddings must be a positive integer, "
                          f"got {original_length!r}")

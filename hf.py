@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from config import ComputeConfig, ModelConfig, check_fields
+from config import YARN_OPTIONAL_KEYS, ComputeConfig, ModelConfig, check_fields
 from model import Transformer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -82,9 +82,18 @@ def _rope_from_hf(hf_config: dict) -> tuple[float, dict | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported; only 'llama3' (Llama 3.1/3.2) is")
     where = "config.json rope scaling"
+    if rope_type == "yarn":
+        if params.get("mscale") or params.get("mscale_all_dim"):
+            raise ValueError("yarn rope scaling with mscale / mscale_all_dim (DeepSeek's variant) is not supported")
+        scaling = {"rope_type": "yarn", "factor": float(_require(params, "factor", where)),
+                   "original_max_position_embeddings": int(params.get("original_max_position_embeddings")
+                                                           or _require(hf_config, "max_position_embeddings"))}
+        scaling |= {k: params[k] for k in YARN_OPTIONAL_KEYS if params.get(k) is not None}
+        return theta, scaling
+    if rope_type != "llama3":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported; only 'llama3' (Llama 3.1/3.2) and "
+                         "'yarn' (Qwen3) are")
     scaling = {
         "rope_type": "llama3",
         "factor": float(_require(params, "factor", where)),

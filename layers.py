@@ -43,10 +43,13 @@ class RotaryEmbedding(nn.Module):
     length, so repeated decode steps do not rebuild them. `context_length` only sets the initial size: positions
     past it work (the tables grow).
 
-    `scaling` (None or a validated `ModelConfig.rope_scaling` dict, rope_type "llama3") rescales the frequencies as
-    Llama 3.1 does (https://arxiv.org/abs/2407.21783): wavelengths shorter than original_max_position_embeddings /
-    high_freq_factor are kept, those longer than original_max_position_embeddings / low_freq_factor are divided by
-    `factor`, and the band in between is interpolated linearly in original_max_position_embeddings / wavelength.
+    `scaling` (None or a validated `ModelConfig.rope_scaling` dict) rescales the frequencies:
+    - rope_type "llama3", as Llama 3.1 does (https://arxiv.org/abs/2407.21783): wavelengths shorter than
+      original_max_position_embeddings / high_freq_factor are kept, those longer than original_max_position_embeddings
+      / low_freq_factor are divided by `factor`, and the band in between is interpolated linearly in
+      original_max_position_embeddings / wavelength;
+    - rope_type "yarn" (https://arxiv.org/abs/2309.00071), as Qwen3 reaches 131k: see `yarn_scale_frequencies`;
+      the tables are also multiplied by its attention factor.
     """
 
     def __init__(self, head_dim: int, theta: float, context_length: int,
@@ -64,13 +67,16 @@ class RotaryEmbedding(nn.Module):
     def _build(self, length: int, device: torch.device) -> None:
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
                                          / self.head_dim))  # (D/2,)
-        if self.scaling is not None:
+        scale = 1.0
+        if self.scaling is not None and self.scaling["rope_type"] == "llama3":
             inv_freq = llama3_scale_frequencies(inv_freq, self.scaling)
+        elif self.scaling is not None:
+            inv_freq, scale = yarn_scale_frequencies(inv_freq, self.scaling, self.head_dim, self.theta)
         pos = torch.arange(length, device=device, dtype=torch.float32)  # (T,)
         angles = torch.outer(pos, inv_freq)  # (T, D/2)
         angles = torch.cat([angles, angles], dim=-1)  # (T, D)
-        self.cos = angles.cos()
-        self.sin = angles.sin()
+        self.cos = angles.cos() * scale
+        self.sin = angles.sin() * scale
 
     def forward(self, seq_len: int, offset: int, device: torch.device) -> tuple[Tensor, Tensor]:
         needed = offset + seq_len
@@ -94,6 +100,30 @@ def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict[str, float | int | 
     interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = torch.where(wavelength > original_length / low, inv_freq / factor, interpolated)
     return torch.where(wavelength < original_length / high, inv_freq, scaled)
+
+
+def yarn_scale_frequencies(inv_freq: Tensor, scaling: dict[str, float | int | str], head_dim: int, theta: float
+                           ) -> tuple[Tensor, float]:
+    """YaRN ("NTK-by-parts") rescaling of `inv_freq` (D/2,) for a context `factor` times the original length L:
+    dimensions that turn more than beta_fast times over L keep their frequency (extrapolation), those turning fewer
+    than beta_slow times are divided by `factor` (interpolation), with a linear ramp between the two (the ramp's
+    ends rounded outwards when `truncate`, the default). Returns (the frequencies (D/2,), the attention factor that
+    multiplies cos and sin: `attention_factor`, default 0.1 ln(factor) + 1)."""
+    factor, original_length = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+
+    def dimension(rotations: float) -> float:  # the dimension index whose wavelength fits `rotations` times in L
+        return head_dim * math.log(original_length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, device=inv_freq.device, dtype=torch.float32) - low)
+            / (max(high - low, 1e-3))).clamp(0, 1)  # (D/2,): 0 keeps the frequency, 1 interpolates it
+    scaled = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    attention_factor = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
+    return scaled, float(attention_factor)
 
 
 ROPE_CHUNK = 4096  # positions rotated at a time: bounds the float32 temporaries to (B, H, ROPE_CHUNK, D)

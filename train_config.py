@@ -47,6 +47,9 @@ class TrainConfig:
     context_length: int = option(256, "T: tokens per training sequence")
     rope_theta: float | None = option(None, "RoPE base (default: the preset's or the --init_from model's); a larger "
                                             "base extends the context")
+    rope_scaling: dict = option({}, "RoPE scaling as JSON (default: the preset's or the --init_from model's), e.g. "
+                                    "YaRN: '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                    "\"original_max_position_embeddings\": 32768}'")
     model_overrides: dict = option({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
@@ -227,10 +230,11 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     Activation offload left at None is on when the checkpointed block inputs (`checkpointed_bytes`) would exceed
     OFFLOAD_SHARE of `device_memory` (bytes of one GPU; None: not a GPU, never).
     `stored`: the architecture of the --init_from weights, used instead of the preset (its vocabulary and attention
-    type kept; the context length, --rope_theta and model_overrides applied)."""
+    type kept; the context length, --rope_theta, --rope_scaling and model_overrides applied)."""
     model_overrides, compute_overrides = split_overrides(cfg.model_overrides)
     long = {"ffn_chunk_size": TILED_FFN_CHUNK, "loss_mode": "chunked"} if cfg.context_length >= LONG_CONTEXT else {}
     theta = {"rope_theta": cfg.rope_theta} if cfg.rope_theta else {}
+    theta |= {"rope_scaling": cfg.rope_scaling} if cfg.rope_scaling else {}
     if stored is not None:
         if cfg.attention_type not in ("auto", stored.attention_type):
             raise ValueError(f"--attention_type {cfg.attention_type}: the --init_from model has "

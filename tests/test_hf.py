@@ -16,6 +16,8 @@ from model import ModelConfig, Transformer
 ATOL = 1e-5  # float32 logits of two independent implementations (ours: SDPA; transformers: eager attention)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
+# Qwen3's long-context setting (factor 4 over 32k), here over 16 positions so that the test's sequences go past it.
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 # head_dim 32 != hidden / heads in the Qwen3 case: the q/o projections are not square, as in Qwen3-0.6B.
 FAMILIES = {
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32, num_key_value_heads=2, tie_word_embeddings=True,
@@ -24,6 +26,8 @@ FAMILIES = {
                                                   rope_theta=5e5, rms_norm_eps=1e-5)),
     "llama3": (LlamaForCausalLM, LlamaConfig, dict(head_dim=16, num_key_value_heads=2, tie_word_embeddings=True,
                                                    rope_theta=5e5, rms_norm_eps=1e-5, rope_scaling=LLAMA3_SCALING)),
+    "qwen3_yarn": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32, num_key_value_heads=2, tie_word_embeddings=True,
+                                                       rope_theta=1e6, rms_norm_eps=1e-6, rope_scaling=YARN_SCALING)),
 }
 
 
@@ -74,11 +78,12 @@ def test_load_matches_transformers(tmp_path, family, ids):
     torch.testing.assert_close(our_logits(model, ids), hf_logits(hf_model, ids), atol=ATOL, rtol=0)
 
 
-def test_llama3_rope_scaling_matches_transformers(tmp_path, ids):
-    hf_model = make_hf_model("llama3")
+@pytest.mark.parametrize("family,scaling", [("llama3", LLAMA3_SCALING), ("qwen3_yarn", YARN_SCALING)])
+def test_rope_scaling_matches_transformers(tmp_path, ids, family, scaling):
+    hf_model = make_hf_model(family)
     hf_model.save_pretrained(tmp_path)
     model = load_hf_checkpoint(tmp_path)
-    assert model.config.rope_scaling == LLAMA3_SCALING
+    assert {k: model.config.rope_scaling[k] for k in scaling} == scaling
 
     T = ids.shape[1]
     x = torch.zeros(1, T, 64)
@@ -93,7 +98,8 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path, ids):
     assert (our_logits(unscaled, ids) - expected).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("family,max_shard_bytes", [("qwen3", 10**9), ("llama", 30_000), ("llama3", 10**9)])
+@pytest.mark.parametrize("family,max_shard_bytes", [("qwen3", 10**9), ("llama", 30_000), ("llama3", 10**9),
+                                                    ("qwen3_yarn", 10**9)])
 def test_export_roundtrip(tmp_path, family, max_shard_bytes, ids):
     hf_model = make_hf_model(family)
     hf_model.save_pretrained(tmp_path / "src")
@@ -235,12 +241,12 @@ def test_missing_directory_and_config(tmp_path):
     (dict(attention_bias=True), "attention_bias=true is not supported"),
     (dict(mlp_bias=True), "mlp_bias=true is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "'yarn' is not supported"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}), "'dynamic' is not supported"),
     (dict(rope_parameters=None, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks .*'low_freq_factor'"),
     (dict(intermediate_size=100), r"6 mis-shaped tensors.*mlp.down_proj.weight: checkpoint \(64, 192\) vs model "
                                   r"\(64, 100\)"),
     (dict(tie_word_embeddings=True), r"lm_head.weight differs from the embedding"),
-], ids=["model_type", "attention_bias", "mlp_bias", "hidden_act", "yarn", "llama3_incomplete", "shape",
+], ids=["model_type", "attention_bias", "mlp_bias", "hidden_act", "dynamic", "llama3_incomplete", "shape",
         "tied_mismatch"])
 def test_bad_config(tiny_dir, changes, match):
     edit_config(tiny_dir, **changes)
@@ -299,7 +305,11 @@ def test_export_refuses_to_clobber(tiny_dir):
 
 
 def test_rope_scaling_validation():
-    with pytest.raises(ValueError, match="only supported scaling"):
+    with pytest.raises(ValueError, match="rope_type 'llama3' or 'yarn'"):
+        ModelConfig.from_preset("tiny", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"\(yarn\) needs the keys .*original_max_position_embeddings"):
         ModelConfig.from_preset("tiny", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="beta_fast > beta_slow"):
+        ModelConfig.from_preset("tiny", rope_scaling={**YARN_SCALING, "beta_fast": 1, "beta_slow": 2})
     with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
         ModelConfig.from_preset("tiny", rope_scaling={**LLAMA3_SCALING, "low_freq_factor": 4.0})

@@ -96,3 +96,15 @@ def test_rope_theta_and_context_change_only_rope(qwen3: tuple[Path, Path], tmp_p
     assert resolved["rope_theta"] == 4e6 and resolved["n_layers"] == 2 and resolved["head_dim"] == 16
     with pytest.raises(ValueError, match="converting it is not supported"):
         run(model_dir, data_dir, tmp_path / "nsa", "--attention_type", "nsa")
+
+
+def test_extending_the_context_of_an_export_with_yarn(data_dir: Path, tmp_path: Path):
+    """The README's CPU recipe: train at 64 tokens, then continue from the export at 256 with YaRN (factor 4)."""
+    base = ["--model_size", "tiny", "--data_dir", str(data_dir), "--batch_size", "2", "--max_steps", "2",
+            "--sample_tokens", "0"]
+    train.main([*base, "--context_length", "64", "--out_dir", str(tmp_path / "short")])
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    metrics = train.main([*base, "--context_length", "256", "--init_from", str(tmp_path / "short" / "model"),
+                          "--rope_scaling", json.dumps(yarn), "--out_dir", str(tmp_path / "long")])
+    resolved = json.loads((tmp_path / "long" / "config.json").read_text())["model"]
+    assert resolved["rope_scaling"] == yarn and resolved["context_length"] == 256 and metrics["step"] == 2
