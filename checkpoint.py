@@ -1,8 +1,9 @@
 """Training checkpoints with torch.distributed.checkpoint (DCP), and export of the final weights.
 
 Layout of `out_dir/step-N/` (N = optimizer steps taken):
-    .metadata, __R_r.distcp   model and optimizer state, sharded by rank; DCP reshards on load, so a checkpoint
-                              written by W ranks resumes on any number of ranks (with or without FSDP)
+    .metadata, __R_r.distcp   model (trained parameters: not a frozen base) and optimizer state, sharded by rank;
+                              DCP reshards on load, so a checkpoint written by W ranks resumes on any number of
+                              ranks (with or without FSDP)
     train_state.json          step, scheduler, data-loader position, configs, world size (written by rank 0)
     rng_rank{r}.pt            torch RNG states of rank r (CPU, and CUDA when used)
     manifest.json             size and CRC-32 of every other file (written last, before the rename)
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -54,6 +56,9 @@ from torch.distributed.checkpoint.state_dict import (
 from model import Transformer
 
 STATE_NAME = "train_state.json"
+# A checkpoint holds the trained parameters only: a frozen base (LoRA) comes from the run's --init_from weights.
+# strict=False on load: the entries come from `_trained_state` of the same model, and DCP fails on any it lacks.
+TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 MANIFEST_NAME = "manifest.json"
 _CRC_BLOCK = 16 * 2**20  # bytes per checksum: blocks are checksummed in parallel
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -174,7 +179,7 @@ def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: tor
     if rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left over from a save that was interrupted
     _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": _trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
     rng = {"cpu": torch.get_rng_state()}
@@ -192,6 +197,13 @@ def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: tor
         _fsync(out_dir)
     _barrier()
     return final
+
+
+def _trained_state(model: Transformer) -> dict:
+    """The model's state dict without frozen parameters, under every name they have (a tied output weight shares
+    the frozen embedding's Parameter, which `ignore_frozen_params` alone keeps under its second name)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in get_model_state_dict(model, options=TRAINED).items() if k not in frozen}
 
 
 def prune_checkpoints(out_dir: Path, keep: int, spare: Path | None = None) -> list[Path]:
@@ -283,9 +295,9 @@ def load_checkpoint(path: Path, model: Transformer, optimizer: torch.optim.Optim
     if differ:
         raise ValueError(f"checkpoint {path} holds a different model: " + ", ".join(
             f"{k}={saved[k]!r} (now {current[k]!r})" for k in differ))
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": _trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     _read(path, state)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=TRAINED)
     set_optimizer_state_dict(model, optimizer, state["optim"])
     rng_file = path / f"rng_rank{rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than were saved: those keep their seeded state

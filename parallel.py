@@ -50,7 +50,8 @@ def init_sharded_weights(model: Transformer, device: torch.device, seed: int) ->
     rank, so `to_empty` + `init_weights` is rank-consistent without communication. CPU generators have no such
     offsets: every rank would draw the same numbers for its own shard (duplicated rows). On CPU, every rank
     therefore initialises the full model from the seed and keeps its shard, which reproduces the single-process
-    initialisation `torch.manual_seed(seed); Transformer(config)` exactly.
+    initialisation `torch.manual_seed(seed); Transformer(config)` exactly. Parameters a plain Transformer does not
+    have (LoRA adapters) are left to their owner to initialise (lora.init_lora).
     """
     model.to_empty(device=device)
     torch.manual_seed(seed)
@@ -58,5 +59,5 @@ def init_sharded_weights(model: Transformer, device: torch.device, seed: int) ->
         model.init_weights()
         return
     full = Transformer(model.config, model.compute)  # built on the CPU and initialised in __init__ from the seeded RNG
-    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True, strict=False))
     model.rope.init_weights()  # to_empty left the (non-persistent) RoPE tables uninitialised

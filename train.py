@@ -51,6 +51,7 @@ from config import ComputeConfig, ModelConfig
 from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files
 from eval import validation_loss, validation_windows
 from hf import export_refusal
+from lora import apply_lora, init_lora, load_adapter, merge_lora_, save_adapter
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from monitor import (
@@ -153,6 +154,8 @@ def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainCon
     else:
         with torch.device("meta"):
             model = Transformer(model_config, compute)
+    if cfg.finetune == "lora":
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
     model.gradient_checkpointing_enable(cfg.gradient_checkpointing)
     if cfg.compile:
         for block in model.layers:
@@ -228,8 +231,15 @@ def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Ten
 
 def export_and_sample(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, rt: Runtime,
                       autocast: contextlib.AbstractContextManager) -> None:
-    """The end of a language-modelling run: export the weights (weights.export_model) and print a sample."""
-    written = export_model(model, Path(cfg.out_dir))
+    """The end of a language-modelling run: export the weights (weights.export_model; a LoRA run: its adapters in
+    peft's layout, and with --merge the merged model) and print a sample."""
+    if cfg.finetune == "lora":
+        written = [save_adapter(model, Path(cfg.out_dir) / "adapter", cfg.init_from)]
+        if cfg.merge:
+            merge_lora_(model)
+            written += export_model(model, Path(cfg.out_dir), drop_adapters=True)
+    else:
+        written = export_model(model, Path(cfg.out_dir))
     if rt.rank == 0:
         print(f"exported {', '.join(str(p) for p in written)}")
         if refusal := export_refusal(model.config):
@@ -307,8 +317,12 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     step, bad_steps, changed = 0, 0, {}
-    if cfg.init_from and not resume_from:
+    if cfg.init_from and (not resume_from or cfg.finetune == "lora"):  # a LoRA checkpoint holds no base
         load_initial_weights(model, cfg.init_from)
+    if cfg.finetune == "lora":
+        init_lora(model, cfg.seed)
+        if cfg.adapter:
+            load_adapter(model, cfg.adapter)
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer)
         step, bad_steps = state["step"], state["bad_steps"]

@@ -53,6 +53,15 @@ class TrainConfig:
     model_overrides: dict = option({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
+    finetune: str = option("full", "'full': train every weight; 'lora': LoRA adapters on a frozen base (needs "
+                                   "--init_from); only the adapters are optimised and checkpointed")
+    lora_rank: int = option(16, "LoRA rank r")
+    lora_alpha: float = option(32.0, "LoRA scale numerator (the update is alpha / r * B A)")
+    lora_targets: str = option("q,k,v,o", "comma-separated projections LoRA adapts in every block: q, k, v, o, gate, "
+                                          "up, down")
+    adapter: str | None = option(None, "LoRA adapters to start from (a peft-layout directory, e.g. OUT_DIR/adapter)")
+    merge: bool = option(False, "LoRA: at the end also fold the adapters into the base and export the merged model "
+                                "(OUT_DIR/model, hf/)")
     offload_activations: bool | None = option(None, "keep the tensors blocks save for backward (with checkpointing: "
                                                     "their inputs) in pinned host memory, copied on a side stream "
                                                     "(CUDA); default: on when those inputs would take over "
@@ -97,13 +106,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"model_size": [*PRESETS, "auto"], "attention_type": ["auto", *ATTENTION_TYPES],
-                   "dtype": ["auto", "float32", "bfloat16"]}
+                   "dtype": ["auto", "float32", "bfloat16"], "finetune": ["full", "lora"]}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         minimum = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
                    "warmup_steps": 0, "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1,
-                   "eval_interval": 0, "eval_tokens": 1, "keep_checkpoints": 1,
+                   "eval_interval": 0, "eval_tokens": 1, "keep_checkpoints": 1, "lora_rank": 1,
                    "sample_tokens": 0}
         for name, low in minimum.items():
             value = getattr(self, name)
@@ -115,6 +124,10 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "checkpoint_minutes", "heartbeat_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.finetune == "lora" and not self.init_from:
+            raise ValueError("--finetune lora adapts pretrained weights: give them with --init_from")
+        if (self.adapter or self.merge) and self.finetune != "lora":
+            raise ValueError("--adapter and --merge are for --finetune lora")
         if not 0 <= self.synthetic_mix <= 1:
             raise ValueError(f"--synthetic_mix must be in [0, 1], got {self.synthetic_mix}")
         if not 0 <= self.min_lr_ratio <= 1:

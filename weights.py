@@ -35,11 +35,14 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT = "longctx"  # config.json "format" of the project's export (a Hugging Face config.json has "model_type")
 
 
-def gather_model(model: Transformer) -> Transformer | None:
-    """The full model as a plain (unsharded) CPU Transformer on rank 0, None on other ranks (collective)."""
+def gather_model(model: Transformer, drop_adapters: bool = False) -> Transformer | None:
+    """The full model as a plain (unsharded) CPU Transformer on rank 0, None on other ranks (collective).
+    `drop_adapters`: leave out LoRA adapter weights (after lora.merge_lora_ folded them into the base)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank() != 0:
         return None
+    if drop_adapters:
+        full = {name: t for name, t in full.items() if ".lora_" not in name}
     with torch.device("meta"):
         plain = Transformer(model.config, model.compute)
     plain.load_state_dict(full, assign=True)
@@ -49,12 +52,13 @@ def gather_model(model: Transformer) -> Transformer | None:
     return plain
 
 
-def export_model(model: Transformer, out_dir: str | Path) -> list[Path]:
+def export_model(model: Transformer, out_dir: str | Path, drop_adapters: bool = False) -> list[Path]:
     """Write the final weights of `model` (collective under FSDP: every rank calls it): `out_dir/model/`
     (model.safetensors + config.json, the project's layout, any attention type) and `out_dir/hf/` (the Hugging Face
     layout) when the architecture has an equivalent there (`hf.export_refusal`). Each file is written to a
-    temporary name and renamed. Returns the directories written on rank 0, [] elsewhere."""
-    plain = gather_model(model)
+    temporary name and renamed. Returns the directories written on rank 0, [] elsewhere. `drop_adapters`: see
+    `gather_model`."""
+    plain = gather_model(model, drop_adapters)
     if plain is None:
         return []
     out_dir = Path(out_dir)
@@ -166,16 +170,19 @@ def stored_config(path: str | Path) -> ModelConfig:
 
 def load_initial_weights(model: Transformer, path: str | Path) -> None:
     """Fill `model` (plain, or sharded by FSDP2: collective then) with the weights stored at `path`, which must have
-    the same parameter names and shapes (RoPE settings and the context length may differ: they are not weights).
-    Only rank 0 reads the file; under FSDP its full state dict is broadcast and each rank keeps its shards."""
+    the same parameter names and shapes (RoPE settings and the context length may differ: they are not weights;
+    LoRA adapters are not in the file). Only rank 0 reads the file; under FSDP its full state dict is broadcast and
+    each rank keeps its shards (the architecture was built from the file's own config, `stored_config`)."""
     source = load_model(path, "cpu", torch.float32) if rank() == 0 else None
     state = source.state_dict() if source is not None else {}
     if not dist.is_initialized():
         missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [name for name in missing if ".lora_" not in name]  # adapters: lora.init_lora
         if missing or unexpected:
             raise ValueError(f"{path} does not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
         return
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                strict=False))  # adapters: lora.init_lora
 
 
 def _json_object(path: Path) -> dict:

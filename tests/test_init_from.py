@@ -14,39 +14,11 @@ import torch
 from distributed import run_distributed
 
 import train
-from data import TokenLoader, prepare, stdlib_files
-from tokenizer import HFTokenizer, check_vocab
+from data import TokenLoader
 
-tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-T, B = 32, 2
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(a Hugging Face Qwen3 directory with model and tokenizer, data tokenized with that tokenizer)."""
-    root = tmp_path_factory.mktemp("qwen3")
-    model_dir, data_dir = root / "qwen3", root / "data"
-    files = stdlib_files()[:40]
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    bpe.train([str(f) for f in files], trainer)
-    config = transformers.Qwen3Config(vocab_size=448, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=256, tie_word_embeddings=True, rope_theta=1e6)
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(model_dir)
-    bpe.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    tokenizer = HFTokenizer(model_dir / "tokenizer.json")
-    assert tokenizer.eod_id == 0 and tokenizer.vocab_size == 400
-    check_vocab(tokenizer, config.vocab_size)
-    prepare(files, tokenizer, data_dir)
-    return model_dir, data_dir
+T, B = 32, 2  # the qwen3 fixture's data (conftest.py) is read in windows of T tokens
 
 
 def transformers_first_loss(model_dir: Path, data_dir: Path) -> float:

@@ -1,0 +1,109 @@
+"""lora.py and train.py --finetune lora: an adapted model starts equal to its base, merging changes no output, only
+the adapters train and are checkpointed, the adapters are written in peft's layout (peft itself reads them into the
+transformers model and gives our logits), and --adapter loads only them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from safetensors.torch import load_file
+from test_init_from import T
+from torch.distributed.checkpoint import FileSystemReader
+
+import train
+from config import ModelConfig
+from lora import apply_lora, init_lora, lora_layers, merge_lora_
+from model import Transformer
+
+
+def test_adapters_start_at_the_base_and_merge_exactly():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny")).double()
+    ids = torch.randint(0, 512, (2, 24))
+    base = model(ids).logits
+    adapted = apply_lora(model, rank=4, alpha=8, targets=("q", "v", "down"))
+    assert adapted[:3] == ["layers.0.attn.q_proj", "layers.0.attn.v_proj", "layers.0.mlp.down_proj"]
+    init_lora(model, seed=0)
+    assert torch.equal(model(ids).logits, base)  # B = 0
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{m}.lora_{x}.weight" for m in adapted for x in "AB"}
+    for layer in lora_layers(model).values():
+        layer.lora_B.weight.data.normal_(std=0.1)
+    before = model(ids).logits
+    assert (before - base).abs().max() > 1e-3
+    merge_lora_(model)
+    torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="non-empty subset"):
+        apply_lora(Transformer(ModelConfig.from_preset("tiny")), targets=("qq",))
+
+
+def test_lora_run_trains_and_checkpoints_only_the_adapters(qwen3, tmp_path: Path):
+    model_dir, data_dir = qwen3
+    run = ["--init_from", str(model_dir), "--data_dir", str(data_dir), "--context_length", str(T), "--batch_size", "2",
+           "--sample_tokens", "4", "--finetune", "lora", "--lr", "1e-2", "--warmup_steps", "1"]
+    train.main([*run, "--max_steps", "3", "--checkpoint_interval", "2", "--out_dir", str(tmp_path / "a")])
+    saved = FileSystemReader(tmp_path / "a" / "step-2").read_metadata().state_dict_metadata
+    model_keys = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    assert model_keys and all(".lora_" in k for k in model_keys)  # no base weight in the checkpoint
+    adapter = load_file(tmp_path / "a" / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapter
+    assert adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (16, 64)
+    config = json.loads((tmp_path / "a" / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 16, 32.0)
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    # Resume: the base comes from --init_from again, the adapters and AdamW from the checkpoint; bitwise.
+    resumed = train.main([*run, "--max_steps", "3", "--out_dir", str(tmp_path / "a"), "--resume",
+                          str(tmp_path / "a" / "step-2")])
+    straight = train.main([*run, "--max_steps", "3", "--out_dir", str(tmp_path / "b")])
+    assert resumed["loss"] == straight["loss"]
+    # --adapter loads only the adapters onto the base: the merged export equals the adapted model.
+    train.main([*run, "--max_steps", "1", "--lr", "1e-12", "--adapter", str(tmp_path / "a" / "adapter"), "--merge",
+                "--out_dir", str(tmp_path / "c")])
+    merged = load_file(tmp_path / "c" / "model" / "model.safetensors")
+    assert not any(".lora_" in k for k in merged)
+
+
+def _lora_run(model_dir: str, data_dir: str, out_dir: str, batch: str, results: str | None = None) -> None:
+    metrics = train.main(["--init_from", model_dir, "--data_dir", data_dir, "--context_length", str(T), "--batch_size",
+                          batch, "--sample_tokens", "4", "--finetune", "lora", "--lr", "1e-2", "--warmup_steps", "1",
+                          "--max_steps", "3", "--merge", "--out_dir", out_dir])
+    if results and os.environ.get("RANK", "0") == "0":
+        Path(results).write_text(json.dumps(metrics))
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_matches_one_process(qwen3, tmp_path: Path):
+    """Two gloo ranks x 1 sequence against one process x 2: the adapters train the same (losses within float32
+    summation order) and the merged exports agree."""
+    model_dir, data_dir = (str(p) for p in qwen3)
+    _lora_run(model_dir, data_dir, str(tmp_path / "one"), "2", str(tmp_path / "one.json"))
+    run_distributed(_lora_run, model_dir, data_dir, str(tmp_path / "two"), "1", str(tmp_path / "two.json"))
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
+    a, b = (load_file(tmp_path / n / "model" / "model.safetensors") for n in ("one", "two"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
+def test_peft_reads_our_adapters(qwen3, tmp_path: Path):
+    """transformers + peft load the base and our adapter directory and compute our adapted model's logits."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    model_dir, data_dir = qwen3
+    train.main(["--init_from", str(model_dir), "--data_dir", str(data_dir), "--context_length", str(T),
+                "--batch_size", "2", "--sample_tokens", "0", "--finetune", "lora", "--lr", "1e-2", "--warmup_steps",
+                "1", "--max_steps", "2", "--merge", "--out_dir", str(tmp_path)])
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()  # adapts hf in place
+    merged = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").float()
+    ids = torch.randint(0, 400, (1, T))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged.eval()(input_ids=ids).logits, rtol=0,
+                                   atol=1e-4)
+        base = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+        assert (adapted(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-4  # adapters matter
