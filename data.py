@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, load_tokenizer
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = 1
@@ -444,7 +444,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     prep = commands.add_parser("prepare", help="tokenize a corpus into shards")
     prep.add_argument("--input", nargs="+", help=inputs_help)
-    prep.add_argument("--tokenizer", required=True, help="a .model file")
+    prep.add_argument("--tokenizer", required=True,
+                      help="a SentencePiece .model file, or a Hugging Face tokenizer.json (pip install tokenizers)")
     prep.add_argument("--out_dir", required=True)
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     prep.add_argument("--text_field", default="text", help="text field of .jsonl records")
@@ -460,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                     max_train_bytes=int(args.max_train_mb * 1e6))
         print(f"wrote {tokenizer.path} (vocab_size {tokenizer.vocab_size}) in {time.perf_counter() - t0:.1f} s")
         return
-    index = prepare(args.input, Tokenizer(args.tokenizer), args.out_dir, shard_tokens=args.shard_tokens,
+    index = prepare(args.input, load_tokenizer(args.tokenizer), args.out_dir, shard_tokens=args.shard_tokens,
                     text_field=args.text_field, overwrite=args.overwrite,
                     validation_fraction=args.validation_fraction)
     n_docs, n_tokens = index["num_documents"], index["num_tokens"]

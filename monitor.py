@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import os
@@ -69,20 +70,62 @@ def memory_advice(cfg: TrainConfig) -> str:
             f"{cfg.context_length})" + ("" if cfg.gradient_checkpointing else ", or add --gradient_checkpointing"))
 
 
+def reserved_gib(device: torch.device) -> float | None:
+    """GiB the CUDA caching allocator holds (live tensors and its cache); None on CPU (RSS is what the OS sees)."""
+    return torch.cuda.memory_reserved(device) / GiB if device.type == "cuda" else None
+
+
+def free_cache(device: torch.device) -> None:
+    """Give cached memory back: the CUDA allocator's unused blocks, or Python's garbage on CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+FREE_CACHE_AT = 0.7  # share of --max_memory at which the cache is freed
+
+
 def over_memory_budget(cfg: TrainConfig, device: torch.device) -> bool:
-    """Free cached memory when the step's peak nears the budget (90%); True if the peak still exceeds it.
-    CUDA: the allocator's reserved bytes are released; the budget applies to the peak of live tensors, which is
-    then reset for the next step. CPU: garbage collection; the budget applies to the peak RSS."""
+    """Free cached memory once the step's memory passes FREE_CACHE_AT of the budget; True if the peak exceeds the
+    budget itself. CUDA: the reserved bytes are compared and released, the budget applies to the peak of live
+    tensors, which is then reset for the next step. CPU: garbage collection; the budget applies to the peak RSS."""
     budget = cfg.max_memory * GiB
     if device.type == "cuda":
-        if torch.cuda.max_memory_reserved(device) > 0.9 * budget:
-            torch.cuda.empty_cache()
+        if torch.cuda.max_memory_reserved(device) > FREE_CACHE_AT * budget:
+            free_cache(device)
         over = torch.cuda.max_memory_allocated(device) > budget
         torch.cuda.reset_peak_memory_stats(device)
         return over
-    if memory_gib(device)[0] * GiB > 0.9 * budget:
-        gc.collect()
+    if memory_gib(device)[0] * GiB > FREE_CACHE_AT * budget:
+        free_cache(device)
     return memory_gib(device)[1] * GiB > budget
+
+
+class LeakWatch:
+    """Warns when memory rises steadily: after `warmup` steps, if the current memory grew in at least 90% of the
+    last `window` steps by more than `min_gib` in all. Memory that plateaus (caches, allocator growth) does not
+    trigger it; a tensor kept from every step (a loss appended without .detach()) does."""
+
+    def __init__(self, window: int = 20, warmup: int = 5, min_gib: float = 1 / 16) -> None:
+        self.window, self.warmup, self.min_gib = window, warmup, min_gib
+        self.history: list[float] = []
+        self.warned_at = -window
+
+    def update(self, step: int, current_gib: float) -> str | None:
+        """Record the step's memory; returns a warning line when the last window looks like a leak."""
+        if step <= self.warmup:
+            return None
+        self.history = [*self.history, current_gib][-(self.window + 1):]
+        if len(self.history) <= self.window or step - self.warned_at < self.window:
+            return None
+        rises = sum(b > a for a, b in itertools.pairwise(self.history))
+        total = self.history[-1] - self.history[0]
+        if rises < 0.9 * self.window or total < self.min_gib:
+            return None
+        self.warned_at = step
+        return (f"warning: memory rose in {rises} of the last {self.window} steps, by {total:.3f} GiB "
+                f"({total / self.window * 1024:.1f} MiB per step): something keeps tensors from every step (e.g. a "
+                "loss stored without .item() or .detach())")
 
 
 @contextlib.contextmanager
@@ -169,7 +212,9 @@ def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> 
         mfu = f" | mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
         tqdm.write(f"step {step:>6}/{cfg.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | grad "
                    f"{metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | mem {metrics['mem_gib']:.2f}"
-                   f" GiB (peak {metrics['mem_peak_gib']:.2f}){mfu}")
+                   f" GiB (peak {metrics['mem_peak_gib']:.2f}"
+                   + (f", reserved {metrics['mem_reserved_gib']:.2f}" if "mem_reserved_gib" in metrics else "")
+                   + f"){mfu}")
     if "val_loss" in metrics:
         tqdm.write(f"step {step:>6}/{cfg.max_steps} | validation loss {metrics['val_loss']:.4f} | perplexity "
                    f"{metrics['val_perplexity']:.2f}")

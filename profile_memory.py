@@ -90,6 +90,7 @@ class StepConfig:
     ffn_chunk_size: int | None = None  # tiled MLP (ComputeConfig.ffn_chunk_size); None: untiled
     query_chunk: int = 512  # ComputeConfig.attention_query_chunk
     offload_activations: bool = False  # ComputeConfig.offload_activations: saved block inputs in host memory
+    finetune: str = "full"  # "full", or "lora": rank-16 adapters on q, k, v, o of a frozen base (train.py's defaults)
 
     def __post_init__(self) -> None:
         if self.model_size not in PRESETS:
@@ -118,13 +119,15 @@ class StepConfig:
         """The train.py options of this step (what train.build_model and build_optimizer read)."""
         return train_config.TrainConfig(model_size=self.model_size, attention_type=self.attention_type,
                                         context_length=self.context_length, batch_size=self.batch_size,
-                                        gradient_checkpointing=self.gradient_checkpointing, dtype=self.dtype)
+                                        gradient_checkpointing=self.gradient_checkpointing, dtype=self.dtype,
+                                        finetune=self.finetune)
 
     def describe(self) -> str:
         return (f"{self.model_size}, {self.batch_size} x {self.context_length} tokens per rank, {self.attention_type} "
                 f"attention, world size {self.world_size}, {self.dtype} compute, checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}"
-                + (", activations offloaded to host memory" if self.offload_activations else ""))
+                + (", activations offloaded to host memory" if self.offload_activations else "")
+                + (", LoRA on a frozen base" if self.finetune == "lora" else ""))
 
 
 # ---- memory probes: the same interface over the trackers (fake or real tensors) and over torch.cuda statistics ----
@@ -496,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default="auto", choices=["auto", "standard", "chunked"])
     p.add_argument("--ffn_chunk_size", type=int, default=None, help="tokens per FFN tile (tiled MLP); default untiled")
     p.add_argument("--query_chunk", type=int, default=512, help="queries an attention processes at a time (NSA)")
+    p.add_argument("--finetune", default="full", choices=["full", "lora"],
+                   help="lora: train.py's LoRA adapters (rank 16 on q, k, v, o) on a frozen base")
     p.add_argument("--offload_activations", action="store_true",
                    help="keep the tensors blocks save for backward in host memory (with checkpointing: the inputs)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (master weights fp32)")
@@ -517,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = StepConfig(args.model_size, args.context_length, args.attention_type, args.batch_size,
                             args.world_size, args.gradient_checkpointing, args.loss, args.dtype, args.ffn_chunk_size,
-                            args.query_chunk, args.offload_activations)
+                            args.query_chunk, args.offload_activations, args.finetune)
     except ValueError as e:
         parser.error(str(e))
     if args.measure and not torch.cuda.is_available():

@@ -27,6 +27,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,17 +57,21 @@ from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from monitor import (
     Heartbeat,
+    LeakWatch,
     MemoryBudgetExceeded,
     TooManyBadSteps,
     flops_per_token,
+    free_cache,
     log_step,
     memory_advice,
     memory_gib,
     over_memory_budget,
     peak_flops,
+    reserved_gib,
     start_run,
     stop_on_signals,
 )
+from nsa.convert import FRESH, nsa_state_from_dense
 from parallel import apply_fsdp, init_sharded_weights
 from synthetic import SyntheticMix
 from tokenizer import Tokenizer, check_vocab, load_tokenizer
@@ -318,8 +323,13 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     optimizer, scheduler = build_optimizer(model, cfg)
     step, bad_steps, changed = 0, 0, {}
     if cfg.init_from and (not resume_from or cfg.finetune == "lora"):  # a LoRA checkpoint holds no base
-        load_initial_weights(model, cfg.init_from)
+        if stored.attention_type == model.config.attention_type:
+            load_initial_weights(model, cfg.init_from)
+        else:  # full -> nsa (build_model_config allows only that)
+            load_initial_weights(model, cfg.init_from, partial(nsa_state_from_dense, config=model.config), FRESH)
     if cfg.finetune == "lora":
+        if not cfg.init_from and rt.rank == 0:
+            print("warning: --finetune lora without --init_from adapts a randomly initialised, frozen base")
         init_lora(model, cfg.seed)
         if cfg.adapter:
             load_adapter(model, cfg.adapter)
@@ -360,6 +370,7 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     bar = tqdm(total=cfg.max_steps, initial=step, desc="training", unit="step", disable=not main_rank or None,
                dynamic_ncols=True)
     metrics: dict = {}
+    leaks = LeakWatch()
     last_save = time.monotonic()
     heartbeat = (Heartbeat(model.layers, cfg.heartbeat_seconds, A, cfg.gradient_checkpointing)
                  if main_rank and cfg.heartbeat_seconds else None)
@@ -401,7 +412,14 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
             mem, mem_peak = memory_gib(rt.device)
             metrics = {"step": step, "loss": loss_value, **dict(zip(extras, extra_values, strict=True)), "lr": lr,
                        "grad_norm": norm_value, "tokens_per_s": step_tokens / dt, "step_time_s": dt, "mem_gib": mem,
-                       "mem_peak_gib": mem_peak, "skipped": not finite}
+                       "mem_peak_gib": mem_peak, "mem_growth_gib": mem - metrics.get("mem_gib", mem),
+                       "skipped": not finite}
+            if (reserved := reserved_gib(rt.device)) is not None:
+                metrics["mem_reserved_gib"] = reserved
+            if main_rank and (leak := leaks.update(step, mem)):
+                tqdm.write(leak)
+            if cfg.empty_cache_interval and step % cfg.empty_cache_interval == 0:
+                free_cache(rt.device)
             if peak:
                 metrics["mfu"] = flops * step_tokens / dt / W / peak
             if val_windows is not None and (step % cfg.eval_interval == 0 or step == cfg.max_steps):
@@ -471,3 +489,5 @@ if __name__ == "__main__":
         main()
     except (FileExistsError, NotADirectoryError, UnsafeCheckpoint, DamagedCheckpoint) as e:  # not a bug: one line
         raise SystemExit(f"error: {e}") from None
+    except (MemoryBudgetExceeded, TooManyBadSteps) as e:  # a checkpoint is saved where possible: one line
+        raise SystemExit(f"stopped: {e}") from None

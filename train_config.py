@@ -53,8 +53,8 @@ class TrainConfig:
     model_overrides: dict = option({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
-    finetune: str = option("full", "'full': train every weight; 'lora': LoRA adapters on a frozen base (needs "
-                                   "--init_from); only the adapters are optimised and checkpointed")
+    finetune: str = option("full", "'full': train every weight; 'lora': LoRA adapters on a frozen base (the "
+                                   "--init_from weights); only the adapters are optimised and checkpointed")
     lora_rank: int = option(16, "LoRA rank r")
     lora_alpha: float = option(32.0, "LoRA scale numerator (the update is alpha / r * B A)")
     lora_targets: str = option("q,k,v,o", "comma-separated projections LoRA adapts in every block: q, k, v, o, gate, "
@@ -100,7 +100,10 @@ class TrainConfig:
     eval_interval: int = option(0, "validation loss every this many steps and at the end (0: never); needs the "
                                  "data's validation split")
     eval_tokens: int = option(32768, "validation tokens per evaluation (whole windows, at least one per rank)")
-    max_memory: float | None = option(None, "memory budget in GiB per process (CUDA allocator peak, or RSS on CPU)")
+    max_memory: float | None = option(None, "memory budget in GiB per process (CUDA allocator peak, or RSS on CPU): "
+                                            "the cache is freed from 70% of it; past it, a checkpoint and a stop")
+    empty_cache_interval: int = option(0, "free the CUDA allocator's cache (CPU: collect garbage) every this many "
+                                          "steps (0: never)")
     sample_tokens: int = option(200, "tokens to generate from the final model (0: none)")
     sample_prompt: str = option("def ", "prompt of the final sample")
 
@@ -113,6 +116,7 @@ class TrainConfig:
         minimum = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
                    "warmup_steps": 0, "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1,
                    "eval_interval": 0, "eval_tokens": 1, "keep_checkpoints": 1, "lora_rank": 1,
+                   "empty_cache_interval": 0,
                    "sample_tokens": 0}
         for name, low in minimum.items():
             value = getattr(self, name)
@@ -124,8 +128,6 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "checkpoint_minutes", "heartbeat_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if self.finetune == "lora" and not self.init_from:
-            raise ValueError("--finetune lora adapts pretrained weights: give them with --init_from")
         if (self.adapter or self.merge) and self.finetune != "lora":
             raise ValueError("--adapter and --merge are for --finetune lora")
         if not 0 <= self.synthetic_mix <= 1:
@@ -242,18 +244,20 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     loss_mode="auto" would still pick the standard loss, whose float32 copies cost ~47 GiB), then model_overrides.
     Activation offload left at None is on when the checkpointed block inputs (`checkpointed_bytes`) would exceed
     OFFLOAD_SHARE of `device_memory` (bytes of one GPU; None: not a GPU, never).
-    `stored`: the architecture of the --init_from weights, used instead of the preset (its vocabulary and attention
-    type kept; the context length, --rope_theta, --rope_scaling and model_overrides applied)."""
+    `stored`: the architecture of the --init_from weights, used instead of the preset (its vocabulary kept, its
+    attention type unless --attention_type nsa converts full attention; the context length, --rope_theta,
+    --rope_scaling and model_overrides applied)."""
     model_overrides, compute_overrides = split_overrides(cfg.model_overrides)
     long = {"ffn_chunk_size": TILED_FFN_CHUNK, "loss_mode": "chunked"} if cfg.context_length >= LONG_CONTEXT else {}
     theta = {"rope_theta": cfg.rope_theta} if cfg.rope_theta else {}
     theta |= {"rope_scaling": cfg.rope_scaling} if cfg.rope_scaling else {}
     if stored is not None:
-        if cfg.attention_type not in ("auto", stored.attention_type):
+        attention = stored.attention_type if cfg.attention_type == "auto" else cfg.attention_type
+        if attention != stored.attention_type and (stored.attention_type, attention) != ("full", "nsa"):
             raise ValueError(f"--attention_type {cfg.attention_type}: the --init_from model has "
-                             f"{stored.attention_type!r} attention, and converting it is not supported; leave "
-                             "--attention_type out")
-        model_config = dataclasses.replace(stored, context_length=cfg.context_length, **theta, **model_overrides)
+                             f"{stored.attention_type!r} attention; only full -> nsa is converted (nsa/convert.py)")
+        model_config = dataclasses.replace(stored, context_length=cfg.context_length, attention_type=attention,
+                                           **theta, **model_overrides)
     else:
         vocab = max(ModelConfig.from_preset(cfg.model_size).vocab_size, -(-tokenizer_vocab // 64) * 64)
         model_config = ModelConfig.from_preset(cfg.model_size, **{

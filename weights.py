@@ -18,12 +18,14 @@ choice, so a long-context model exported with a tiled FFN loads with any compute
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from checkpoint import STATE_NAME, load_model_weights, rank
@@ -33,6 +35,7 @@ from model import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "longctx"  # config.json "format" of the project's export (a Hugging Face config.json has "model_type")
+ADAPTERS = (".lora_", ".np.")  # name parts of adapter parameters (LoRA, NPT): never in stored base weights
 
 
 def gather_model(model: Transformer, drop_adapters: bool = False) -> Transformer | None:
@@ -168,21 +171,27 @@ def stored_config(path: str | Path) -> ModelConfig:
     raise AssertionError("unreachable")
 
 
-def load_initial_weights(model: Transformer, path: str | Path) -> None:
+def load_initial_weights(model: Transformer, path: str | Path,
+                         convert: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
+                         fresh: tuple[str, ...] = ()) -> None:
     """Fill `model` (plain, or sharded by FSDP2: collective then) with the weights stored at `path`, which must have
     the same parameter names and shapes (RoPE settings and the context length may differ: they are not weights;
     LoRA adapters are not in the file). Only rank 0 reads the file; under FSDP its full state dict is broadcast and
-    each rank keeps its shards (the architecture was built from the file's own config, `stored_config`)."""
+    each rank keeps its shards (the architecture was built from the file's own config, `stored_config`).
+    `convert`: maps the stored state dict to the model's (nsa.convert.nsa_state_from_dense); `fresh`: name parts
+    of parameters it leaves to the model's own initialisation."""
     source = load_model(path, "cpu", torch.float32) if rank() == 0 else None
     state = source.state_dict() if source is not None else {}
+    if convert is not None and state:
+        state = convert(state)
     if not dist.is_initialized():
         missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [name for name in missing if ".lora_" not in name]  # adapters: lora.init_lora
+        missing = [name for name in missing if not any(part in name for part in (*ADAPTERS, *fresh))]
         if missing or unexpected:
             raise ValueError(f"{path} does not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
         return
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                                strict=False))  # adapters: lora.init_lora
+                                                                strict=False))  # adapters, `fresh`: not stored
 
 
 def _json_object(path: Path) -> dict:

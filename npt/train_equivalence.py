@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from config import ComputeConfig, ModelConfig
-from hf import load_hf_checkpoint
 from model import Transformer
 from npt.adapters import save_adapters
 from npt.convert import convert, np_blocks, np_parameters
@@ -52,8 +51,6 @@ class NPTConfig:
     kl_weight: float = option(1.0, "weight of KL(original || converted) of the next-token distributions")
     l2_weight: float = option(1e-4, "weight of the modulation penalty ||dW(token)||_F^2")
     kl_chunk_size: int = option(1024, "tokens per chunk of the KL (bounds the logits held at once)")
-    init_from: str | None = option(None, "Hugging Face checkpoint directory to convert (hf.py); default: a model "
-                                       "initialised from --seed as train.py builds it")
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str) and self.layers.startswith("["):
@@ -73,7 +70,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig]
     group = parser.add_argument_group("neuro-plastic conversion and equivalence objective")
     hints = typing.get_type_hints(NPTConfig)
     for f in dataclasses.fields(NPTConfig):
-        kind = str if f.name in ("layers", "init_from") else hints[f.name]  # layers: a name or a JSON list
+        kind = str if f.name == "layers" else hints[f.name]  # layers: a name or a JSON list
         kwargs = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
         group.add_argument(f"--{f.name}", help=f"{f.metadata['help']} (default: {f.default})", **kwargs)
     args = vars(parser.parse_args(argv))
@@ -96,12 +93,7 @@ def equivalence_task(npt_cfg: NPTConfig) -> Task:
             raise ValueError("equivalence training runs in one process (no FSDP); launch it without torchrun")
         base_dtype = torch.bfloat16 if (npt_cfg.base_dtype == "auto" and cfg.dtype == "bfloat16"
                                         or npt_cfg.base_dtype == "bfloat16") else torch.float32
-        if npt_cfg.init_from:
-            model = load_hf_checkpoint(npt_cfg.init_from, rt.device, dtype=base_dtype, compute=compute,
-                                       context_length=cfg.context_length)
-            model.gradient_checkpointing_enable(cfg.gradient_checkpointing)
-        else:
-            model = build_model(model_config, compute, cfg, rt)
+        model = build_model(model_config, compute, cfg, rt)  # train() then loads --init_from weights into its base
         convert(model, npt_cfg.layers, rank=npt_cfg.rank, targets=tuple(npt_cfg.targets.split(",")),
                 residual_mode=npt_cfg.residual_mode, base_dtype=base_dtype, offload=npt_cfg.offload)
         return model

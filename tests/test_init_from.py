@@ -66,8 +66,12 @@ def test_rope_theta_and_context_change_only_rope(qwen3: tuple[Path, Path], tmp_p
     run(model_dir, data_dir, tmp_path / "run", "--rope_theta", "4e6")
     resolved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
     assert resolved["rope_theta"] == 4e6 and resolved["n_layers"] == 2 and resolved["head_dim"] == 16
-    with pytest.raises(ValueError, match="converting it is not supported"):
-        run(model_dir, data_dir, tmp_path / "nsa", "--attention_type", "nsa")
+    import train_config
+    from config import ModelConfig
+
+    cfg = train_config.TrainConfig(init_from=str(model_dir), attention_type="full", context_length=T)
+    with pytest.raises(ValueError, match="only full -> nsa is converted"):
+        train_config.build_model_config(cfg, 400, stored=ModelConfig.from_preset("tiny", attention_type="nsa"))
 
 
 def test_extending_the_context_of_an_export_with_yarn(data_dir: Path, tmp_path: Path):
@@ -80,3 +84,60 @@ def test_extending_the_context_of_an_export_with_yarn(data_dir: Path, tmp_path: 
                           "--rope_scaling", json.dumps(yarn), "--out_dir", str(tmp_path / "long")])
     resolved = json.loads((tmp_path / "long" / "config.json").read_text())["model"]
     assert resolved["rope_scaling"] == yarn and resolved["context_length"] == 256 and metrics["step"] == 2
+
+
+def test_dense_weights_start_an_nsa_model_close_to_the_dense_one():
+    """Within the window the converted layer is the dense layer up to the gates (sigmoid(8) on the window branch);
+    beyond it, the window alone differs."""
+    import dataclasses
+
+    from config import ModelConfig
+    from model import Transformer
+    from nsa.convert import FRESH, nsa_state_from_dense
+
+    torch.manual_seed(0)
+    dense = Transformer(ModelConfig.from_preset("tiny")).double()
+    nsa_config = dataclasses.replace(dense.config, attention_type="nsa")
+    nsa = Transformer(nsa_config).double()
+    missing, unexpected = nsa.load_state_dict(nsa_state_from_dense(dense.state_dict(), nsa_config), strict=False)
+    assert not unexpected and missing and all(any(f in name for f in FRESH) for name in missing)
+    inside = torch.randint(0, 512, (2, nsa_config.nsa_window))
+    gap = (nsa(inside).logits - dense(inside).logits).abs().max()
+    assert gap < 2e-2 * dense(inside).logits.abs().max()
+    beyond = torch.randint(0, 512, (2, 8 * nsa_config.nsa_window))
+    assert (nsa(beyond).logits - dense(beyond).logits).abs().max() > gap
+
+
+def test_a_dense_export_continues_as_nsa(data_dir: Path, tmp_path: Path):
+    base = ["--model_size", "tiny", "--data_dir", str(data_dir), "--batch_size", "2", "--max_steps", "2",
+            "--sample_tokens", "4", "--context_length", "64"]
+    train.main([*base, "--out_dir", str(tmp_path / "dense")])
+    metrics = train.main([*base, "--init_from", str(tmp_path / "dense" / "model"), "--attention_type", "nsa",
+                          "--out_dir", str(tmp_path / "nsa")])
+    assert json.loads((tmp_path / "nsa" / "config.json").read_text())["model"]["attention_type"] == "nsa"
+    assert metrics["step"] == 2
+
+
+def test_equivalence_training_starts_from_pretrained_weights(qwen3: tuple[Path, Path], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """npt.train_equivalence shares train.py's --init_from: after training, the converted model's frozen base is
+    the stored model, weight for weight."""
+    from npt.train_equivalence import main
+    from weights import load_model
+
+    loaded = []
+    original = train.load_initial_weights
+
+    def spy(model, *args, **kwargs):
+        loaded.append(model)
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(train, "load_initial_weights", spy)
+    model_dir, data_dir = qwen3
+    main(["--config", "configs/npt_tiny.json", "--init_from", str(model_dir), "--data_dir", str(data_dir),
+          "--out_dir", str(tmp_path), "--context_length", str(T), "--batch_size", "2", "--max_steps", "2",
+          "--sample_tokens", "0"])
+    stored = load_model(model_dir).state_dict()
+    trained = loaded[0].state_dict()
+    assert all(torch.equal(trained[name], value) for name, value in stored.items())
+    assert any(".np." in name for name in trained)

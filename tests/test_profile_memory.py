@@ -63,10 +63,17 @@ def real_step_live_bytes(config: pm.StepConfig) -> dict:
     return stages
 
 
-@pytest.mark.parametrize("checkpointing, loss, dtype", [(False, "standard", "bfloat16"), (True, "chunked", "float32")])
-def test_estimate_matches_independent_measurement_of_real_step(checkpointing, loss, dtype):
-    config = pm.StepConfig("tiny", 128, batch_size=2, gradient_checkpointing=checkpointing, loss=loss, dtype=dtype)
-    assert_stages_close(pm.estimate(config)["stages"], real_step_live_bytes(config))
+@pytest.mark.parametrize("checkpointing, loss, dtype, finetune", [(False, "standard", "bfloat16", "full"),
+                                                                   (True, "chunked", "float32", "full"),
+                                                                   (True, "chunked", "float32", "lora")])
+def test_estimate_matches_independent_measurement_of_real_step(checkpointing, loss, dtype, finetune):
+    config = pm.StepConfig("tiny", 128, batch_size=2, gradient_checkpointing=checkpointing, loss=loss, dtype=dtype,
+                           finetune=finetune)
+    estimated = pm.estimate(config)["stages"]
+    assert_stages_close(estimated, real_step_live_bytes(config))
+    if finetune == "lora":  # a frozen base: only the adapters have gradients and AdamW moments
+        adapters = 2 * (2 * 16 * (64 + 64) + 2 * 16 * (64 + 32))  # 2 layers x (q, o: 64->64; k, v: 64->32), r=16
+        assert estimated["after backward"]["gradients"] == adapters * 4
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

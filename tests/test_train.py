@@ -332,6 +332,33 @@ def test_sigterm_finishes_the_step_saves_and_returns(data_dir: Path, tmp_path: P
     assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
 
 
+def test_leak_watch_warns_on_steady_growth_only() -> None:
+    steady = monitor.LeakWatch(window=10, warmup=2, min_gib=0.01)
+    warnings = [steady.update(step, 1.0 + 0.002 * step) for step in range(1, 40)]
+    assert [i + 1 for i, w in enumerate(warnings) if w] == [13, 23, 33]  # once per window
+    assert "rose in 10 of the last 10 steps, by 0.020 GiB" in warnings[12]
+    plateau, noisy = monitor.LeakWatch(10, 2, 0.01), monitor.LeakWatch(10, 2, 0.01)
+    assert not any(plateau.update(s, min(1.0 + 0.01 * s, 1.1)) for s in range(1, 40))
+    assert not any(noisy.update(s, 1.0 + 0.05 * (s % 2)) for s in range(1, 40))
+
+
+def test_memory_metrics_leak_warning_and_cache_interval(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    level, freed = [0.5], []
+
+    def leaking(device: torch.device) -> tuple[float, float]:
+        level[0] += 0.01  # 10 MiB more every step
+        return level[0], level[0]
+
+    monkeypatch.setattr(train, "memory_gib", leaking)
+    monkeypatch.setattr(train, "free_cache", freed.append)
+    run(data_dir, tmp_path, "--max_steps", "30", "--empty_cache_interval", "10", "--checkpoint_interval", "0")
+    rows = metrics(tmp_path)
+    assert rows[5]["mem_growth_gib"] == pytest.approx(0.01) and rows[0]["mem_growth_gib"] == 0
+    assert len(freed) == 3
+    assert "warning: memory rose in 20 of the last 20 steps" in capsys.readouterr().out
+
+
 def test_heartbeat_names_micro_batch_pass_and_block(data_dir: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture) -> None:
     run(data_dir, tmp_path, "--max_steps", "1", "--gradient_accumulation_steps", "2", "--gradient_checkpointing",
