@@ -73,6 +73,7 @@ from monitor import (
 )
 from nsa.convert import FRESH, nsa_state_from_dense
 from parallel import apply_fsdp, init_sharded_weights
+from quantize import quantize_base
 from synthetic import SyntheticMix
 from tokenizer import Tokenizer, check_vocab, load_tokenizer
 from train_config import (
@@ -333,6 +334,10 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
         init_lora(model, cfg.seed)
         if cfg.adapter:
             load_adapter(model, cfg.adapter)
+    if cfg.quantize_base:
+        if rt.mesh is not None:
+            raise ValueError("--quantize_base runs in one process: launch without torchrun")
+        quantize_base(model, cfg.quantize_base)
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer)
         step, bad_steps = state["step"], state["bad_steps"]

@@ -59,6 +59,8 @@ class TrainConfig:
     lora_alpha: float = option(32.0, "LoRA scale numerator (the update is alpha / r * B A)")
     lora_targets: str = option("q,k,v,o", "comma-separated projections LoRA adapts in every block: q, k, v, o, gate, "
                                           "up, down")
+    quantize_base: str | None = option(None, "LoRA: weight-only quantization of the frozen base's block linear layers "
+                                             "(torchao): 'int8' or 'int4'; one process only")
     adapter: str | None = option(None, "LoRA adapters to start from (a peft-layout directory, e.g. OUT_DIR/adapter)")
     merge: bool = option(False, "LoRA: at the end also fold the adapters into the base and export the merged model "
                                 "(OUT_DIR/model, hf/)")
@@ -128,8 +130,13 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "checkpoint_minutes", "heartbeat_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if (self.adapter or self.merge) and self.finetune != "lora":
-            raise ValueError("--adapter and --merge are for --finetune lora")
+        if (self.adapter or self.merge or self.quantize_base) and self.finetune != "lora":
+            raise ValueError("--adapter, --merge and --quantize_base are for --finetune lora")
+        if self.quantize_base not in (None, "int8", "int4"):
+            raise ValueError(f"--quantize_base must be 'int8' or 'int4', got {self.quantize_base!r}")
+        if self.quantize_base and self.merge:
+            raise ValueError("--merge folds the adapters into the base, which --quantize_base keeps quantized: "
+                             "merge with a float base (--adapter DIR --merge, without --quantize_base)")
         if not 0 <= self.synthetic_mix <= 1:
             raise ValueError(f"--synthetic_mix must be in [0, 1], got {self.synthetic_mix}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -107,3 +107,46 @@ def test_peft_reads_our_adapters(qwen3, tmp_path: Path):
                                    atol=1e-4)
         base = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float().eval()
         assert (adapted(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-4  # adapters matter
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("kind, share", [("int8", 0.27), ("int4", 0.31)])
+def test_a_quantized_base_is_smaller_and_close(kind: str, share: float):
+    """Block linear weights to `share` of their float32 bytes (int8 per channel; int4 in groups of 32, kept one per
+    byte on the CPU by torchao), the loss within 1% of the float base's, and gradients for the adapters only."""
+    pytest.importorskip("torchao")
+    from quantize import parameter_bytes, quantize_base
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", dim=128, ffn_dim=384, head_dim=32))
+    apply_lora(model)
+    init_lora(model, seed=0)
+    for layer in lora_layers(model).values():
+        layer.lora_B.weight.data.normal_(std=0.02)
+    ids = torch.randint(0, 512, (2, 32))
+    reference = model(ids, labels=ids).loss
+    blocks = parameter_bytes(model.layers) - sum(p.numel() * 4 for n, p in model.layers.named_parameters()
+                                                 if ".lora_" in n or "norm" in n)
+    quantize_base(model, kind)
+    quantized = parameter_bytes(model.layers) - sum(p.numel() * 4 for n, p in model.layers.named_parameters()
+                                                    if ".lora_" in n or "norm" in n)
+    assert quantized <= share * blocks
+    loss = model(ids, labels=ids).loss
+    assert abs(loss.item() - reference.item()) < 0.01 * reference.item()
+    loss.backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == {
+        n for n in dict(model.named_parameters()) if ".lora_" in n}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_lora_run_on_an_int8_base(qwen3, tmp_path: Path):
+    pytest.importorskip("torchao")
+    model_dir, data_dir = qwen3
+    run = ["--init_from", str(model_dir), "--data_dir", str(data_dir), "--context_length", str(T), "--batch_size", "2",
+           "--sample_tokens", "4", "--finetune", "lora", "--max_steps", "2", "--warmup_steps", "1"]
+    full = train.main([*run, "--out_dir", str(tmp_path / "float")])
+    int8 = train.main([*run, "--quantize_base", "int8", "--out_dir", str(tmp_path / "int8")])
+    assert abs(int8["loss"] - full["loss"]) < 0.01 * full["loss"]
+    assert (tmp_path / "int8" / "adapter" / "adapter_model.safetensors").is_file()
+    with pytest.raises(SystemExit):  # argparse: --merge needs a float base
+        train.main([*run, "--quantize_base", "int8", "--merge", "--out_dir", str(tmp_path / "x")])

@@ -1,0 +1,54 @@
+"""Weight-only quantization of a frozen base (train.py --quantize_base, for --finetune lora), with torchao.
+
+torchao rather than bitsandbytes: it is PyTorch's own library, pure tensor subclasses that run on the CPU (so the
+tests run here) and on CUDA, and it composes with autograd for the activations (the frozen weights get no gradient).
+Only the linear layers inside the blocks are quantized (attention projections, FFN); the embedding, the output
+layer, the norms and the LoRA adapters stay as they are.
+- "int8": per-channel int8 weights (Int8WeightOnlyConfig): a quarter of float32, half of bf16.
+- "int4": 4-bit weights in groups of 32 with a scale each. On CUDA torchao packs two per byte
+  (Int4WeightOnlyConfig, bf16 activations); on the CPU, torchao 0.18 keeps each 4-bit value in its own byte
+  (IntxWeightOnlyConfig), so the memory there is int8's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZED = ("int8", "int4")
+
+
+def quantize_base(model: nn.Module, kind: str) -> None:
+    """Quantize the frozen linear layers of `model`'s blocks in place to `kind` ("int8" or "int4"). Call after the
+    base weights are loaded; the model must not be sharded (FSDP2)."""
+    if kind not in QUANTIZED:
+        raise ValueError(f"--quantize_base must be one of {QUANTIZED}, got {kind!r}")
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, quantize_
+        from torchao.quantization.granularity import PerGroup
+    except ImportError as e:
+        raise ImportError("--quantize_base needs torchao: pip install torchao") from e
+    device = next(model.parameters()).device
+    if kind == "int8":
+        config = Int8WeightOnlyConfig()
+    elif device.type == "cuda":
+        config = Int4WeightOnlyConfig(group_size=32)
+    else:
+        config = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
+
+    def frozen_block_linear(module: nn.Module, name: str) -> bool:
+        return (isinstance(module, nn.Linear) and name.startswith("layers.") and ".lora_" not in name
+                and not module.weight.requires_grad)
+
+    quantize_(model, config, filter_fn=frozen_block_linear)
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of the storages holding `module`'s parameters, quantized ones included (a tensor subclass is counted
+    through the tensors it is made of)."""
+    def nbytes(t: torch.Tensor) -> int:
+        if hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            return sum(nbytes(getattr(t, n)) for n in names if isinstance(getattr(t, n), torch.Tensor))
+        return t.untyped_storage().nbytes()
+    return sum(nbytes(p) for p in module.parameters())
