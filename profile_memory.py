@@ -3,6 +3,8 @@
     python profile_memory.py --model_size 4B --context_length 131072 --attention_type nsa
     python profile_memory.py --model_size 4B --context_length 131072 --world_size 2 --gradient_checkpointing \
         --gpu_memory 80
+    python profile_memory.py --model_size 4B --context_length 32768 --gradient_checkpointing --finetune lora \
+        --quantize_base nf4
 
 How (`estimate`): the model and optimizer are built by train.py's own builders (`train.build_model`,
 `train.build_optimizer`, from the `TrainConfig` a run with these options would have) under `FakeTensorMode`, so
@@ -65,11 +67,13 @@ from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, attenti
 from memtrack import CATEGORIES, HOST, PHASE_CATEGORIES, LiveBytesTracker, track_training_step
 from model import Transformer
 from offload import simulated
+from quantize import quantize_base
 
 GiB = 1024**3
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # as train.py
 TILED_FFN_CHUNK = 8192  # the tile --gpu_memory tries for long sequences
 PHASES = ("forward", "backward", "optimizer step")
+PROFILED_QUANTIZED = ("int8", "nf4")  # --quantize_base kinds whose layout is the same on every device
 MAX_CONTEXT = 2**22  # tokens per sequence the estimate accepts (4M: 1024 loss chunks of 4096)
 _HARMLESS_WARNINGS = ("DTensor random operators may not have complete support on cpu device mesh",
                       "FSDP2-wrapped module .* returned a view tensor")
@@ -90,7 +94,10 @@ class StepConfig:
     ffn_chunk_size: int | None = None  # tiled MLP (ComputeConfig.ffn_chunk_size); None: untiled
     query_chunk: int = 512  # ComputeConfig.attention_query_chunk
     offload_activations: bool = False  # ComputeConfig.offload_activations: saved block inputs in host memory
-    finetune: str = "full"  # "full", or "lora": rank-16 adapters on q, k, v, o of a frozen base (train.py's defaults)
+    # "full"; or on a frozen base with train.py's defaults, "lora" (rank-16 adapters on q, k, v, o) or "npt"
+    # (rank-16 neuro-plastic layers in the upper half; the base in the compute dtype)
+    finetune: str = "full"
+    quantize_base: str | None = None  # LoRA: the frozen block linear layers in "int8" or "nf4" (quantize.py)
 
     def __post_init__(self) -> None:
         if self.model_size not in PRESETS:
@@ -105,6 +112,14 @@ class StepConfig:
                              f"{self.context_length:,}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantize_base not in (None, *PROFILED_QUANTIZED):
+            raise ValueError(f"quantize_base must be one of {PROFILED_QUANTIZED} (int4's layout depends on the device: "
+                             f"measure it with train.py), got {self.quantize_base!r}")
+        if self.quantize_base and self.finetune != "lora":
+            raise ValueError("quantize_base is for finetune 'lora'")
+        if (self.finetune == "npt" or self.quantize_base) and self.world_size != 1:
+            raise ValueError("NPT and a quantized base run in one process: world_size must be 1")
+        self.train_config()  # validate finetune
         self.model_config(), self.compute_config()  # validate attention_type and loss
 
     def model_config(self) -> ModelConfig:
@@ -120,14 +135,15 @@ class StepConfig:
         return train_config.TrainConfig(model_size=self.model_size, attention_type=self.attention_type,
                                         context_length=self.context_length, batch_size=self.batch_size,
                                         gradient_checkpointing=self.gradient_checkpointing, dtype=self.dtype,
-                                        finetune=self.finetune)
+                                        finetune=self.finetune, quantize_base=self.quantize_base)
 
     def describe(self) -> str:
         return (f"{self.model_size}, {self.batch_size} x {self.context_length} tokens per rank, {self.attention_type} "
                 f"attention, world size {self.world_size}, {self.dtype} compute, checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}"
                 + (", activations offloaded to host memory" if self.offload_activations else "")
-                + (", LoRA on a frozen base" if self.finetune == "lora" else ""))
+                + {"full": "", "lora": ", LoRA on a frozen base", "npt": ", NPT layers on a frozen base"}[self.finetune]
+                + (f" ({self.quantize_base})" if self.quantize_base else ""))
 
 
 # ---- memory probes: the same interface over the trackers (fake or real tensors) and over torch.cuda statistics ----
@@ -213,6 +229,8 @@ def build(config: StepConfig, device: str, mesh: DeviceMesh | None) -> tuple[Tra
     cfg = train_config.resolve_config(config.train_config(), torch.device(device))
     rt = train.Runtime(rank=0, world_size=config.world_size, device=torch.device(device), mesh=mesh)
     model = train.build_model(config.model_config(), config.compute_config(), cfg, rt)
+    if config.quantize_base:
+        quantize_base(model, config.quantize_base)
     return model, train.build_optimizer(model, cfg)[0]
 
 
@@ -229,7 +247,8 @@ def _warm_up(model: Transformer, optimizer: torch.optim.Optimizer, seq_len: int,
     Under FSDP this also fills DTensor's sharding-propagation cache: on a miss, DTensor builds global-size tensors
     in the active FakeTensorMode to infer output shapes, which the tracker would count as memory (they are not)."""
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -499,8 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default="auto", choices=["auto", "standard", "chunked"])
     p.add_argument("--ffn_chunk_size", type=int, default=None, help="tokens per FFN tile (tiled MLP); default untiled")
     p.add_argument("--query_chunk", type=int, default=512, help="queries an attention processes at a time (NSA)")
-    p.add_argument("--finetune", default="full", choices=["full", "lora"],
-                   help="lora: train.py's LoRA adapters (rank 16 on q, k, v, o) on a frozen base")
+    p.add_argument("--finetune", default="full", choices=["full", "lora", "npt"],
+                   help="on a frozen base, lora: train.py's LoRA adapters (rank 16 on q, k, v, o); npt: its "
+                        "neuro-plastic layers (rank 16, upper half)")
+    p.add_argument("--quantize_base", default=None, choices=PROFILED_QUANTIZED,
+                   help="with --finetune lora: the frozen block linear layers quantized (train.py --quantize_base)")
     p.add_argument("--offload_activations", action="store_true",
                    help="keep the tensors blocks save for backward in host memory (with checkpointing: the inputs)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (master weights fp32)")
@@ -522,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = StepConfig(args.model_size, args.context_length, args.attention_type, args.batch_size,
                             args.world_size, args.gradient_checkpointing, args.loss, args.dtype, args.ffn_chunk_size,
-                            args.query_chunk, args.offload_activations, args.finetune)
+                            args.query_chunk, args.offload_activations, args.finetune, args.quantize_base)
     except ValueError as e:
         parser.error(str(e))
     if args.measure and not torch.cuda.is_available():

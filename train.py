@@ -71,6 +71,8 @@ from monitor import (
     start_run,
     stop_on_signals,
 )
+from npt.adapters import ADAPTERS_NAME, load_adapters, save_adapters
+from npt.convert import convert
 from nsa.convert import FRESH, nsa_state_from_dense
 from parallel import apply_fsdp, init_sharded_weights
 from quantize import quantize_base
@@ -152,7 +154,10 @@ def ensure_default_data(cfg: TrainConfig, rt: Runtime) -> None:
 def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainConfig, rt: Runtime) -> Transformer:
     """The model on its device, identically initialised from cfg.seed in every process layout. With a mesh: built
     on the meta device, sharded by apply_fsdp (bf16 compute when dtype is bfloat16, float32 reduction), then
-    materialised (parallel.init_sharded_weights)."""
+    materialised (parallel.init_sharded_weights). --finetune lora / npt: adapters on a frozen base, which in one
+    process is stored in bf16 when dtype is bfloat16 (only trained weights need float32 masters)."""
+    if cfg.finetune == "npt" and rt.mesh is not None:
+        raise ValueError("--finetune npt runs in one process: launch without torchrun")
     if rt.mesh is None:
         torch.manual_seed(cfg.seed)
         with rt.device:
@@ -162,6 +167,12 @@ def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainCon
             model = Transformer(model_config, compute)
     if cfg.finetune == "lora":
         apply_lora(model, cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
+    elif cfg.finetune == "npt":
+        convert(model, cfg.npt_layer_spec(), cfg.npt_rank, tuple(cfg.npt_targets.split(",")), cfg.npt_residual_mode)
+    if cfg.finetune != "full" and rt.mesh is None and cfg.dtype == "bfloat16":  # no fp32 master for frozen weights
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)  # tied weights are one Parameter: cast once
     model.gradient_checkpointing_enable(cfg.gradient_checkpointing)
     if cfg.compile:
         for block in model.layers:
@@ -238,8 +249,12 @@ def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Ten
 def export_and_sample(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, rt: Runtime,
                       autocast: contextlib.AbstractContextManager) -> None:
     """The end of a language-modelling run: export the weights (weights.export_model; a LoRA run: its adapters in
-    peft's layout, and with --merge the merged model) and print a sample."""
-    if cfg.finetune == "lora":
+    peft's layout, and with --merge the merged model; an NPT run: its NP parameters, npt.adapters) and print a
+    sample."""
+    if cfg.finetune == "npt":
+        written = [Path(cfg.out_dir) / ADAPTERS_NAME]
+        save_adapters(model, written[0])
+    elif cfg.finetune == "lora":
         written = [save_adapter(model, Path(cfg.out_dir) / "adapter", cfg.init_from)]
         if cfg.merge:
             merge_lora_(model)
@@ -323,17 +338,20 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     step, bad_steps, changed = 0, 0, {}
-    if cfg.init_from and (not resume_from or cfg.finetune == "lora"):  # a LoRA checkpoint holds no base
+    if cfg.init_from and (not resume_from or cfg.finetune != "full"):  # an adapter checkpoint holds no base
         if stored.attention_type == model.config.attention_type:
             load_initial_weights(model, cfg.init_from)
         else:  # full -> nsa (build_model_config allows only that)
             load_initial_weights(model, cfg.init_from, partial(nsa_state_from_dense, config=model.config), FRESH)
+    if cfg.finetune != "full" and not cfg.init_from and rt.rank == 0:
+        print(f"warning: --finetune {cfg.finetune} without --init_from adapts a randomly initialised, frozen base")
     if cfg.finetune == "lora":
-        if not cfg.init_from and rt.rank == 0:
-            print("warning: --finetune lora without --init_from adapts a randomly initialised, frozen base")
         init_lora(model, cfg.seed)
         if cfg.adapter:
             load_adapter(model, cfg.adapter)
+    if cfg.finetune == "npt" and cfg.adapter:
+        adapter = Path(cfg.adapter)
+        load_adapters(model, adapter / ADAPTERS_NAME if adapter.is_dir() else adapter)
     if cfg.quantize_base:
         if rt.mesh is not None:
             raise ValueError("--quantize_base runs in one process: launch without torchrun")

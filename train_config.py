@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_overrides
+from quantize import QUANTIZED
 
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
 BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per micro-batch
@@ -53,15 +54,22 @@ class TrainConfig:
     model_overrides: dict = option({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
-    finetune: str = option("full", "'full': train every weight; 'lora': LoRA adapters on a frozen base (the "
-                                   "--init_from weights); only the adapters are optimised and checkpointed")
+    finetune: str = option("full", "'full': train every weight; 'lora': LoRA adapters, or 'npt': neuro-plastic FFN "
+                                   "layers (npt/), on a frozen base (the --init_from weights; bf16 with --dtype "
+                                   "bfloat16 for npt); only the adapters are optimised and checkpointed")
     lora_rank: int = option(16, "LoRA rank r")
     lora_alpha: float = option(32.0, "LoRA scale numerator (the update is alpha / r * B A)")
     lora_targets: str = option("q,k,v,o", "comma-separated projections LoRA adapts in every block: q, k, v, o, gate, "
                                           "up, down")
     quantize_base: str | None = option(None, "LoRA: weight-only quantization of the frozen base's block linear layers "
-                                             "(torchao): 'int8' or 'int4'; one process only")
-    adapter: str | None = option(None, "LoRA adapters to start from (a peft-layout directory, e.g. OUT_DIR/adapter)")
+                                             "(torchao): 'int8', 'nf4' (QLoRA's 4 bits) or 'int4'; one process only")
+    npt_layers: str = option("upper_half", "NPT: the converted layers: 'upper_half', 'all' or indices such as '4,5'")
+    npt_rank: int = option(16, "NPT: rank of the modulation")
+    npt_targets: str = option("gate,up", "NPT: the modulated FFN projections, comma-separated from gate, up, down")
+    npt_residual_mode: str = option("modulate", "NPT: 'modulate' (the attention output only modulates the FFN) or "
+                                                "'additive' (it is also added to the residual stream)")
+    adapter: str | None = option(None, "adapters to start from: LoRA, a peft-layout directory (e.g. OUT_DIR/adapter); "
+                                       "NPT, an adapters.safetensors (e.g. from npt.train_equivalence)")
     merge: bool = option(False, "LoRA: at the end also fold the adapters into the base and export the merged model "
                                 "(OUT_DIR/model, hf/)")
     offload_activations: bool | None = option(None, "keep the tensors blocks save for backward (with checkpointing: "
@@ -111,13 +119,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"model_size": [*PRESETS, "auto"], "attention_type": ["auto", *ATTENTION_TYPES],
-                   "dtype": ["auto", "float32", "bfloat16"], "finetune": ["full", "lora"]}
+                   "dtype": ["auto", "float32", "bfloat16"], "finetune": ["full", "lora", "npt"],
+                   "npt_residual_mode": ["modulate", "additive"]}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         minimum = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
                    "warmup_steps": 0, "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1,
-                   "eval_interval": 0, "eval_tokens": 1, "keep_checkpoints": 1, "lora_rank": 1,
+                   "eval_interval": 0, "eval_tokens": 1, "keep_checkpoints": 1, "lora_rank": 1, "npt_rank": 1,
                    "empty_cache_interval": 0,
                    "sample_tokens": 0}
         for name, low in minimum.items():
@@ -130,10 +139,16 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "checkpoint_minutes", "heartbeat_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if (self.adapter or self.merge or self.quantize_base) and self.finetune != "lora":
-            raise ValueError("--adapter, --merge and --quantize_base are for --finetune lora")
-        if self.quantize_base not in (None, "int8", "int4"):
-            raise ValueError(f"--quantize_base must be 'int8' or 'int4', got {self.quantize_base!r}")
+        if (self.merge or self.quantize_base) and self.finetune != "lora":
+            raise ValueError("--merge and --quantize_base are for --finetune lora")
+        if self.adapter and self.finetune == "full":
+            raise ValueError("--adapter loads LoRA or NPT adapters: pass --finetune lora or --finetune npt")
+        self.npt_layer_spec()
+        if not self.npt_targets or not set(self.npt_targets.split(",")) <= {"gate", "up", "down"}:
+            raise ValueError(f"--npt_targets must be comma-separated names from gate, up, down; got "
+                             f"{self.npt_targets!r}")
+        if self.quantize_base not in (None, *QUANTIZED):
+            raise ValueError(f"--quantize_base must be one of {', '.join(QUANTIZED)}; got {self.quantize_base!r}")
         if self.quantize_base and self.merge:
             raise ValueError("--merge folds the adapters into the base, which --quantize_base keeps quantized: "
                              "merge with a float base (--adapter DIR --merge, without --quantize_base)")
@@ -145,6 +160,16 @@ class TrainConfig:
             split_overrides(self.model_overrides)
         except ValueError as e:
             raise ValueError(f"--model_overrides: {e}") from e
+
+    def npt_layer_spec(self) -> str | list[int]:
+        """--npt_layers as npt.convert takes it: 'upper_half', 'all' or a list of indices."""
+        if self.npt_layers in ("upper_half", "all"):
+            return self.npt_layers
+        try:
+            return [int(i) for i in self.npt_layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--npt_layers must be 'upper_half', 'all' or comma-separated indices such as '4,5'; "
+                             f"got {self.npt_layers!r}") from None
 
 
 # ---- configuration: defaults < file < command line -----------------------------------------------------------

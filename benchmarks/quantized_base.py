@@ -1,12 +1,13 @@
-"""LoRA on a quantized frozen base (train.py --finetune lora --quantize_base int8|int4, torchao), on a CPU:
+"""LoRA on a quantized frozen base (train.py --finetune lora --quantize_base int8|nf4|int4, torchao), on a CPU:
 
-1. memory of the 0.6B geometry's block linear weights (what --quantize_base quantizes) in float32, bf16, int8 and
-   int4, measured from the parameter storages after quantization;
-2. time per step and held-out loss after N LoRA steps on the demo model (first trained dense for --base_steps),
-   with a float32, an int8 and an int4 base, all in one process, runs interleaved in one script.
+1. memory of the 0.6B geometry's block linear weights (what --quantize_base quantizes) in float32, bf16, int8, nf4
+   and int4, measured from the parameter storages after quantization;
+2. time per LoRA step of the 0.6B geometry (random weights, 1 x --context_length tokens) with each base;
+3. time per step and held-out loss after N LoRA steps on the demo model (first trained dense for --base_steps),
+   with each base. All in one process, one base after the other.
 
-    python benchmarks/quantized_base.py                        # 0.6B memory; demo: 200 base steps, 100 LoRA steps
-    python benchmarks/quantized_base.py --base_steps 30 --lora_steps 10   # a quick look
+    python benchmarks/quantized_base.py                        # 0.6B; demo: 200 base steps, 100 LoRA steps
+    python benchmarks/quantized_base.py --base_steps 30 --lora_steps 10 --steps_06b 2   # a quick look
 """
 
 from __future__ import annotations
@@ -31,6 +32,30 @@ from quantize import parameter_bytes, quantize_base  # noqa: E402
 from weights import load_model  # noqa: E402
 
 GiB = 2**30
+KINDS = ("float32", "int8", "nf4", "int4")  # the base: float, or a --quantize_base value
+
+
+def median_step_time(out_dir: Path, skip: int) -> float:
+    """Median step_time_s of a run's metrics.jsonl, after its first `skip` steps."""
+    times = [json.loads(line)["step_time_s"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    times = sorted(times[skip:])
+    return times[len(times) // 2]
+
+
+def step_times_06b(steps: int, context_length: int, runs: Path) -> None:
+    """Time per LoRA step of the 0.6B geometry (random weights) with each base."""
+    print(f"\n## 0.6B geometry: LoRA steps of 1 x {context_length} tokens (random weights), median of steps "
+          f"2-{steps}\n")
+    print("| base | step time | of float32 |\n|---|---|---|")
+    times = {}
+    for kind in KINDS:
+        quant = [] if kind == "float32" else ["--quantize_base", kind]
+        out = runs / f"0.6B-{kind}"
+        train.main(["--model_size", "0.6B", "--context_length", str(context_length), "--batch_size", "1",
+                    "--finetune", "lora", "--max_steps", str(steps), "--sample_tokens", "0", "--checkpoint_interval",
+                    "0", "--log_interval", "100", "--out_dir", str(out), *quant])
+        times[kind] = median_step_time(out, 1)
+        print(f"| {kind} | {times[kind]:.1f} s | {times[kind] / times['float32']:.2f} |", flush=True)
 
 
 def block_linear_bytes(model: Transformer) -> int:
@@ -45,7 +70,7 @@ def memory_table() -> None:
     print("## 0.6B geometry: the block linear weights (random values), GiB\n")
     print("| base | bytes | of float32 | of bf16 |\n|---|---|---|---|")
     sizes = {}
-    for kind in ("float32", "int8", "int4"):
+    for kind in KINDS:
         torch.manual_seed(0)
         model = Transformer(ModelConfig.from_preset("0.6B"))
         apply_lora(model)
@@ -54,7 +79,7 @@ def memory_table() -> None:
         sizes[kind] = block_linear_bytes(model)
         del model
     sizes = {"float32": sizes["float32"], "bfloat16": sizes["float32"] // 2, "int8": sizes["int8"],
-             "int4 (CPU: one value per byte)": sizes["int4"]}
+             "nf4": sizes["nf4"], "int4 (CPU: one value per byte)": sizes["int4"]}
     for kind, size in sizes.items():
         print(f"| {kind} | {size / GiB:.3f} | {size / sizes['float32']:.0%} | {size / sizes['bfloat16']:.0%} |")
 
@@ -64,6 +89,7 @@ def main() -> None:
     parser.add_argument("--base_steps", type=int, default=200)
     parser.add_argument("--lora_steps", type=int, default=100)
     parser.add_argument("--context_length", type=int, default=256)
+    parser.add_argument("--steps_06b", type=int, default=4, help="LoRA steps of the 0.6B geometry per base")
     args = parser.parse_args()
     memory_table()
     T = args.context_length
@@ -71,16 +97,16 @@ def main() -> None:
               "--log_interval", "100"]
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp)
+        step_times_06b(args.steps_06b, T, runs)
         train.main([*common, "--max_steps", str(args.base_steps), "--out_dir", str(runs / "base")])
         windows = validation_windows(train.DEFAULT_DATA_DIR, T, 32768)
         rows = []
-        for kind in ("float32", "int8", "int4"):
+        for kind in KINDS:
             out = runs / kind
             quant = [] if kind == "float32" else ["--quantize_base", kind]
             train.main([*common, "--max_steps", str(args.lora_steps), "--init_from", str(runs / "base" / "model"),
                         "--finetune", "lora", "--lr", "2e-3", "--warmup_steps", "10", "--out_dir", str(out), *quant])
-            metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            step_time = sorted(m["step_time_s"] for m in metrics[5:])[len(metrics[5:]) // 2]
+            step_time = median_step_time(out, 5)
             model = load_model(runs / "base" / "model")
             apply_lora(model)
             init_lora(model, 0)

@@ -19,6 +19,7 @@ from model import Transformer
 from npt.convert import convert, np_blocks, np_parameters
 
 FORMAT = "npt-adapters-v1"
+ADAPTERS_NAME = "adapters.safetensors"  # the file a run writes into its out_dir
 
 
 def adapter_metadata(model: Transformer) -> dict[str, str]:

@@ -6,9 +6,11 @@
 It is train.py's loop with another `train.Task`: the options (every TrainConfig field plus the NPTConfig fields
 below, from a JSON file and the command line: defaults < file < command line), the data, AdamW with the warmup +
 cosine schedule, checkpoints and resume, the non-finite-step skip, the memory budget, the checkpoint guard and the
-signals are train.py's. The task differs in three places: the model (converted, base frozen in `base_dtype`), the
-loss (the equivalence objective, gradients only for the NP parameters) and the end of the run (the NP parameters
-saved as adapters instead of an export). One process (no FSDP: the frozen 4B base in bf16 fits one GPU).
+signals are train.py's, and so is the model: `--finetune npt` (always, here) converts the `--npt_layers` with the
+`--npt_*` options and freezes the base (bf16 with --dtype bfloat16). The task differs in two places: the loss (the
+equivalence objective, gradients only for the NP parameters) and the end of the run (the NP parameters saved as
+adapters instead of an export). One process (no FSDP: the frozen 4B base in bf16 fits one GPU). Continue from the
+adapters with `train.py --finetune npt --adapter OUT_DIR` on the language-modelling loss.
 
 Writes to out_dir: config.json and metrics.jsonl (metrics add mse, kl, l2), npt_config.json, step-N/ (full
 resumable state), adapters.safetensors (only the NP parameters, see npt.adapters).
@@ -23,29 +25,21 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from config import ComputeConfig, ModelConfig
 from model import Transformer
-from npt.adapters import save_adapters
-from npt.convert import convert, np_blocks, np_parameters
+from npt.adapters import ADAPTERS_NAME, save_adapters
+from npt.convert import np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
 from train import Runtime, Task, build_model, init_runtime, train
 from train_config import TrainConfig, build_parser, option
-
-ADAPTERS_NAME = "adapters.safetensors"
 
 
 @dataclass
 class NPTConfig:
     """The conversion and the equivalence objective; keys of the same JSON file as the TrainConfig options."""
 
-    layers: str | list = option("upper_half", "converted layers: 'upper_half', 'all' or a JSON list such as [4, 5]")
-    rank: int = option(16, "r: rank of the modulation")
-    targets: str = option("gate,up", "modulated FFN projections, comma-separated from gate, up, down")
-    residual_mode: str = option("modulate", "'modulate' (attention only modulates the FFN) or 'additive'")
-    base_dtype: str = option("auto", "frozen base weights: 'float32', 'bfloat16', or 'auto' = the resolved --dtype")
     offload: bool = option(False, "keep tensors saved for backward by converted layers in CPU memory")
     mse_weight: float = option(1.0, "weight of the per-layer output MSE")
     kl_weight: float = option(1.0, "weight of KL(original || converted) of the next-token distributions")
@@ -53,10 +47,6 @@ class NPTConfig:
     kl_chunk_size: int = option(1024, "tokens per chunk of the KL (bounds the logits held at once)")
 
     def __post_init__(self) -> None:
-        if isinstance(self.layers, str) and self.layers.startswith("["):
-            self.layers = json.loads(self.layers)
-        if self.base_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--base_dtype must be 'auto', 'float32' or 'bfloat16', got {self.base_dtype!r}")
         for name in ("mse_weight", "kl_weight", "l2_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -70,12 +60,14 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig]
     group = parser.add_argument_group("neuro-plastic conversion and equivalence objective")
     hints = typing.get_type_hints(NPTConfig)
     for f in dataclasses.fields(NPTConfig):
-        kind = str if f.name == "layers" else hints[f.name]  # layers: a name or a JSON list
+        kind = hints[f.name]
         kwargs = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
         group.add_argument(f"--{f.name}", help=f"{f.metadata['help']} (default: {f.default})", **kwargs)
     args = vars(parser.parse_args(argv))
-    values = json.loads(Path(args.pop("config")).read_text()) if "config" in args else {}
+    values = {"finetune": "npt", **(json.loads(Path(args.pop("config")).read_text()) if "config" in args else {})}
     values.update(args)
+    if values["finetune"] != "npt":
+        parser.error(f"equivalence training trains NPT layers: --finetune must be npt, got {values['finetune']!r}")
     npt_names = {f.name for f in dataclasses.fields(NPTConfig)}
     try:
         npt_cfg = NPTConfig(**{k: v for k, v in values.items() if k in npt_names})
@@ -89,13 +81,9 @@ def equivalence_task(npt_cfg: NPTConfig) -> Task:
     """train.Task of equivalence training: build and convert the model, the equivalence loss, adapters at the end."""
 
     def build(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainConfig, rt: Runtime) -> Transformer:
-        if rt.mesh is not None:
-            raise ValueError("equivalence training runs in one process (no FSDP); launch it without torchrun")
-        base_dtype = torch.bfloat16 if (npt_cfg.base_dtype == "auto" and cfg.dtype == "bfloat16"
-                                        or npt_cfg.base_dtype == "bfloat16") else torch.float32
-        model = build_model(model_config, compute, cfg, rt)  # train() then loads --init_from weights into its base
-        convert(model, npt_cfg.layers, rank=npt_cfg.rank, targets=tuple(npt_cfg.targets.split(",")),
-                residual_mode=npt_cfg.residual_mode, base_dtype=base_dtype, offload=npt_cfg.offload)
+        model = build_model(model_config, compute, cfg, rt)  # converted; train() loads --init_from into its base
+        for block in np_blocks(model).values():
+            block.offload = npt_cfg.offload
         return model
 
     def loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Tensor, n_micro: int

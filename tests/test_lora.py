@@ -110,10 +110,11 @@ def test_peft_reads_our_adapters(qwen3, tmp_path: Path):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
-@pytest.mark.parametrize("kind, share", [("int8", 0.27), ("int4", 0.31)])
+@pytest.mark.parametrize("kind, share", [("int8", 0.27), ("nf4", 0.14), ("int4", 0.31)])
 def test_a_quantized_base_is_smaller_and_close(kind: str, share: float):
-    """Block linear weights to `share` of their float32 bytes (int8 per channel; int4 in groups of 32, kept one per
-    byte on the CPU by torchao), the loss within 1% of the float base's, and gradients for the adapters only."""
+    """Block linear weights to `share` of their float32 bytes (int8 per channel; nf4 two per byte in blocks of 64;
+    int4 in groups of 32, kept one per byte on the CPU by torchao), the loss within 1% of the float base's, and
+    gradients for the adapters only."""
     pytest.importorskip("torchao")
     from quantize import parameter_bytes, quantize_base
 
@@ -139,14 +140,16 @@ def test_a_quantized_base_is_smaller_and_close(kind: str, share: float):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
-def test_lora_run_on_an_int8_base(qwen3, tmp_path: Path):
+def test_lora_runs_on_a_quantized_base(qwen3, tmp_path: Path):
+    """train.py on an int8 and an nf4 base: the first losses within 1% of the float base's, adapters saved."""
     pytest.importorskip("torchao")
     model_dir, data_dir = qwen3
     run = ["--init_from", str(model_dir), "--data_dir", str(data_dir), "--context_length", str(T), "--batch_size", "2",
            "--sample_tokens", "4", "--finetune", "lora", "--max_steps", "2", "--warmup_steps", "1"]
     full = train.main([*run, "--out_dir", str(tmp_path / "float")])
-    int8 = train.main([*run, "--quantize_base", "int8", "--out_dir", str(tmp_path / "int8")])
-    assert abs(int8["loss"] - full["loss"]) < 0.01 * full["loss"]
-    assert (tmp_path / "int8" / "adapter" / "adapter_model.safetensors").is_file()
+    for kind in ("int8", "nf4"):
+        quantized = train.main([*run, "--quantize_base", kind, "--out_dir", str(tmp_path / kind)])
+        assert abs(quantized["loss"] - full["loss"]) < 0.01 * full["loss"]
+        assert (tmp_path / kind / "adapter" / "adapter_model.safetensors").is_file()
     with pytest.raises(SystemExit):  # argparse: --merge needs a float base
         train.main([*run, "--quantize_base", "int8", "--merge", "--out_dir", str(tmp_path / "x")])

@@ -56,24 +56,39 @@ def real_step_live_bytes(config: pm.StepConfig) -> dict:
     input_ids = torch.randint(0, model.config.vocab_size, (config.batch_size, config.context_length))
     labels = torch.randint(0, model.config.vocab_size, (config.batch_size, config.context_length))
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    existing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in (*model.parameters(), *model.buffers(), *state, input_ids, labels)}
+    def plain(t: torch.Tensor) -> list[torch.Tensor]:  # a quantized weight: the tensors it is made of
+        if not hasattr(t, "__tensor_flatten__"):
+            return [t]
+        return [x for name in t.__tensor_flatten__()[0] for x in plain(getattr(t, name))]
+
+    tensors = [x for t in (*model.parameters(), *model.buffers(), *state, input_ids, labels) for x in plain(t)]
+    existing = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     with LiveBytesProbe(sum(existing.values())) as probe:
         stages, _ = pm._training_step(model, optimizer, input_ids, labels, pm._autocast(config, "cpu"), probe)
     return stages
 
 
-@pytest.mark.parametrize("checkpointing, loss, dtype, finetune", [(False, "standard", "bfloat16", "full"),
-                                                                   (True, "chunked", "float32", "full"),
-                                                                   (True, "chunked", "float32", "lora")])
-def test_estimate_matches_independent_measurement_of_real_step(checkpointing, loss, dtype, finetune):
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("checkpointing, loss, dtype, finetune, quantize_base", [
+    (False, "standard", "bfloat16", "full", None),
+    (True, "chunked", "float32", "full", None),
+    (True, "chunked", "float32", "lora", None),
+    (True, "chunked", "bfloat16", "lora", "nf4"),
+    (False, "standard", "bfloat16", "npt", None),
+])
+def test_estimate_matches_independent_measurement_of_real_step(checkpointing, loss, dtype, finetune, quantize_base):
+    if quantize_base:
+        pytest.importorskip("torchao")
     config = pm.StepConfig("tiny", 128, batch_size=2, gradient_checkpointing=checkpointing, loss=loss, dtype=dtype,
-                           finetune=finetune)
+                           finetune=finetune, quantize_base=quantize_base)
     estimated = pm.estimate(config)["stages"]
     assert_stages_close(estimated, real_step_live_bytes(config))
     if finetune == "lora":  # a frozen base: only the adapters have gradients and AdamW moments
         adapters = 2 * (2 * 16 * (64 + 64) + 2 * 16 * (64 + 32))  # 2 layers x (q, o: 64->64; k, v: 64->32), r=16
         assert estimated["after backward"]["gradients"] == adapters * 4
+    if finetune == "npt":  # upper layer's NP parameters: coefficients 64 -> 2 x 16; A, B of gate and up (64 -> 192)
+        np_params = 64 * 2 * 16 + 2 * (64 * 16 + 16 * 192)
+        assert estimated["after backward"]["gradients"] == np_params * 4
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -197,7 +212,8 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
 
 def test_bad_input_is_rejected_before_anything_is_built():
     for kwargs in (dict(batch_size=0), dict(model_size="5B"), dict(attention_type="sparse"), dict(dtype="fp8"),
-                   dict(context_length=1), dict(loss="fused")):
+                   dict(context_length=1), dict(loss="fused"), dict(finetune="qlora"),
+                   dict(finetune="lora", quantize_base="int4")):
         with pytest.raises(ValueError):
             pm.StepConfig(**kwargs)
     with pytest.raises(ValueError, match="context_length must be in"):
@@ -209,6 +225,8 @@ def test_bad_input_is_rejected_before_anything_is_built():
     (["--context_length", "100000000"], "context_length must be in [2, 4,194,304]"),
     (["--plot", "no/such/dir/memory.png"], "--plot no/such/dir/memory.png: directory"),
     (["--attention_type", "sparse"], "invalid choice: 'sparse'"),
+    (["--quantize_base", "nf4"], "quantize_base is for finetune 'lora'"),
+    (["--finetune", "npt", "--world_size", "2"], "NPT and a quantized base run in one process"),
 ])
 def test_cli_errors_are_one_line_with_exit_code_2(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
