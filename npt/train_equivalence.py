@@ -38,7 +38,7 @@ from train_config import TrainConfig, build_parser, option
 
 @dataclass
 class NPTConfig:
-    """The conversion and the equivalence objective; keys of the same JSON file as the TrainConfig options."""
+    """The equivalence objective; keys of the same JSON file as the TrainConfig options (the conversion: --npt_*)."""
 
     offload: bool = option(False, "keep tensors saved for backward by converted layers in CPU memory")
     mse_weight: float = option(1.0, "weight of the per-layer output MSE")

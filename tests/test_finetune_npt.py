@@ -74,3 +74,14 @@ def test_a_frozen_base_is_stored_in_bf16(qwen3, tmp_path: Path, finetune: str):
     assert dtypes == {torch.bfloat16}
     assert {p.dtype for p in built["model"].parameters() if p.requires_grad} == {torch.float32}
     assert abs(losses["bfloat16"] - losses["float32"]) < 0.01 * losses["float32"]
+
+
+def test_equivalence_training_is_an_npt_run():
+    """npt.train_equivalence runs with --finetune npt (so a resume takes the frozen base from --init_from again, as
+    above) and the same --npt_* options; another --finetune is refused."""
+    from npt.train_equivalence import parse_config as parse_equivalence
+
+    cfg, _ = parse_equivalence(["--config", "configs/npt_tiny.json", "--npt_layers", "0,1"])
+    assert (cfg.finetune, cfg.npt_layer_spec(), cfg.npt_targets) == ("npt", [0, 1], "gate,up")
+    with pytest.raises(SystemExit):
+        parse_equivalence(["--config", "configs/npt_tiny.json", "--finetune", "lora"])
