@@ -2,8 +2,7 @@
 
 1. memory of the 0.6B geometry's block linear weights (what --quantize_base quantizes) in float32, bf16, int8, nf4
    and int4, measured from the parameter storages after quantization;
-2. time per LoRA step of the 0.6B geometry (random weights, 1 x --context_length tokens) with each base, a bf16
-   base (--dtype bfloat16) included;
+2. time per LoRA step of the 0.6B geometry (random weights, 1 x --context_length tokens) with each base;
 3. time per step and held-out loss after N LoRA steps on the demo model (first trained dense for --base_steps),
    with each base. All in one process, one base after the other.
 
@@ -33,15 +32,14 @@ from quantize import parameter_bytes, quantize_base  # noqa: E402
 from weights import load_model  # noqa: E402
 
 GiB = 2**30
-KINDS = ("float32", "int8", "nf4", "int4")  # the base: float32, or a --quantize_base value
-RUNS = ("float32", "bfloat16", "int8", "nf4", "int4")  # the bases trained on: KINDS and a bf16 base (--dtype bfloat16)
+# The base: float32, or a --quantize_base value. Not bf16: on a CPU without native bf16 matrix multiplication,
+# bf16 compute runs several times slower than float32, which says nothing of a GPU.
+KINDS = ("float32", "int8", "nf4", "int4")
 
 
 def base_options(kind: str) -> list[str]:
-    """train.py options for a LoRA run on the base `kind` (one of RUNS)."""
-    if kind == "float32":
-        return []
-    return ["--dtype", "bfloat16"] if kind == "bfloat16" else ["--quantize_base", kind]
+    """train.py options for a LoRA run on the base `kind` (one of KINDS)."""
+    return [] if kind == "float32" else ["--quantize_base", kind]
 
 
 def median_step_time(out_dir: Path, skip: int) -> float:
@@ -57,7 +55,7 @@ def step_times_06b(steps: int, context_length: int, runs: Path) -> None:
           f"2-{steps}\n")
     print("| base | step time | of float32 |\n|---|---|---|")
     times = {}
-    for kind in RUNS:
+    for kind in KINDS:
         out = runs / f"0.6B-{kind}"
         train.main(["--model_size", "0.6B", "--context_length", str(context_length), "--batch_size", "1",
                     "--finetune", "lora", "--max_steps", str(steps), "--sample_tokens", "0", "--checkpoint_interval",
@@ -109,7 +107,7 @@ def main() -> None:
         train.main([*common, "--max_steps", str(args.base_steps), "--out_dir", str(runs / "base")])
         windows = validation_windows(train.DEFAULT_DATA_DIR, T, 32768)
         rows = []
-        for kind in RUNS:
+        for kind in KINDS:
             out = runs / kind
             train.main([*common, "--max_steps", str(args.lora_steps), "--init_from", str(runs / "base" / "model"),
                         "--finetune", "lora", "--lr", "2e-3", "--warmup_steps", "10", "--out_dir", str(out),
@@ -119,15 +117,9 @@ def main() -> None:
             apply_lora(model)
             init_lora(model, 0)
             load_adapter(model, out / "adapter")
-            autocast = contextlib.nullcontext()
-            if kind == "bfloat16":  # as trained: the frozen base in bf16, bf16 compute
-                for p in model.parameters():
-                    if not p.requires_grad:
-                        p.data = p.data.to(torch.bfloat16)
-                autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-            elif kind != "float32":
+            if kind != "float32":
                 quantize_base(model, kind)
-            rows.append((kind, step_time, validation_loss(model, windows, autocast)))
+            rows.append((kind, step_time, validation_loss(model, windows, contextlib.nullcontext())))
         base_loss = validation_loss(load_model(runs / "base" / "model"), windows, contextlib.nullcontext())
     print(f"\n## demo model, T = {T}: {args.base_steps} dense steps, then {args.lora_steps} LoRA steps (r = 16 on q, "
           f"k, v, o); held-out loss of the base alone: {base_loss:.4f}\n")
