@@ -181,14 +181,20 @@ def _field_type(name: str) -> type:
     return next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
 
 
+def field_help(f: dataclasses.Field) -> str:
+    """A TrainConfig / NPTConfig field's help for argparse: its text ('%' escaped) and its default."""
+    default = f.default if f.default is not dataclasses.MISSING else {}
+    return f.metadata["help"].replace("%", "%%") + ("" if default is None else f" (default: {default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line options generated from TrainConfig; options not given are absent from the result."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="JSON or TOML file of TrainConfig fields (command-line options win)")
     for f in dataclasses.fields(TrainConfig):
-        kind, default = _field_type(f.name), f.default if f.default is not dataclasses.MISSING else {}
-        kwargs: dict = {"help": f.metadata["help"] + ("" if default is None else f" (default: {default})")}
+        kind = _field_type(f.name)
+        kwargs: dict = {"help": field_help(f)}
         if kind is bool:  # --name / --no-name
             kwargs.update(action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         elif kind is dict:

@@ -14,6 +14,7 @@ Notation: B batch, T tokens, C model width, F FFN width, r rank, L layers.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -101,6 +102,7 @@ def time_ratio(repeats: int = 11) -> None:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     ok = per_layer_table()
     offload_table()
     precision_table()

@@ -8,6 +8,7 @@ their outputs, and are not launched on fake tensors). Weights and input are excl
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -45,6 +46,7 @@ def peak_gib(query_chunk: int, path: str) -> tuple[float, float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print("| query chunk | fused CPU path | explicit path | Triton kernels (CUDA) | largest tensor |")
     print("|---|---|---|---|---|")
     for chunk in (512, 1024, 2048):

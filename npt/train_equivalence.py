@@ -33,7 +33,7 @@ from npt.adapters import ADAPTERS_NAME, save_adapters
 from npt.convert import np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
 from train import Runtime, Task, build_model, init_runtime, train
-from train_config import TrainConfig, build_parser, option
+from train_config import TrainConfig, build_parser, field_help, option
 
 
 @dataclass
@@ -62,7 +62,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig]
     for f in dataclasses.fields(NPTConfig):
         kind = hints[f.name]
         kwargs = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
-        group.add_argument(f"--{f.name}", help=f"{f.metadata['help']} (default: {f.default})", **kwargs)
+        group.add_argument(f"--{f.name}", help=field_help(f), **kwargs)
     args = vars(parser.parse_args(argv))
     values = {"finetune": "npt", **(json.loads(Path(args.pop("config")).read_text()) if "config" in args else {})}
     values.update(args)

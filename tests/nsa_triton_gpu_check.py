@@ -4,9 +4,9 @@ On a machine without CUDA it checks itself at smaller sizes in Triton's interpre
 
 Paper block geometry (l=32, d=16, l'=64, w=512). Checks, forward and the gradients of all eight inputs:
 - float32, T = 1000 with n = 16 (every block selected, so the two paths choose the same blocks whatever the rounding
-  of the importance scores): equal within rtol 1e-4, atol 1e-5 (IEEE float32 products on both paths, different
-  summation orders);
-- bfloat16 against that float32 result: within atol 5e-2 (bf16 rounding of O(1) values);
+  of the importance scores): relative error ||got - want|| / ||want|| <= 1e-5 for every tensor (IEEE float32 products
+  on both paths, different summation orders);
+- bfloat16 against that float32 result: relative error <= 1e-2 (bf16 operands);
 - float32, T = 3000 (top-16 of 47 blocks, so near-ties in the scores may be broken differently): 99.5% of the
   query rows equal within the float32 tolerance.
 Prints what it compared; exits non-zero on a mismatch.
@@ -14,6 +14,7 @@ Prints what it compared; exits non-zero on a mismatch.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import os
@@ -46,6 +47,7 @@ def random_inputs(config: ModelConfig, T: int, H: int, KV: int, D: int, device: 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     base = dataclasses.replace(ModelConfig.from_preset("tiny", attention_type="nsa"), nsa_block_size=32,
@@ -54,12 +56,16 @@ def main() -> None:
     sizes = (1000, 3000) if device == "cuda" else (300, 450)
     failures = []
 
-    def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float, rows: float = 1.0):
-        close = torch.isclose(got.float(), want.float(), rtol=rtol, atol=atol).flatten(0, -2).all(-1)
-        ok = close.float().mean().item()
-        print(f"{name}: {ok:.4%} of rows within atol {atol} rtol {rtol}, max abs err "
-              f"{(got.float() - want.float()).abs().max().item():.2e}")
-        if ok < rows:
+    def check(name: str, got: torch.Tensor, want: torch.Tensor, rel: float, rows: float | None = None):
+        """Whole tensors: relative error ||got - want|| / ||want|| <= rel (a gradient summed over thousands of
+        queries has large entries, so an elementwise atol says little). rows: instead, the share of query rows
+        equal within float32's tolerance (top-n choosing, where a near-tie may pick another block)."""
+        got, want = got.double(), want.double()
+        error = ((got - want).norm() / want.norm()).item()
+        close = torch.isclose(got, want, rtol=1e-4, atol=1e-5).flatten(0, -2).all(-1).double().mean().item()
+        print(f"{name}: relative error {error:.2e} (limit {rel:g}), {close:.4%} of rows within atol 1e-5 rtol 1e-4, "
+              f"max abs err {(got - want).abs().max().item():.2e}")
+        if not torch.isfinite(got).all() or (close < rows if rows is not None else error > rel):
             failures.append(name)
 
     names = ["out", "dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates"]
@@ -69,17 +75,17 @@ def main() -> None:
     grad = torch.randn(1, H, sizes[0], D, device=device)
     reference = run(config, chunk, inputs, grad, triton=False)
     for name, got, want in zip(names, run(config, chunk, inputs, grad, triton=True), reference, strict=True):
-        check(f"float32 T={sizes[0]} {name}", got, want, atol=1e-5, rtol=1e-4)
+        check(f"float32 T={sizes[0]} {name}", got, want, rel=1e-5)
     if device == "cuda":  # bfloat16: the interpreter cannot compute it
         low = run(config, chunk, [t.bfloat16() for t in inputs], grad.bfloat16(), triton=True)
         for name, got, want in zip(names, low, reference, strict=True):
-            check(f"bfloat16 T={sizes[0]} {name}", got, want, atol=5e-2, rtol=5e-2)
+            check(f"bfloat16 T={sizes[0]} {name}", got, want, rel=1e-2)
     # top-n really choosing: forward rows only (a differently broken near-tie changes a row's blocks)
     config = dataclasses.replace(base, nsa_num_selected=16 if device == "cuda" else 4)
     inputs = random_inputs(config, sizes[1], H, KV, D, device)
     grad = torch.randn(1, H, sizes[1], D, device=device)
     got, want = run(config, chunk, inputs, grad, triton=True)[0], run(config, chunk, inputs, grad, triton=False)[0]
-    check(f"float32 T={sizes[1]} out (top-n choosing)", got, want, atol=1e-5, rtol=1e-4, rows=0.995)
+    check(f"float32 T={sizes[1]} out (top-n choosing)", got, want, rel=1e-5, rows=0.995)
     if failures:
         sys.exit(f"mismatch: {failures}")
 

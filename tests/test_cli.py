@@ -1,0 +1,54 @@
+"""Every command-line entry of the repository answers --help: found by itself (any .py file outside tests/ with a
+`__main__` block, and the test-suite scripts run by hand), so a new script is covered without editing this file."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def entries() -> list[str]:
+    """Repository-relative paths of the files that run as programs."""
+    files = [p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    main = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
+    return sorted(str(p.relative_to(ROOT)) for p in files if main.search(p.read_text()))
+
+
+def test_the_entries_are_found():
+    found = entries()
+    for name in ("train.py", "eval.py", "profile_memory.py", "verify_chunked_loss.py", "data.py", "gpu_check.py",
+                 "nsa/inspection.py", "npt/train_equivalence.py", "benchmarks/bench_nsa.py"):
+        assert name in found
+
+
+@pytest.mark.parametrize("entry", entries())
+def test_help_exits_zero(entry: str, monkeypatch):
+    """`python FILE --help` (`python -m package.module --help` inside a package), in this process: exit 0 and a
+    usage line."""
+    package = (ROOT / entry).parent != ROOT and (ROOT / entry).parent.joinpath("__init__.py").is_file()
+    monkeypatch.setattr(sys, "argv", [entry, "--help"])
+    monkeypatch.setattr(sys, "path", [str(ROOT), *sys.path])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        if package:
+            runpy.run_module(entry.removesuffix(".py").replace("/", "."), run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(ROOT / entry), run_name="__main__")
+    assert exit_info.value.code in (0, None), out.getvalue()
+    assert "usage:" in out.getvalue()
+
+
+def test_train_help_in_a_fresh_interpreter():
+    """The first command a new user types, as typed."""
+    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "--context_length" in proc.stdout and "70% of it" in proc.stdout
