@@ -1,4 +1,4 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP), and export of the final weights.
+"""Training checkpoints with torch.distributed.checkpoint (DCP): save, verify, resume, prune.
 
 Layout of `out_dir/step-N/` (N = optimizer steps taken):
     .metadata, __R_r.distcp   model (trained parameters: not a frozen base) and optimizer state, sharded by rank;
@@ -17,7 +17,7 @@ Every rank writes into `step-N.tmp/`; once all have finished, the files are chec
 share), rank 0 writes and fsyncs the manifest, renames the directory to `step-N` and fsyncs the parent. A directory
 named `step-N` is therefore complete and on disk, and `latest_checkpoint` never considers `.tmp` leftovers.
 
-The final weights are exported by weights.py (`export_model`), which also reads these checkpoints (`load_model`).
+The final weights are exported by weights.py (`export_model`), whose `load_model` also reads these checkpoints.
 """
 
 from __future__ import annotations

@@ -1,22 +1,26 @@
-"""Does a model use its context? Held-out loss by token position, and passkey / multi-key needle retrieval grids.
+"""Does a model use its context? Held-out loss by token position, retrieval grids (passkey, multi-key needle) and
+dense recall (MQAR) accuracy by key-query distance.
 
-    python eval.py runs/train/model                                  # the export of a run (or step-N/, or a HF dir)
-    python eval.py runs/train/step-300 --tasks passkey --lengths 256 512 1024 --depths 0 0.25 0.5 0.75 1
+    python eval.py runs/demo/model                                   # the export of a run (or step-N/, or a HF dir)
+    python eval.py runs/demo/step-300 --tasks passkey --lengths 256 512 1024 --depths 0 0.25 0.5 0.75 1
+    python eval.py runs/recall/model --tasks mqar --lengths 2048     # accuracy by distance: where retrieval stops
 
-Tasks (each prints a table and writes a PNG; everything goes to OUT_DIR/eval.json):
+Tasks (each prints a table and writes a PNG; results go to OUT_DIR/eval.json, rewritten after each task):
 - loss: validation loss overall and mean loss by token position in log-spaced buckets [1, 2), [2, 4), ... up to
   the context length, on windows of the held-out split (data.py prepare's DATA_DIR/validation). A model that uses
   its context has lower loss at later positions.
 - passkey: a random 5-digit number hidden in filler text at a given depth (0 = start, 1 = end) of a prompt of a
-  given length in tokens, asked for at the end; accuracy over the grid of lengths x depths.
-- needle: several key-value pairs hidden in filler, the queried one at the given depth, the others at random
-  depths; the model is asked for one value. Same grid.
-Answers are greedy continuations through the KV cache (`Transformer.generate`: one prefill per prompt, prompts of
-one grid cell batched, all of the same token length), scored by the first number in the decoded continuation.
-Filler, keys and values come from a seeded generator (nothing is downloaded); prompts are built from separately
-encoded text pieces, so any tokenizer works.
+  given length in tokens, asked for at the end. needle: several key-value pairs hidden in filler, the queried one
+  at the given depth. For each (length, depth) cell: exact-match accuracy of the greedy continuation (through the
+  KV cache, scored by its first number), and two graded scores under teacher forcing that show partial learning:
+  the per-token accuracy of the answer's tokens and their mean log-probability.
+- mqar, mqar_text: dense multi-query associative recall documents (synthetic.py) of each length, every answer
+  scored under teacher forcing; accuracy and mean log-probability by key-query distance in log-spaced buckets.
+Default lengths follow what each task needs and the context (the run's); a length a task cannot hold is skipped with
+one line. Filler, keys and values come from a seeded generator (nothing is downloaded); prompts are built from
+separately encoded text pieces, so any tokenizer works.
 
-Notation: B prompts or windows per batch, T tokens per window or prompt, V vocabulary.
+Notation: B prompts or windows per batch, T tokens per window or prompt, A answer tokens, C width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ from tqdm import tqdm
 from config import ComputeConfig
 from data import TokenLoader, validation_dir
 from model import Transformer
-from synthetic import PromptBuilder
-from tokenizer import Tokenizer
-from weights import load_model
+from synthetic import PromptBuilder, SyntheticDocuments
+from tokenizer import check_vocab, load_tokenizer
+from weights import load_model, stored_config
 
-TASKS = ("loss", "passkey", "needle")
+TASKS = ("loss", "passkey", "needle", "mqar", "mqar_text")
+GRID_TASKS = ("passkey", "needle")
+RECALL_TASKS = ("mqar", "mqar_text")
 LOSS_CHUNK = 512  # positions whose logits exist at a time when scoring windows
 
 
@@ -104,7 +110,7 @@ def validation_loss(model: Transformer, windows: torch.Tensor, autocast: Abstrac
     return (stats[0] / stats[1]).item()
 
 
-# ---- retrieval prompts ------------------------------------------------------------------------------------------
+# ---- retrieval: exact match and graded scores --------------------------------------------------------------------
 
 
 def first_number(text: str) -> str | None:
@@ -118,37 +124,118 @@ def is_correct(continuation: str, answer: str) -> bool:
     return first_number(continuation) == answer
 
 
-def retrieval_grid(model: Transformer, builder: PromptBuilder, task: str, lengths: list[int], depths: list[float],
-                   samples: int, seed: int, batch_size: int, bar: tqdm | None = None) -> dict:
-    """Accuracy of `task` ("passkey" | "needle") at every (length, depth): {"lengths", "depths", "samples",
-    "accuracy": [[per depth] per length], "examples": one decoded continuation per cell}."""
+def score_answers(model: Transformer, ids: torch.Tensor, positions: list[list[int]]) -> list[list[tuple[bool, float]]]:
+    """Teacher forcing: for each row of `ids` (B, L) and each of its answer positions p, (whether the greedy
+    prediction from position p - 1 is ids[p], its log-probability). Logits exist only at those positions."""
+    with torch.no_grad():
+        hidden = model.hidden_states(ids)  # (B, L, C)
+        scores = []
+        for row, where in enumerate(positions):
+            logits = model.logits(hidden[row, [p - 1 for p in where]])  # (A, V)
+            log_probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+            targets = ids[row, where]  # (A,)
+            right = (log_probs.argmax(-1) == targets).tolist()
+            scores.append(list(zip(right, log_probs.gather(-1, targets[:, None]).squeeze(-1).tolist(), strict=True)))
+    return scores
+
+
+def required_length(builder: PromptBuilder, task: str) -> int:
+    """Tokens a `task` prompt needs besides filler (the longest of 32 seeded prompts)."""
+    make = builder.passkey if task == "passkey" else builder.needle
+    return max(make(4096, 0.5, random.Random(i)).text_tokens for i in range(32))
+
+
+def retrieval_cell(model: Transformer, builder: PromptBuilder, task: str, length: int, depth: float, samples: int,
+                   seed: int, batch_size: int) -> dict:
+    """One grid cell: `samples` prompts of `length` tokens with the needle at `depth`: {"accuracy" (exact match of
+    the greedy continuation), "token_accuracy", "answer_logprob" (teacher forcing on the answer's tokens),
+    "example"}."""
     device = model.embed_tokens.weight.device
     make = builder.passkey if task == "passkey" else builder.needle
-    accuracy, examples = [], []
+    rng = random.Random(f"{seed}-{task}-{length}-{depth}")
+    prompts = [make(length, depth, rng) for _ in range(samples)]
+    correct, scores, example = 0, [], None
+    for b0 in range(0, samples, batch_size):
+        batch = prompts[b0:b0 + batch_size]
+        answers = [builder.tokenizer.encode(" " + p.answer) for p in batch]
+        n_new = max(len(a) for a in answers) + 2
+        ids = torch.tensor([p.ids for p in batch], device=device)  # (B, T)
+        out = model.generate(ids, n_new, temperature=0)  # (B, T + n_new): one prefill, then the cache
+        texts = [builder.tokenizer.decode(row) for row in out[:, length:].tolist()]
+        correct += sum(is_correct(t, p.answer) for t, p in zip(texts, batch, strict=True))
+        example = example or {"answer": batch[0].answer, "continuation": texts[0]}
+        padded = torch.tensor([p.ids + a + [0] * (n_new - len(a)) for p, a in zip(batch, answers, strict=True)],
+                              device=device)  # (B, T + n_new): prompt, answer, padding
+        scores += score_answers(model, padded, [list(range(length, length + len(a))) for a in answers])
+    tokens = [s for row in scores for s in row]
+    return {"accuracy": correct / samples, "token_accuracy": sum(r for r, _ in tokens) / len(tokens),
+            "answer_logprob": sum(lp for _, lp in tokens) / len(tokens), "example": example}
+
+
+def retrieval_grid(model: Transformer, builder: PromptBuilder, task: str, lengths: list[int], depths: list[float],
+                   samples: int, seed: int, batch_size: int, bar: tqdm | None = None) -> dict:
+    """Every (length, depth) cell of `task` ("passkey" | "needle"): {"lengths", "depths", "samples", "accuracy",
+    "token_accuracy", "answer_logprob" ([[per depth] per length] each), "examples" (one continuation per cell)}."""
+    result: dict = {"lengths": lengths, "depths": depths, "samples": samples, "accuracy": [], "token_accuracy": [],
+                    "answer_logprob": [], "examples": []}
     for length in lengths:
-        row = []
-        for d, depth in enumerate(depths):
-            rng = random.Random(f"{seed}-{task}-{length}-{d}")
-            prompts = [make(length, depth, rng) for _ in range(samples)]
-            n_new = len(builder.tokenizer.encode(" " + prompts[0].answer)) + 2
-            if length + n_new > model.config.context_length:
-                raise ValueError(f"--lengths {length} + {n_new} answer tokens exceed the model's context_length "
-                                 f"{model.config.context_length}")
-            correct = 0
-            for b0 in range(0, samples, batch_size):
-                batch = prompts[b0:b0 + batch_size]
-                ids = torch.tensor([p.ids for p in batch], device=device)  # (B, T)
-                out = model.generate(ids, n_new, temperature=0)  # (B, T + n_new): one prefill, then the cache
-                texts = [builder.tokenizer.decode(row_ids) for row_ids in out[:, length:].tolist()]
-                correct += sum(is_correct(t, p.answer) for t, p in zip(texts, batch, strict=True))
-                if b0 == 0:
-                    examples.append({"length": length, "depth": depth, "answer": batch[0].answer,
-                                     "continuation": texts[0]})
-                if bar is not None:
-                    bar.update(len(batch))
-            row.append(correct / samples)
-        accuracy.append(row)
-    return {"lengths": lengths, "depths": depths, "samples": samples, "accuracy": accuracy, "examples": examples}
+        cells = []
+        for depth in depths:
+            cells.append(retrieval_cell(model, builder, task, length, depth, samples, seed, batch_size))
+            result["examples"].append({"length": length, "depth": depth, **cells[-1]["example"]})
+            if bar is not None:
+                bar.update(samples)
+        for name in ("accuracy", "token_accuracy", "answer_logprob"):
+            result[name].append([cell[name] for cell in cells])
+    return result
+
+
+# ---- dense recall: accuracy by key-query distance ------------------------------------------------------------------
+
+
+def distance_buckets(distances: list[int], right: list[bool], log_probs: list[float]) -> list[dict]:
+    """Answers grouped by key-query distance in log-spaced buckets [1, 2), [2, 4), ...: {"start", "end", "count",
+    "accuracy", "answer_logprob"} for each non-empty bucket."""
+    groups: dict[int, list[int]] = {}
+    for i, d in enumerate(distances):
+        groups.setdefault(max(1, d).bit_length() - 1, []).append(i)
+    return [{"start": 2**k, "end": 2**(k + 1), "count": len(members),
+             "accuracy": sum(right[i] for i in members) / len(members),
+             "answer_logprob": sum(log_probs[i] for i in members) / len(members)}
+            for k, members in sorted(groups.items())]
+
+
+def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: list[int], samples: int, seed: int,
+                  batch_size: int, bar: tqdm | None = None) -> dict:
+    """`samples` recall documents of each length, every answer token scored under teacher forcing: {"task",
+    "lengths", "samples", "answers", "accuracy", "query_accuracy" (every token of the answer right),
+    "answer_logprob", "by_length" [{"length", "accuracy", ...}], "buckets" (by distance, all lengths together)}."""
+    device = model.embed_tokens.weight.device
+    distances, right, log_probs, per_query, by_length = [], [], [], {}, []
+    for length in lengths:
+        rng = random.Random(f"{seed}-{documents.task}-{length}")
+        docs = [documents(length, rng) for _ in range(samples)]
+        first = len(right)
+        for b0 in range(0, samples, batch_size):
+            batch = docs[b0:b0 + batch_size]
+            ids = torch.tensor([d.ids for d in batch], device=device)  # (B, T)
+            for i, (doc, row) in enumerate(zip(batch, score_answers(model, ids, [d.answers for d in batch]),
+                                                strict=True)):
+                distances += doc.distances
+                right += [r for r, _ in row]
+                log_probs += [lp for _, lp in row]
+                for query, (r, _) in zip(doc.queries, row, strict=True):
+                    key = (length, b0 + i, query)
+                    per_query[key] = per_query.get(key, True) and r
+            if bar is not None:
+                bar.update(len(batch))
+        n = len(right) - first
+        by_length.append({"length": length, "answers": n, "accuracy": sum(right[first:]) / n,
+                          "answer_logprob": sum(log_probs[first:]) / n})
+    return {"task": documents.task, "lengths": lengths, "samples": samples, "answers": len(right),
+            "accuracy": sum(right) / len(right), "query_accuracy": sum(per_query.values()) / len(per_query),
+            "answer_logprob": sum(log_probs) / len(log_probs), "by_length": by_length,
+            "buckets": distance_buckets(distances, right, log_probs)}
 
 
 # ---- reporting ----------------------------------------------------------------------------------------------------
@@ -162,15 +249,29 @@ def format_loss(result: dict) -> str:
 
 
 def format_grid(name: str, result: dict) -> str:
-    lines = [f"{name} accuracy, {result['samples']} prompts per cell",
-             f"{'length / depth':>15}" + "".join(f"{d:>7.2f}" for d in result["depths"])]
-    lines += [f"{length:>15}" + "".join(f"{a:>7.0%}" for a in accs)
-              for length, accs in zip(result["lengths"], result["accuracy"], strict=True)]
+    """Exact-match accuracy per cell, with the per-token accuracy and mean answer log-probability beside it."""
+    lines = [f"{name}: exact match / answer-token accuracy / mean answer log-probability, {result['samples']} "
+             "prompts per cell", f"{'length / depth':>15}" + "".join(f"{d:>22.2f}" for d in result["depths"])]
+    for i, length in enumerate(result["lengths"]):
+        cells = [f"{a:>5.0%} /{t:>5.0%} /{lp:>7.2f}" for a, t, lp in zip(
+            result["accuracy"][i], result["token_accuracy"][i], result["answer_logprob"][i], strict=True)]
+        lines.append(f"{length:>15}" + "".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
+def format_recall(result: dict) -> str:
+    lines = [f"{result['task']}: {result['answers']:,} answers in {result['samples']} documents per length; "
+             f"accuracy {result['accuracy']:.1%}, whole answers {result['query_accuracy']:.1%}, mean answer "
+             f"log-probability {result['answer_logprob']:.3f}",
+             f"{'key-query distance':>20} {'answers':>8} {'accuracy':>9} {'log-prob':>9}"]
+    lines += [f"{b['start']:>9}-{b['end'] - 1:<10} {b['count']:>8} {b['accuracy']:>9.1%} {b['answer_logprob']:>9.3f}"
+              for b in result["buckets"]]
     return "\n".join(lines)
 
 
 def plot(results: dict, out_dir: Path, title: str) -> list[Path]:
-    """loss_by_position.png and one heatmap per retrieval task; [] with a note when matplotlib is missing."""
+    """loss_by_position.png, one heatmap per retrieval grid and one accuracy-by-distance curve per recall task;
+    [] with a note when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -180,18 +281,20 @@ def plot(results: dict, out_dir: Path, title: str) -> list[Path]:
         print("plots skipped: pip install matplotlib (or the project's `plot` extra)")
         return []
     written = []
+
+    def save(fig: object, name: str) -> None:
+        written.append(out_dir / name)
+        fig.tight_layout()
+        fig.savefig(written[-1])
+        plt.close(fig)
+
     if "loss" in results:
         fig, ax = plt.subplots(figsize=(6, 4))
         buckets = results["loss"]["buckets"]
         ax.plot([max(1, b["start"]) for b in buckets], [b["loss"] for b in buckets], marker="o")
         ax.set(xscale="log", xlabel="token position", ylabel="mean validation loss", title=title)
-        written.append(out_dir / "loss_by_position.png")
-        fig.tight_layout()
-        fig.savefig(written[-1])
-        plt.close(fig)
-    for task in ("passkey", "needle"):
-        if task not in results:
-            continue
+        save(fig, "loss_by_position.png")
+    for task in (t for t in GRID_TASKS if t in results):
         grid = results[task]
         fig, ax = plt.subplots(figsize=(1.2 * len(grid["depths"]) + 2, 0.6 * len(grid["lengths"]) + 2))
         image = ax.imshow(np.array(grid["accuracy"]), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -200,90 +303,170 @@ def plot(results: dict, out_dir: Path, title: str) -> list[Path]:
         ax.set(xlabel="needle depth", ylabel="prompt length (tokens)", title=f"{task}: {title}")
         for i, row in enumerate(grid["accuracy"]):
             for j, value in enumerate(row):
-                ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8)
-        fig.colorbar(image, ax=ax, label="accuracy")
-        written.append(out_dir / f"{task}.png")
-        fig.tight_layout()
-        fig.savefig(written[-1])
-        plt.close(fig)
+                ax.text(j, i, f"{value:.0%}\n{grid['token_accuracy'][i][j]:.0%}", ha="center", va="center",
+                        fontsize=7)
+        fig.colorbar(image, ax=ax, label="exact-match accuracy (below: answer-token accuracy)")
+        save(fig, f"{task}.png")
+    for task in (t for t in RECALL_TASKS if t in results):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        plot_recall(ax, results[task], label=results.get("attention_type"))
+        ax.set_title(f"{task}: {title}", fontsize=9)
+        save(fig, f"{task}.png")
     return written
+
+
+def plot_recall(ax: object, result: dict, label: str | None = None) -> None:
+    """Accuracy by key-query distance (log scale) of one recall result on matplotlib axes `ax`."""
+    buckets = result["buckets"]
+    ax.plot([b["start"] for b in buckets], [b["accuracy"] for b in buckets], marker="o", label=label)
+    ax.set(xscale="log", xlabel="key-query distance (tokens)", ylabel="answer accuracy", ylim=(-0.02, 1.02))
 
 
 # ---- command line -------------------------------------------------------------------------------------------------
 
 
-def _run_config(checkpoint: Path) -> dict:
-    """train.py's config.json of the run a checkpoint belongs to (step-N/ or model/ inside OUT_DIR), or {}."""
-    for candidate in (checkpoint.parent / "config.json", checkpoint.parent.parent / "config.json"):
+def _run_config(checkpoint: Path) -> tuple[Path | None, dict]:
+    """(the run directory, train.py's options) of the run a checkpoint belongs to (step-N/ or model/ inside OUT_DIR),
+    or (None, {})."""
+    for run_dir in (checkpoint.parent, checkpoint.parent.parent):
+        candidate = run_dir / "config.json"
         if candidate.is_file():
-            values = json.loads(candidate.read_text())
-            if isinstance(values, dict) and "train" in values:
-                return values["train"]
-    return {}
+            try:
+                values = json.loads(candidate.read_text())
+            except ValueError:
+                continue
+            if isinstance(values, dict) and isinstance(values.get("train"), dict):
+                return run_dir, values["train"]
+    return None, {}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a step-N directory, a run's model/ export (or its model.safetensors), or a "
                                       "Hugging Face directory")
-    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    p.add_argument("--tokenizer", help="SentencePiece .model (default: the run's, or DATA_DIR/tokenizer.model)")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS[:3]),
+                   help="default: loss passkey needle")
+    p.add_argument("--tokenizer", help="tokenizer file, SentencePiece .model or tokenizer.json (default: the run's, "
+                                       "DATA_DIR/tokenizer.model, or the checkpoint directory's tokenizer.json)")
     p.add_argument("--data_dir", help="prepared data with a validation split (default: the run's)")
-    p.add_argument("--context_length", type=int, help="tokens per loss window (default: the run's, else 1024)")
+    p.add_argument("--context_length", type=int, help="tokens per loss window and longest prompt (default: the "
+                                                       "run's, else 1024, at most the model's)")
     p.add_argument("--eval_tokens", type=int, default=65536, help="validation tokens scored by the loss task")
-    p.add_argument("--lengths", type=int, nargs="+", help="prompt lengths in tokens (default: 4 up to the context)")
+    p.add_argument("--lengths", type=int, nargs="+", help="prompt / document lengths in tokens (default: what each "
+                                                          "task needs, up to the context)")
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    p.add_argument("--samples", type=int, default=10, help="prompts per grid cell")
+    p.add_argument("--samples", type=int, default=10, help="prompts per grid cell, documents per recall length")
     p.add_argument("--batch_size", type=int, default=10, help="prompts (or loss windows) per forward")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out_dir", help="where eval.json and the plots go (default: CHECKPOINT's directory /eval)")
+    p.add_argument("--out_dir", help="where eval.json and the plots go (default: RUN_DIR/eval-CHECKPOINT for a "
+                                     "run's checkpoint, else eval/CHECKPOINT)")
     return p
+
+
+def plan_lengths(task: str, asked: list[int] | None, context: int, builder: PromptBuilder, log=print) -> list[int]:
+    """The lengths `task` runs at: `asked` or the defaults (grids: 1/8, 1/4, 1/2 of the context and its end;
+    recall: the context), without those the task cannot hold (one line each); ValueError for a length beyond the
+    context."""
+    room = 10  # generated tokens after a grid prompt: the answer and two more
+    longest = context - (room if task in GRID_TASKS else 0)
+    if asked and max(asked) > longest:
+        raise ValueError(f"--lengths {max(asked)} does not fit the context of {context} tokens"
+                         + (f" with the {room} answer tokens {task} generates" if task in GRID_TASKS else ""))
+    if task in GRID_TASKS:
+        needed = required_length(builder, task)
+        lengths = asked or sorted({context // 8, context // 4, context // 2, longest})
+    else:
+        needed = 4 if task == "mqar" else len(builder.tokenizer.encode(" The value of key redfox is 123456.")) * 2 + 8
+        lengths = asked or [context]
+    for length in (n for n in lengths if n < needed):
+        log(f"{task}: length {length} skipped: the task's text needs {needed} tokens")
+    return [n for n in lengths if n >= needed]
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    checkpoint = Path(args.checkpoint)
-    run = _run_config(checkpoint)
-    data_dir = args.data_dir or run.get("data_dir")
-    tokenizer_file = args.tokenizer or run.get("tokenizer") or (data_dir and Path(data_dir) / "tokenizer.model")
-    if not tokenizer_file or not Path(tokenizer_file).is_file():
-        parser.error(f"no tokenizer found for {checkpoint}: pass --tokenizer FILE.model (or --data_dir)")
-    if "loss" in args.tasks and not data_dir:
-        parser.error("the loss task needs --data_dir (prepared data with a validation split)")
-    if not 0 <= min(args.depths) <= max(args.depths) <= 1 or args.samples < 1 or args.batch_size < 1:
-        parser.error("--depths must lie in [0, 1]; --samples and --batch_size must be >= 1")
-    model = load_model(checkpoint, device=args.device, compute=ComputeConfig()).eval()
-    tokenizer = Tokenizer(tokenizer_file)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        parser.error(f"tokenizer {tokenizer_file} has {tokenizer.vocab_size} tokens, more than the model's "
-                     f"vocab_size {model.config.vocab_size}: they do not belong together")
-    context = min(args.context_length or run.get("context_length") or 1024, model.config.context_length)
-    lengths = args.lengths or sorted({max(64, context // 8), context // 4, context // 2, context - 16})
-    home = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    out_dir = Path(args.out_dir) if args.out_dir else home / "eval"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    title = f"{checkpoint} ({model.config.attention_type} attention)"
+    try:
+        return evaluate(args)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
 
-    results: dict = {"checkpoint": str(checkpoint), "attention_type": model.config.attention_type}
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """eval.py's work for parsed arguments; every input is checked (one-line ValueError / FileNotFoundError) before
+    the model is loaded, and eval.json is rewritten after each task."""
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"{checkpoint} does not exist")
+    run_dir, run = _run_config(checkpoint)
+    data_dir = args.data_dir or run.get("data_dir")
+    tokenizer = load_tokenizer(find_tokenizer(checkpoint, args.tokenizer, run, data_dir))
+    if "loss" in args.tasks and not data_dir:
+        raise ValueError("the loss task needs --data_dir (prepared data with a validation split)")
+    if not 0 <= min(args.depths) <= max(args.depths) <= 1:
+        raise ValueError(f"--depths must lie in [0, 1], got {args.depths}")
+    for name in ("samples", "batch_size", "eval_tokens", "context_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if any(n < 2 for n in args.lengths or []):
+        raise ValueError(f"--lengths must be >= 2, got {args.lengths}")
+    stored = stored_config(checkpoint)
+    check_vocab(tokenizer, stored.vocab_size)
+    if args.context_length and args.context_length > stored.context_length:
+        raise ValueError(f"--context_length {args.context_length} exceeds the model's context_length "
+                         f"{stored.context_length}")
+    context = min(args.context_length or run.get("context_length") or 1024, stored.context_length)
+    builder = PromptBuilder(tokenizer)
+    plans = {task: plan_lengths(task, args.lengths, context, builder) for task in args.tasks if task != "loss"}
+    out_dir = Path(args.out_dir) if args.out_dir else (run_dir / f"eval-{checkpoint.stem}" if run_dir
+                                                       else Path("eval") / checkpoint.stem)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model = load_model(checkpoint, device=args.device, compute=ComputeConfig()).eval()
+    title = f"{checkpoint} ({model.config.attention_type} attention)"
+    results: dict = {"checkpoint": str(checkpoint), "attention_type": model.config.attention_type,
+                     "context_length": context}
+
+    def write() -> None:
+        (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
+
     if "loss" in args.tasks:
         windows = validation_windows(data_dir, context, args.eval_tokens, args.seed)
         results["loss"] = loss_by_position(model, windows, args.batch_size)
         print(format_loss(results["loss"]))
-    builder = PromptBuilder(tokenizer)
-    grids = [t for t in ("passkey", "needle") if t in args.tasks]
-    with tqdm(total=len(grids) * len(lengths) * len(args.depths) * args.samples, desc="retrieval", unit="prompt",
-              disable=not grids) as bar:
-        for task in grids:
-            results[task] = retrieval_grid(model, builder, task, lengths, args.depths, args.samples, args.seed,
-                                           args.batch_size, bar)
-    for task in grids:
-        print(format_grid(task, results[task]))
+        write()
+    for task, lengths in plans.items():
+        if not lengths:
+            print(f"{task}: skipped, no length fits")
+            continue
+        total = len(lengths) * args.samples * (len(args.depths) if task in GRID_TASKS else 1)
+        with tqdm(total=total, desc=task, unit="prompt" if task in GRID_TASKS else "document") as bar:
+            if task in GRID_TASKS:
+                results[task] = retrieval_grid(model, builder, task, lengths, args.depths, args.samples, args.seed,
+                                               args.batch_size, bar)
+            else:
+                results[task] = recall_scores(model, SyntheticDocuments(task, tokenizer), lengths, args.samples,
+                                              args.seed, args.batch_size, bar)
+        print(format_grid(task, results[task]) if task in GRID_TASKS else format_recall(results[task]))
+        write()
     results["plots"] = [str(p) for p in plot(results, out_dir, title)]
-    (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
+    write()
     print(f"wrote {out_dir / 'eval.json'}" + "".join(f", {p}" for p in results["plots"]))
     return results
+
+
+def find_tokenizer(checkpoint: Path, given: str | None, run: dict, data_dir: str | None) -> Path:
+    """The tokenizer file: --tokenizer, the run's, DATA_DIR/tokenizer.model, or the checkpoint directory's
+    tokenizer.json; FileNotFoundError naming --tokenizer when there is none."""
+    if given and not Path(given).is_file():
+        raise FileNotFoundError(f"--tokenizer {given} does not exist")
+    home = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    for candidate in (given, run.get("tokenizer"), data_dir and Path(data_dir) / "tokenizer.model",
+                      home / "tokenizer.json"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise FileNotFoundError(f"no tokenizer found for {checkpoint}: pass --tokenizer FILE (.model or tokenizer.json)")
 
 
 if __name__ == "__main__":

@@ -332,13 +332,7 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dty
         stored_head = state.pop("lm_head.weight", None)
         if stored_head is not None and not torch.equal(stored_head, state["embed_tokens.weight"]):
             raise ValueError(f"{path}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # assign=True made two Parameters; share one again
-    model.rope.to_empty(device=device)  # derived tables: rebuilt lazily on first use
-    model.rope.init_weights()
-    return model
+    return Transformer.from_weights(config, state, compute)
 
 
 # ---- export --------------------------------------------------------------------------------------------------------

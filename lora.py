@@ -153,7 +153,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> None:
 @torch.no_grad()
 def merge_lora_(model: nn.Module) -> None:
     """Fold every adapter into its base weight in place, W += (alpha / r) B A, and zero B: the model computes what
-    it computed, as base weights alone (export them with `weights.export_model(..., drop_adapters=True)`). Plain
+    it computed, as base weights alone (export them with `weights.export_model(..., base_only=True)`). Plain
     or FSDP2-sharded (collective then: one layer's full update at a time)."""
     for layer in lora_layers(model).values():
         A, B, W = layer.lora_A.weight, layer.lora_B.weight, layer.weight

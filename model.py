@@ -79,6 +79,35 @@ class Transformer(nn.Module):
         if self.embed_tokens.weight.device.type != "meta":
             self.init_weights()
 
+    @classmethod
+    def from_weights(cls, config: ModelConfig, state: dict[str, Tensor] | None = None,
+                     compute: ComputeConfig | None = None, device: torch.device | str | None = None) -> Transformer:
+        """The model holding `state` without a second copy: built on the meta device, then the tensors of `state`
+        are assigned as they are (device and dtype kept; a tied output weight may be absent). `state` None: the
+        weights are left uninitialised on `device`, for a loader that writes them in place (DCP). Either way the
+        output layer is then tied to the embedding and the RoPE tables are built lazily on the weights' device.
+        ValueError naming the tensors when `state` does not fit `config`. Every loader builds models this way."""
+        with torch.device("meta"):
+            model = cls(config, compute)
+        if state is None:
+            model.to_empty(device=device)
+        else:
+            if config.tie_embeddings and "embed_tokens.weight" in state:
+                state = {**state, "lm_head.weight": state["embed_tokens.weight"]}
+            missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+            if missing or unexpected:
+                raise ValueError(f"the weights do not fit the config: missing {sorted(missing)[:10]}, unexpected "
+                                 f"{sorted(unexpected)[:10]}")
+        model.finish_loading()
+        return model
+
+    def finish_loading(self) -> None:
+        """After weights were assigned or materialised (`to_empty`): share the embedding with the output layer again
+        (both lost the tie) and reset the RoPE tables, to be rebuilt on the device of the first input."""
+        self._tie_weights()
+        self.rope.to_empty(device=self.embed_tokens.weight.device)
+        self.rope.init_weights()
+
     @property
     def output_weight(self) -> Tensor:
         """The live output projection (V, C): `lm_head.weight`, which is the embedding when tied."""

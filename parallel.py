@@ -60,4 +60,4 @@ def init_sharded_weights(model: Transformer, device: torch.device, seed: int) ->
         return
     full = Transformer(model.config, model.compute)  # built on the CPU and initialised in __init__ from the seeded RNG
     set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True, strict=False))
-    model.rope.init_weights()  # to_empty left the (non-persistent) RoPE tables uninitialised
+    model.finish_loading()  # to_empty left the (non-persistent) RoPE tables uninitialised

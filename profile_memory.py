@@ -52,6 +52,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,16 +63,25 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import train
-import train_config
-from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, attention_class
+from config import ComputeConfig, GiB, ModelConfig, attention_class
+from finetune import finetune_mode
 from memtrack import CATEGORIES, HOST, PHASE_CATEGORIES, LiveBytesTracker, track_training_step
 from model import Transformer
 from offload import simulated
-from quantize import quantize_base
+from tokenizer import load_tokenizer
+from train_config import (
+    DEFAULT_DATA_DIR,
+    TILED_FFN_CHUNK,
+    TOKENIZER_VOCAB,
+    TrainConfig,
+    build_model_config,
+    parse_options,
+    resolve_config,
+)
+from train_config import build_parser as build_train_parser
+from weights import stored_config
 
-GiB = 1024**3
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # as train.py
-TILED_FFN_CHUNK = 8192  # the tile --gpu_memory tries for long sequences
 PHASES = ("forward", "backward", "optimizer step")
 PROFILED_QUANTIZED = ("int8", "nf4")  # --quantize_base kinds whose layout is the same on every device
 MAX_CONTEXT = 2**22  # tokens per sequence the estimate accepts (4M: 1024 loss chunks of 4096)
@@ -81,69 +91,74 @@ _HARMLESS_WARNINGS = ("DTensor random operators may not have complete support on
 
 @dataclass(frozen=True)
 class StepConfig:
-    """One training step to profile: the model preset and everything that changes the memory of a step."""
+    """One training step to profile: train.py's options (`train`, resolved as on a GPU: "auto" values become what
+    train.py picks on CUDA) and the number of FSDP2 ranks. `gpu_memory_gib`: the GPU the run would have, which
+    decides train.py's automatic activation offload (None: never automatic)."""
 
-    model_size: str = "4B"
-    context_length: int = 4096  # tokens per sequence
-    attention_type: str = "full"  # a name in config.ATTENTION_TYPES
-    batch_size: int = 1  # sequences per rank
-    world_size: int = 1  # FSDP2 ranks; parameters, gradients and optimizer state are sharded over them
-    gradient_checkpointing: bool = False
-    loss: str = "auto"  # "auto" | "standard" | "chunked" (ComputeConfig.loss_mode)
-    dtype: str = "bfloat16"  # compute dtype; master weights, gradients and AdamW state stay float32
-    ffn_chunk_size: int | None = None  # tiled MLP (ComputeConfig.ffn_chunk_size); None: untiled
-    query_chunk: int = 512  # ComputeConfig.attention_query_chunk
-    offload_activations: bool = False  # ComputeConfig.offload_activations: saved block inputs in host memory
-    # "full"; or on a frozen base with train.py's defaults, "lora" (rank-16 adapters on q, k, v, o) or "npt"
-    # (rank-16 neuro-plastic layers in the upper half; the base in the compute dtype)
-    finetune: str = "full"
-    quantize_base: str | None = None  # LoRA: the frozen block linear layers in "int8" or "nf4" (quantize.py)
+    train: TrainConfig
+    world_size: int = 1
+    gpu_memory_gib: float | None = None
+
+    @classmethod
+    def of(cls, world_size: int = 1, gpu_memory_gib: float | None = None, **options: object) -> StepConfig:
+        """From train.py options, e.g. `StepConfig.of(model_size="4B", context_length=131072, world_size=2)`."""
+        return cls(resolve_config(TrainConfig(**options), torch.device("cuda")), world_size, gpu_memory_gib)
 
     def __post_init__(self) -> None:
-        if self.model_size not in PRESETS:
-            raise ValueError(f"unknown model_size {self.model_size!r}; available: {sorted(PRESETS)}")
-        for name in ("context_length", "batch_size", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not 2 <= self.context_length <= MAX_CONTEXT:
-            raise ValueError(f"context_length must be in [2, {MAX_CONTEXT:,}] (next-token targets; longer sequences "
-                             f"would loop over more than {MAX_CONTEXT // 4096:,} loss chunks under fake tensors), got "
-                             f"{self.context_length:,}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.quantize_base not in (None, *PROFILED_QUANTIZED):
-            raise ValueError(f"quantize_base must be one of {PROFILED_QUANTIZED} (int4's layout depends on the device: "
-                             f"measure it with train.py), got {self.quantize_base!r}")
-        if self.quantize_base and self.finetune != "lora":
-            raise ValueError("quantize_base is for finetune 'lora'")
-        if (self.finetune == "npt" or self.quantize_base) and self.world_size != 1:
-            raise ValueError("NPT and a quantized base run in one process: world_size must be 1")
-        self.train_config()  # validate finetune
-        self.model_config(), self.compute_config()  # validate attention_type and loss
+        cfg = self.train
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise ValueError(f"--world_size must be a positive integer, got {self.world_size!r}")
+        if not cfg.context_length <= MAX_CONTEXT:
+            raise ValueError(f"--context_length must be in [2, {MAX_CONTEXT:,}] (longer sequences would loop over "
+                             f"more than {MAX_CONTEXT // 4096:,} loss chunks under fake tensors), got "
+                             f"{cfg.context_length:,}")
+        if cfg.quantize_base not in (None, *PROFILED_QUANTIZED):
+            raise ValueError(f"--quantize_base {cfg.quantize_base}: profiled are {', '.join(PROFILED_QUANTIZED)} "
+                             "(int4's layout depends on the device: measure it with train.py)")
+        finetune_mode(cfg).check(self.world_size)
+        self.configs()  # the architecture and compute settings are valid
 
-    def model_config(self) -> ModelConfig:
-        return ModelConfig.from_preset(self.model_size, context_length=self.context_length,
-                                       attention_type=self.attention_type)
+    def configs(self) -> tuple[ModelConfig, ComputeConfig]:
+        """(ModelConfig, ComputeConfig) exactly as train.py builds them for this run (train_config.
+        build_model_config): the preset or the --init_from architecture, the vocabulary of the tokenizer the run
+        would use, and the long-context choices (chunked loss, tiled FFN, offload) where "auto" asks for them."""
+        cfg = self.train
+        stored = stored_config(cfg.init_from) if cfg.init_from else None
+        memory = int(self.gpu_memory_gib * GiB) if self.gpu_memory_gib else None
+        return build_model_config(cfg, tokenizer_vocab(cfg), memory, self.world_size, stored)
 
-    def compute_config(self) -> ComputeConfig:
-        return ComputeConfig(loss_mode=self.loss, ffn_chunk_size=self.ffn_chunk_size,
-                             attention_query_chunk=self.query_chunk, offload_activations=self.offload_activations)
+    def replace(self, world_size: int | None = None, **options: object) -> StepConfig:
+        """This step with some train.py options (or the world size) changed."""
+        return StepConfig(dataclasses.replace(self.train, **options), world_size or self.world_size,
+                          self.gpu_memory_gib)
 
-    def train_config(self) -> train_config.TrainConfig:
-        """The train.py options of this step (what train.build_model and build_optimizer read)."""
-        return train_config.TrainConfig(model_size=self.model_size, attention_type=self.attention_type,
-                                        context_length=self.context_length, batch_size=self.batch_size,
-                                        gradient_checkpointing=self.gradient_checkpointing, dtype=self.dtype,
-                                        finetune=self.finetune, quantize_base=self.quantize_base)
+    def to_dict(self) -> dict:
+        return {"train": dataclasses.asdict(self.train), "world_size": self.world_size,
+                "gpu_memory_gib": self.gpu_memory_gib}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> StepConfig:
+        return cls(TrainConfig(**values["train"]), values["world_size"], values["gpu_memory_gib"])
 
     def describe(self) -> str:
-        return (f"{self.model_size}, {self.batch_size} x {self.context_length} tokens per rank, {self.attention_type} "
-                f"attention, world size {self.world_size}, {self.dtype} compute, checkpointing "
-                f"{'on' if self.gradient_checkpointing else 'off'}"
-                + (", activations offloaded to host memory" if self.offload_activations else "")
-                + {"full": "", "lora": ", LoRA on a frozen base", "npt": ", NPT layers on a frozen base"}[self.finetune]
-                + (f" ({self.quantize_base})" if self.quantize_base else ""))
+        cfg, (model, compute) = self.train, self.configs()
+        mode = finetune_mode(cfg)
+        return (f"{cfg.model_size if not cfg.init_from else cfg.init_from}, {cfg.batch_size} x {cfg.context_length} "
+                f"tokens per rank, {model.attention_type} attention, world size {self.world_size}, {cfg.dtype} "
+                f"compute, checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
+                + (f", FFN tiles of {compute.ffn_chunk_size}" if compute.ffn_chunk_size else "")
+                + (", activations offloaded to host memory" if compute.offload_activations else "")
+                + (f", {mode.description}" if mode.description else "")
+                + (f" ({cfg.quantize_base})" if cfg.quantize_base else ""))
+
+
+def tokenizer_vocab(cfg: TrainConfig) -> int:
+    """The vocabulary of the tokenizer train.py would use: --tokenizer, DATA_DIR/tokenizer.model when it exists, or
+    the one it trains for the default corpus (TOKENIZER_VOCAB); 0 (the preset's vocabulary) otherwise."""
+    path = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.data_dir) / "tokenizer.model"
+    if path.is_file():
+        return load_tokenizer(path).vocab_size
+    return TOKENIZER_VOCAB if cfg.data_dir == DEFAULT_DATA_DIR and not cfg.init_from else 0
 
 
 # ---- memory probes: the same interface over the trackers (fake or real tensors) and over torch.cuda statistics ----
@@ -226,17 +241,16 @@ def build(config: StepConfig, device: str, mesh: DeviceMesh | None) -> tuple[Tra
     run `config` describes: with a mesh, on the meta device, sharded by FSDP2 (bf16 compute copies of fp32 master
     weights, summed float32 gradient reduction) and materialised on `device`; without, fp32 on `device` (forward
     then runs under autocast, see `_autocast`)."""
-    cfg = train_config.resolve_config(config.train_config(), torch.device(device))
+    cfg = config.train
     rt = train.Runtime(rank=0, world_size=config.world_size, device=torch.device(device), mesh=mesh)
-    model = train.build_model(config.model_config(), config.compute_config(), cfg, rt)
-    if config.quantize_base:
-        quantize_base(model, config.quantize_base)
+    model = train.build_model(*config.configs(), cfg, rt)
+    finetune_mode(cfg).initialise(model, cfg.seed)
     return model, train.build_optimizer(model, cfg)[0]
 
 
 def _autocast(config: StepConfig, device: str) -> AbstractContextManager:
     """train.py's forward context: bf16 autocast in a single process, nothing under FSDP (its policy casts)."""
-    if config.world_size == 1 and config.dtype == "bfloat16":
+    if config.world_size == 1 and config.train.dtype == "bfloat16":
         return torch.autocast(device, dtype=torch.bfloat16)
     return nullcontext()
 
@@ -313,13 +327,13 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
         # The mesh is made outside FakeTensorMode: it reads its rank map.
         mesh = init_device_mesh(device, (config.world_size,)) if config.world_size > 1 else None
         with FakeTensorMode() if fake else nullcontext(), ExitStack() as stack:
-            description = f"{config.attention_type} attention: runs as in training (no stand-in)"
+            model_config, compute = config.configs()
+            B, T = config.train.batch_size, config.train.context_length
+            description = f"{model_config.attention_type} attention: runs as in training (no stand-in)"
             if fake and stand_in:
-                cls = attention_class(config.attention_type)
-                description = stack.enter_context(cls.memory_stand_in(
-                    config.model_config(), config.compute_config(), config.batch_size, config.context_length,
-                    DTYPES[config.dtype], device))
-            B, T = config.batch_size, config.context_length
+                cls = attention_class(model_config.attention_type)
+                description = stack.enter_context(cls.memory_stand_in(model_config, compute, B, T,
+                                                                      DTYPES[config.train.dtype], device))
             model, optimizer = build(config, device, mesh)
             _warm_up(model, optimizer, T, device)
             input_ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
@@ -339,7 +353,7 @@ def _summarize(config: StepConfig, profile: dict, seconds: float, method: str) -
     stages = profile["stages"]
     phase = max(PHASES, key=lambda p: stages[f"peak during {p}"]["total"])
     return {
-        "config": dataclasses.asdict(config),
+        "config": config.to_dict(),
         "num_parameters": profile["num_parameters"],
         "loss_path": profile["loss_path"],
         "method": method,
@@ -376,32 +390,33 @@ def measure(config: StepConfig) -> dict:
 # ---- will it fit? -----------------------------------------------------------------------------------------------
 
 def _cheaper_steps(config: StepConfig, result: dict) -> Iterator[tuple[str, StepConfig]]:
-    """Changes that lower memory, cheapest first, each on top of the previous ones: chunked loss (almost free),
-    checkpointing (~1/3 more compute), a tiled FFN (one more FFN forward), activation offload (host memory and
-    PCIe traffic, overlapped with compute), more GPUs (shards parameters, gradients
-    and optimizer state), a smaller batch (fewer tokens per step unless accumulated), a shorter context (changes the
-    task)."""
+    """Changes that lower memory, cheapest first, each on top of the previous ones, as train.py options: chunked
+    loss (almost free), checkpointing (~1/3 more compute), a tiled FFN (one more FFN forward), activation offload
+    (host memory and PCIe traffic, overlapped with compute), more GPUs (shards parameters, gradients and optimizer
+    state), a smaller batch (fewer tokens per step unless accumulated), a shorter context (changes the task)."""
+    model_config, compute = config.configs()
+    T = config.train.context_length
     if result["loss_path"] == "standard":
-        config = dataclasses.replace(config, loss="chunked")
+        config = config.replace(loss="chunked")
         yield "--loss chunked", config
-    if not config.gradient_checkpointing:
-        config = dataclasses.replace(config, gradient_checkpointing=True)
+    if not config.train.gradient_checkpointing:
+        config = config.replace(gradient_checkpointing=True)
         yield "--gradient_checkpointing", config
-    if config.ffn_chunk_size is None and config.context_length > TILED_FFN_CHUNK:
-        config = dataclasses.replace(config, ffn_chunk_size=TILED_FFN_CHUNK)
+    if compute.ffn_chunk_size is None and T > TILED_FFN_CHUNK:
+        config = config.replace(ffn_chunk_size=TILED_FFN_CHUNK)
         yield f"--ffn_chunk_size {TILED_FFN_CHUNK}", config
-    if not config.offload_activations:
-        config = dataclasses.replace(config, offload_activations=True)
+    if not compute.offload_activations:
+        config = config.replace(offload_activations=True)
         yield "--offload_activations", config
     for _ in range(6):
-        config = dataclasses.replace(config, world_size=config.world_size * 2)
+        config = config.replace(world_size=config.world_size * 2)
         yield f"--world_size {config.world_size}", config
-    while config.batch_size > 1:
-        config = dataclasses.replace(config, batch_size=config.batch_size // 2)
-        yield f"--batch_size {config.batch_size}", config
-    while config.context_length > 1024:
-        config = dataclasses.replace(config, context_length=config.context_length // 2)
-        yield f"--context_length {config.context_length}", config
+    while config.train.batch_size > 1:
+        config = config.replace(batch_size=config.train.batch_size // 2)
+        yield f"--batch_size {config.train.batch_size}", config
+    while config.train.context_length > 1024:
+        config = config.replace(context_length=config.train.context_length // 2)
+        yield f"--context_length {config.train.context_length}", config
 
 
 def check_fit(result: dict, gpu_memory_gib: float, reserve_gib: float = 2.0, log=print) -> dict:
@@ -412,7 +427,7 @@ def check_fit(result: dict, gpu_memory_gib: float, reserve_gib: float = 2.0, log
               "margin_gib": (budget - result["peak"]["total"]) / GiB, "changes": [], "fitting_config": None}
     if report["fits"]:
         return report
-    config, current = StepConfig(**result["config"]), result
+    config, current = StepConfig.from_dict(result["config"]), result
     for flag, candidate in _cheaper_steps(config, result):
         if candidate.world_size > current["config"]["world_size"]:
             # Sharding more only shrinks parameters, gradients and optimizer state: skip when the rest cannot fit.
@@ -459,7 +474,7 @@ def format_table(result: dict, measured: dict | None = None) -> str:
 
 
 def report_text(result: dict, measured: dict | None = None, fit: dict | None = None) -> str:
-    config = StepConfig(**result["config"])
+    config = StepConfig.from_dict(result["config"])
     n = result["num_parameters"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     lines = [f"Memory per rank ({_unit(result)[0]}) of one training step: {config.describe()}",
@@ -498,7 +513,7 @@ def plot(result: dict, path: str) -> None:
         ax.bar(stages, heights, bottom=bottom, label=category)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set_ylabel("GiB per rank")
-    ax.set_title(StepConfig(**result["config"]).describe(), fontsize=9)
+    ax.set_title(StepConfig.from_dict(result["config"]).describe(), fontsize=9)
     ax.legend()
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
@@ -507,55 +522,45 @@ def plot(result: dict, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model_size", default="4B", choices=sorted(PRESETS))
-    p.add_argument("--context_length", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--attention_type", default="full", choices=sorted(ATTENTION_TYPES))
-    p.add_argument("--batch_size", type=int, default=1, help="sequences per rank")
-    p.add_argument("--world_size", type=int, default=1, help="FSDP2 ranks; numbers are per rank")
-    p.add_argument("--gradient_checkpointing", action="store_true", help="recompute each block in backward")
-    p.add_argument("--loss", default="auto", choices=["auto", "standard", "chunked"])
-    p.add_argument("--ffn_chunk_size", type=int, default=None, help="tokens per FFN tile (tiled MLP); default untiled")
-    p.add_argument("--query_chunk", type=int, default=512, help="queries an attention processes at a time (NSA)")
-    p.add_argument("--finetune", default="full", choices=["full", "lora", "npt"],
-                   help="on a frozen base, lora: train.py's LoRA adapters (rank 16 on q, k, v, o); npt: its "
-                        "neuro-plastic layers (rank 16, upper half)")
-    p.add_argument("--quantize_base", default=None, choices=PROFILED_QUANTIZED,
-                   help="with --finetune lora: the frozen block linear layers quantized (train.py --quantize_base)")
-    p.add_argument("--offload_activations", action="store_true",
-                   help="keep the tensors blocks save for backward in host memory (with checkpointing: the inputs)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype (master weights fp32)")
-    p.add_argument("--gpu_memory", type=float, default=None, help="GiB per GPU: say whether it fits, else what would")
-    p.add_argument("--reserve", type=float, default=2.0, help="GiB of the GPU kept for what the tracker cannot see")
-    p.add_argument("--measure", action="store_true", help="also run the step for real on CUDA and print both")
-    p.add_argument("--json", action="store_true", help="print the result as JSON (bytes)")
+    """train.py's options (the same names; those that do not change memory are accepted and ignored), then the
+    profiler's own."""
+    parser = build_train_parser()
+    parser.description = __doc__.split("\n\n")[0] + " Takes train.py's options and applies its automatic choices."
+    p = parser.add_argument_group("profiler")
+    p.add_argument("--world_size", type=int, default=1, help="FSDP2 ranks; numbers are per rank (default: 1)")
+    p.add_argument("--gpu_memory", type=float, default=None,
+                   help="GiB per GPU: say whether it fits, else what would; also decides automatic activation "
+                        "offload, as train.py does on that GPU")
+    p.add_argument("--reserve", type=float, default=2.0,
+                   help="GiB of the GPU kept for what the tracker cannot see (default: 2)")
+    p.add_argument("--measure", action="store_true", default=False,
+                   help="also run the step for real on CUDA and print both")
+    p.add_argument("--json", action="store_true", default=False, help="print the result as JSON (bytes)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="save a stacked bar chart (needs matplotlib)")
-    return p
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.gpu_memory is not None and not 0 <= args.reserve < args.gpu_memory:
-        parser.error(f"--reserve must be in [0, --gpu_memory), got {args.reserve} and {args.gpu_memory}")
-    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
-        parser.error(f"--plot {args.plot}: directory {os.path.dirname(os.path.abspath(args.plot))} does not exist")
-    try:
-        config = StepConfig(args.model_size, args.context_length, args.attention_type, args.batch_size,
-                            args.world_size, args.gradient_checkpointing, args.loss, args.dtype, args.ffn_chunk_size,
-                            args.query_chunk, args.offload_activations, args.finetune, args.quantize_base)
-    except ValueError as e:
-        parser.error(str(e))
-    if args.measure and not torch.cuda.is_available():
+    cfg, args = parse_options(parser, argv)
+    if args["gpu_memory"] is not None and not 0 <= args["reserve"] < args["gpu_memory"]:
+        parser.error(f"--reserve must be in [0, --gpu_memory), got {args['reserve']} and {args['gpu_memory']}")
+    if args["plot"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["plot"]))):
+        parser.error(f"--plot {args['plot']}: directory {os.path.dirname(os.path.abspath(args['plot']))} does not "
+                     "exist")
+    if args["measure"] and not torch.cuda.is_available():
         parser.error("--measure needs a CUDA device")
+    try:
+        config = StepConfig(resolve_config(cfg, torch.device("cuda")), args["world_size"], args["gpu_memory"])
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
     result = estimate(config)
-    measured = measure(config) if args.measure else None
-    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
-    fit = check_fit(result, args.gpu_memory, args.reserve, log) if args.gpu_memory is not None else None
-    if args.plot:
-        plot(result, args.plot)
-    if args.json:
+    measured = measure(config) if args["measure"] else None
+    log = (lambda msg: print(msg, file=sys.stderr)) if args["json"] else print
+    fit = check_fit(result, args["gpu_memory"], args["reserve"], log) if args["gpu_memory"] is not None else None
+    if args["plot"]:
+        plot(result, args["plot"])
+    if args["json"]:
         print(json.dumps({**result, "measured": measured, "fit": fit}, indent=2))
     else:
         print(report_text(result, measured, fit))

@@ -20,11 +20,13 @@ import math
 import torch
 from torch import nn
 
+from model import Transformer
+
 QUANTIZED = ("int8", "nf4", "int4")
 NF4_BLOCK = 64  # values sharing one NF4 scale
 
 
-def quantize_base(model: nn.Module, kind: str) -> None:
+def quantize_base(model: Transformer, kind: str) -> None:
     """Quantize the frozen linear layers of `model`'s blocks in place to `kind` (one of QUANTIZED). Call after the
     base weights are loaded; the model must not be sharded (FSDP2)."""
     if kind not in QUANTIZED:
@@ -35,12 +37,12 @@ def quantize_base(model: nn.Module, kind: str) -> None:
     except ImportError as e:
         raise ImportError("--quantize_base needs torchao: pip install torchao") from e
 
-    def frozen_block_linear(module: nn.Module, name: str) -> bool:
-        return (isinstance(module, nn.Linear) and name.startswith("layers.") and ".lora_" not in name
-                and not module.weight.requires_grad)
+    def frozen_linear(module: nn.Module, name: str) -> bool:  # LoRA's own A and B train: left as they are
+        return isinstance(module, nn.Linear) and not module.weight.requires_grad
 
     if kind == "nf4":
-        targets = {name: module for name, module in model.named_modules() if frozen_block_linear(module, name)}
+        targets = {f"layers.{name}": module for name, module in model.layers.named_modules()
+                   if frozen_linear(module, name)}
         for name, module in targets.items():
             if module.weight.numel() % NF4_BLOCK:
                 raise ValueError(f"--quantize_base nf4 quantizes blocks of {NF4_BLOCK} values, and {name}.weight has "
@@ -57,7 +59,7 @@ def quantize_base(model: nn.Module, kind: str) -> None:
         config = ao.Int4WeightOnlyConfig(group_size=32)
     else:
         config = ao.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
-    ao.quantize_(model, config, filter_fn=frozen_block_linear)
+    ao.quantize_(model.layers, config, filter_fn=frozen_linear)
 
 
 def parameter_bytes(module: nn.Module) -> int:

@@ -10,12 +10,15 @@ Notation: B rows per batch, T tokens per row.
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from data import TokenLoader
+from loss import IGNORE_INDEX
 from tokenizer import Tokenizer
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
@@ -28,6 +31,7 @@ class Prompt:
     ids: list[int]  # exactly the requested number of tokens
     answer: str  # the digits the model should continue with
     needle_start: int  # token position where the queried needle begins
+    text_tokens: int  # tokens that are not filler: the shortest prompt that holds the task
 
 
 class PromptBuilder:
@@ -48,13 +52,13 @@ class PromptBuilder:
         return ids[:n_tokens]
 
     def _assemble(self, length: int, head: list[int], needles: list[tuple[float, list[int]]], question: list[int],
-                  rng: random.Random) -> tuple[list[int], list[int]]:
+                  rng: random.Random) -> tuple[list[int], list[int], int]:
         """head + filler with each (depth, needle) inserted at that depth of the filler + question, `length` tokens;
-        returns (ids, start positions of the needles in input order)."""
+        returns (ids, start positions of the needles in input order, tokens that are not filler)."""
         n_filler = length - len(head) - len(question) - sum(len(n) for _, n in needles)
         if n_filler < 0:
-            raise ValueError(f"a prompt of {length} tokens cannot hold the task's text ({length - n_filler} tokens); "
-                             f"use longer --lengths")
+            raise ValueError(f"a prompt of {length} tokens cannot hold the task's text ({length - n_filler} "
+                             "tokens)")
         filler = self.filler(n_filler, rng)
         order = sorted(range(len(needles)), key=lambda i: needles[i][0])
         ids, starts, cut = list(head), [0] * len(needles), 0
@@ -65,15 +69,15 @@ class PromptBuilder:
             starts[i] = len(ids)
             ids += needle
             cut = at
-        return ids + filler[cut:] + question, starts
+        return ids + filler[cut:] + question, starts, length - n_filler
 
     def passkey(self, length: int, depth: float, rng: random.Random) -> Prompt:
         key = str(rng.randrange(10_000, 100_000))
         head = self._encode("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.")
         needle = self._encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
         question = self._encode(" What is the pass key? The pass key is")
-        ids, (start,) = self._assemble(length, head, [(depth, needle)], question, rng)
-        return Prompt(ids, key, start)
+        ids, (start,), text = self._assemble(length, head, [(depth, needle)], question, rng)
+        return Prompt(ids, key, start, text)
 
     def needle(self, length: int, depth: float, rng: random.Random, n_keys: int = 4) -> Prompt:
         keys = rng.sample([f"{a}{b}" for a in ("red", "blue", "green", "gold", "grey", "pink") for b in
@@ -83,32 +87,181 @@ class PromptBuilder:
         needles = [(depth if i == 0 else rng.random(), self._encode(f" The value of key {k} is {v}."))
                    for i, (k, v) in enumerate(zip(keys, values, strict=True))]
         question = self._encode(f" What is the value of key {keys[0]}? The value of key {keys[0]} is")
-        ids, starts = self._assemble(length, head, needles, question, rng)
-        return Prompt(ids, values[0], starts[0])
+        ids, starts, text = self._assemble(length, head, needles, question, rng)
+        return Prompt(ids, values[0], starts[0], text)
 
 
-def training_document(builder: PromptBuilder, length: int, rng: random.Random) -> list[int]:
-    """`length` token ids: a passkey or multi-key recall prompt (chosen by `rng`, needle at a random depth) followed
-    by its answer and a full stop."""
+# ---- dense recall: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology") -------------------------
+
+@dataclass
+class RecallDocument:
+    """A dense recall document: key-value pairs, queries of earlier keys, each followed by its value, and noise."""
+
+    ids: list[int]  # exactly the requested number of tokens
+    answers: list[int]  # positions of the answer tokens (a queried key's value): the targets
+    distances: list[int]  # per answer token: the position of its query minus that of the key's pair
+    queries: list[int]  # per answer token: an id of the query it answers (an answer may span several tokens)
+
+
+class RecallVocabulary:
+    """Disjoint ranges of token ids for MQAR's keys, values and noise, inside any tokenizer's vocabulary (ids below
+    16 and the tokenizer's special ids are left out): keys and values up to 512 each, noise the rest."""
+
+    def __init__(self, vocab_size: int, reserved: tuple[int, ...] = ()) -> None:
+        usable = [i for i in range(16, vocab_size) if i not in set(reserved)]
+        size = min(512, len(usable) // 3)
+        if size < 8:
+            raise ValueError(f"a vocabulary of {vocab_size} tokens is too small for MQAR (needs at least 40)")
+        self.keys, self.values, self.noise = usable[:size], usable[size:2 * size], usable[2 * size:]
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> RecallVocabulary:
+        special = {getattr(tokenizer, name, None) for name in ("bos_id", "eos_id", "pad_id", "eod_id")}
+        return cls(tokenizer.vocab_size, tuple(i for i in special if isinstance(i, int) and i >= 0))
+
+
+Piece = tuple[list[int], list[int], list[int]]  # (ids before the answer, answer ids, ids after)
+
+
+def _recall_document(length: int, rng: random.Random, pair: Callable[[int], Piece], query: Callable[[int], Piece],
+                     noise: Callable[[], list[int]], n_keys: int, unit: int) -> RecallDocument:
+    """The MQAR layout of both forms, `length` tokens cut into slots of about `unit` tokens, each holding a pair, a
+    query or noise. A third of the slots get pairs of distinct keys (at most `n_keys`), each with one query later
+    at a distance drawn log-uniformly in [1, slots) slots, so the distances cover every scale of the context
+    (placed longest first in random free slots; a pair that finds no room after 20 tries is left out). Answers cut
+    off by the end of the document are dropped."""
+    slots = max(2, length // unit)
+    n_pairs = min(n_keys, max(1, slots // 3))
+    gaps = sorted((round(math.exp(rng.uniform(0, math.log(slots - 1)))) for _ in range(n_pairs)), reverse=True)
+    layout: list[tuple[str, int] | None] = [None] * slots
+    for key, gap in zip(rng.sample(range(n_keys), n_pairs), gaps, strict=True):
+        for _ in range(20):
+            at = rng.randrange(slots - gap)
+            if layout[at] is None and layout[at + gap] is None:
+                layout[at], layout[at + gap] = ("pair", key), ("query", key)
+                break
+    ids: list[int] = []
+    answers: list[int] = []
+    distances: list[int] = []
+    queries: list[int] = []
+    pair_at: dict[int, int] = {}
+    for slot, event in enumerate(layout):
+        if event is None:
+            start = len(ids)
+            while len(ids) < start + unit:
+                ids += noise()
+            continue
+        kind, key = event
+        if kind == "pair":
+            pair_at[key] = len(ids)
+            before, answer, after = pair(key)
+        else:
+            before, answer, after = query(key)
+            answers += range(len(ids) + len(before), len(ids) + len(before) + len(answer))
+            distances += [len(ids) - pair_at[key]] * len(answer)  # from the pair's first token to the query's
+            queries += [slot] * len(answer)
+        ids += before + answer + after
+    while len(ids) < length:
+        ids += noise()
+    kept = [i for i, position in enumerate(answers) if position < length]
+    return RecallDocument(ids[:length], [answers[i] for i in kept], [distances[i] for i in kept],
+                          [queries[i] for i in kept])
+
+
+def mqar_document(length: int, vocab: RecallVocabulary, rng: random.Random) -> RecallDocument:
+    """Token-level MQAR of exactly `length` tokens: `key value` pairs of random ids (distinct keys, random values),
+    later `key value` queries of earlier keys (each query's value is an answer), and random noise tokens."""
+    values: dict[int, int] = {}
+
+    def pair(key: int) -> Piece:
+        values[key] = rng.choice(vocab.values)
+        return [vocab.keys[key], values[key]], [], []
+
+    return _recall_document(length, rng, pair, lambda key: ([vocab.keys[key]], [values[key]], []),
+                            lambda: [rng.choice(vocab.noise)], len(vocab.keys), 2)
+
+
+KEY_WORDS = [f"{a}{b}" for a in ("red", "blue", "green", "gold", "grey", "pink", "teal", "tan", "jade", "ruby",
+                                 "navy", "lime")
+             for b in ("fox", "owl", "cat", "elk", "bee", "ant", "yak", "emu", "cod", "ram", "eel", "bat")]
+
+
+def mqar_text_document(builder: PromptBuilder, length: int, rng: random.Random) -> RecallDocument:
+    """Natural-language MQAR of exactly `length` tokens, from the needle task's pieces: statements " The value of
+    key redfox is 123456.", questions " What is the value of key redfox? 123456." of earlier keys (the value's
+    tokens are the answers) and filler sentences as noise."""
+    encode, values = builder.tokenizer.encode, {}
+
+    def pair(key: int) -> Piece:
+        values[key] = str(rng.randrange(100_000, 1_000_000))
+        return encode(f" The value of key {KEY_WORDS[key]} is {values[key]}."), [], []
+
+    def query(key: int) -> Piece:
+        return encode(f" What is the value of key {KEY_WORDS[key]}?"), encode(f" {values[key]}"), encode(".")
+
+    unit = len(encode(" The value of key redfox is 123456.")) + 2
+    return _recall_document(length, rng, pair, query, lambda: rng.choice(builder._filler), len(KEY_WORDS), unit)
+
+
+def passkey_document(builder: PromptBuilder, length: int, rng: random.Random) -> RecallDocument:
+    """`length` tokens: a passkey or multi-key needle prompt (chosen by `rng`, needle at a random depth), its answer
+    (the targets) and a full stop, then filler. ValueError when `length` cannot hold the prompt's text."""
     task = rng.choice(TASKS)
     answer_len = len(builder.tokenizer.encode(" 000000."))  # the longest answer (6 digits)
     make = builder.passkey if task == "passkey" else builder.needle
     prompt = make(length - answer_len, rng.random(), rng)
-    answer = builder.tokenizer.encode(f" {prompt.answer}.")
-    return (prompt.ids + answer + builder.filler(answer_len, rng))[:length]
+    answer = builder.tokenizer.encode(f" {prompt.answer}")
+    ids = (prompt.ids + answer + builder.tokenizer.encode(".") + builder.filler(answer_len, rng))[:length]
+    positions = list(range(len(prompt.ids), len(prompt.ids) + len(answer)))
+    return RecallDocument(ids, positions, [len(prompt.ids) - prompt.needle_start] * len(answer), [0] * len(answer))
+
+
+SYNTHETIC_TASKS = ("passkey", "mqar", "mqar_text")
+
+
+class SyntheticDocuments:
+    """Documents of one synthetic task for one tokenizer: "passkey" (a passkey or needle prompt and its answer),
+    "mqar" (token-level multi-query associative recall) or "mqar_text" (its natural-language form)."""
+
+    def __init__(self, task: str, tokenizer: Tokenizer) -> None:
+        if task not in SYNTHETIC_TASKS:
+            raise ValueError(f"synthetic task must be one of {SYNTHETIC_TASKS}, got {task!r}")
+        self.task, self.builder = task, PromptBuilder(tokenizer)
+        self.vocab = RecallVocabulary.of(tokenizer) if task == "mqar" else None
+
+    def __call__(self, length: int, rng: random.Random) -> RecallDocument:
+        if self.task == "mqar":
+            return mqar_document(length, self.vocab, rng)
+        if self.task == "mqar_text":
+            return mqar_text_document(self.builder, length, rng)
+        return passkey_document(self.builder, length, rng)
+
+    def check_length(self, length: int, samples: int = 256) -> None:
+        """ValueError naming --context_length when documents of `length` tokens cannot be made: checked on the
+        longest text of `samples` seeded documents, plus 8 tokens for rarer longer encodings of their numbers."""
+        try:
+            for i in range(samples):
+                if not self(max(1, length - 8), random.Random(i)).answers:
+                    raise ValueError("no answer fits")
+        except ValueError:
+            raise ValueError(f"--context_length {length} is too short for synthetic {self.task} documents; use a "
+                             "longer context or --synthetic_mix 0") from None
 
 
 class SyntheticMix:
-    """A TokenLoader whose rows are replaced, each with probability `rate`, by a synthetic retrieval document of the
-    same length. Which rows and what they hold depend only on (seed, epoch, step, rank, row), so the mix is
+    """A TokenLoader whose rows are replaced, each with probability `rate`, by a synthetic document of `task`
+    (SyntheticDocuments) of the same length. Labels equal the ids (the model shifts them), or with `answer_loss`
+    are IGNORE_INDEX (-100) except at a synthetic row's answers, so the loss is taken on answers only (a corpus row
+    keeps every label). Which rows and what they hold depend only on (seed, epoch, step, rank, row), so the mix is
     deterministic and resumes exactly with the loader's own state (`state_dict` / `load_state_dict`)."""
 
-    def __init__(self, loader: TokenLoader, tokenizer: Tokenizer, rate: float, seed: int = 0) -> None:
+    def __init__(self, loader: TokenLoader, tokenizer: Tokenizer, rate: float, seed: int = 0, task: str = "passkey",
+                 answer_loss: bool = False) -> None:
         if not 0 <= rate <= 1:
             raise ValueError(f"synthetic_mix must be in [0, 1], got {rate}")
-        self.loader, self.rate, self.seed = loader, rate, seed
-        self.builder = PromptBuilder(tokenizer)
-        training_document(self.builder, loader.seq_len, random.Random(0))  # ValueError now if T is too short
+        self.loader, self.rate, self.seed, self.answer_loss = loader, rate, seed, answer_loss
+        self.documents = SyntheticDocuments(task, tokenizer)
+        self.documents.check_length(loader.seq_len)
 
     def __iter__(self) -> SyntheticMix:
         return self
@@ -116,12 +269,16 @@ class SyntheticMix:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         loader = self.loader
         epoch, step = (loader.epoch + 1, 0) if loader.step == loader.steps_per_epoch else (loader.epoch, loader.step)
-        input_ids, _ = next(loader)  # (B, T)
+        input_ids, labels = next(loader)  # (B, T) each
         for row in range(input_ids.shape[0]):
             rng = random.Random(f"{self.seed}-{epoch}-{step}-{loader.rank}-{row}")
             if rng.random() < self.rate:
-                input_ids[row] = torch.tensor(training_document(self.builder, loader.seq_len, rng))
-        return input_ids, input_ids.clone()
+                doc = self.documents(loader.seq_len, rng)
+                input_ids[row] = labels[row] = torch.tensor(doc.ids)
+                if self.answer_loss:
+                    labels[row] = IGNORE_INDEX
+                    labels[row, doc.answers] = input_ids[row, doc.answers]
+        return input_ids, labels
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()

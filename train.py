@@ -48,11 +48,11 @@ from checkpoint import (
     read_train_state,
     save_checkpoint,
 )
-from config import ComputeConfig, ModelConfig
+from config import ComputeConfig, GiB, ModelConfig
 from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files
 from eval import validation_loss, validation_windows
+from finetune import FinetuneMode, cast_frozen_base, finetune_mode
 from hf import export_refusal
-from lora import apply_lora, init_lora, load_adapter, merge_lora_, save_adapter
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from monitor import (
@@ -71,11 +71,8 @@ from monitor import (
     start_run,
     stop_on_signals,
 )
-from npt.adapters import ADAPTERS_NAME, load_adapters, save_adapters
-from npt.convert import convert
 from nsa.convert import FRESH, nsa_state_from_dense
 from parallel import apply_fsdp, init_sharded_weights
-from quantize import quantize_base
 from synthetic import SyntheticMix
 from tokenizer import Tokenizer, check_vocab, load_tokenizer
 from train_config import (
@@ -86,10 +83,7 @@ from train_config import (
     parse_config,
     resolve_config,
 )
-from weights import export_model, load_initial_weights, stored_config
-
-GiB = 1024**3
-
+from weights import load_initial_weights, stored_config
 
 # ---- runtime: devices, processes, data, model ----------------------------------------------------------------
 
@@ -112,8 +106,6 @@ def init_runtime() -> Runtime:
         device = torch.device("cpu")
     mesh = None
     if world_size > 1:
-        # The loss path returns logits as a view; nothing modifies the model's outputs in place.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = init_device_mesh(device.type, (world_size,))
     return Runtime(rank, world_size, device, mesh)
@@ -152,12 +144,11 @@ def ensure_default_data(cfg: TrainConfig, rt: Runtime) -> None:
 
 
 def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainConfig, rt: Runtime) -> Transformer:
-    """The model on its device, identically initialised from cfg.seed in every process layout. With a mesh: built
-    on the meta device, sharded by apply_fsdp (bf16 compute when dtype is bfloat16, float32 reduction), then
-    materialised (parallel.init_sharded_weights). --finetune lora / npt: adapters on a frozen base, which in one
-    process is stored in bf16 when dtype is bfloat16 (only trained weights need float32 masters)."""
-    if cfg.finetune == "npt" and rt.mesh is not None:
-        raise ValueError("--finetune npt runs in one process: launch without torchrun")
+    """The model on its device, identically initialised from cfg.seed in every process layout, prepared by the run's
+    fine-tuning mode (finetune.py). With a mesh: built on the meta device, prepared, sharded by apply_fsdp (bf16
+    compute when dtype is bfloat16, float32 reduction), then materialised (parallel.init_sharded_weights). A frozen
+    base is stored in bf16 in one process when dtype is bfloat16 (only trained weights need float32 masters)."""
+    mode = finetune_mode(cfg)
     if rt.mesh is None:
         torch.manual_seed(cfg.seed)
         with rt.device:
@@ -165,14 +156,9 @@ def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainCon
     else:
         with torch.device("meta"):
             model = Transformer(model_config, compute)
-    if cfg.finetune == "lora":
-        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
-    elif cfg.finetune == "npt":
-        convert(model, cfg.npt_layer_spec(), cfg.npt_rank, tuple(cfg.npt_targets.split(",")), cfg.npt_residual_mode)
-    if cfg.finetune != "full" and rt.mesh is None and cfg.dtype == "bfloat16":  # no fp32 master for frozen weights
-        for p in model.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)  # tied weights are one Parameter: cast once
+    mode.prepare(model)
+    if mode.frozen_base and rt.mesh is None and cfg.dtype == "bfloat16":
+        cast_frozen_base(model, torch.bfloat16)
     model.gradient_checkpointing_enable(cfg.gradient_checkpointing)
     if cfg.compile:
         for block in model.layers:
@@ -208,8 +194,8 @@ def apply_optimizer_options(optimizer: torch.optim.Optimizer, scheduler: LambdaL
     step on. Returns {option: [checkpoint value, new value]} of the options that changed."""
     names = ("lr", "weight_decay", "warmup_steps", "max_steps", "min_lr_ratio", "grad_clip")
     changed = {k: [saved.get(k), getattr(cfg, k)] for k in names if saved.get(k) != getattr(cfg, k)}
-    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=True):
-        group["initial_lr"], group["weight_decay"] = cfg.lr, decay
+    for group in optimizer.param_groups:  # matrices are decayed (build_optimizer)
+        group["initial_lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay if group["params"][0].dim() >= 2 else 0.0
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
         group["lr"] = cfg.lr * factor(scheduler.last_epoch)  # what scheduler.step() computes
@@ -223,6 +209,7 @@ def build_optimizer(model: Transformer, cfg: TrainConfig) -> tuple[torch.optim.A
     params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]  # a mode may train only one kind
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
     def lr_factor(step: int) -> float:
@@ -234,7 +221,7 @@ def build_optimizer(model: Transformer, cfg: TrainConfig) -> tuple[torch.optim.A
     return optimizer, LambdaLR(optimizer, lr_factor)
 
 
-# ---- the loop ------------------------------------------------------------------------------------------------
+# ---- the run: everything the loop needs, prepared in one order -------------------------------------------------
 
 Loss = Callable[[Transformer, Tensor, Tensor, Tensor, int], tuple[Tensor, dict[str, Tensor]]]
 
@@ -246,29 +233,66 @@ def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Ten
     return model(input_ids, labels, loss_normalizer=n_tokens).loss, {}
 
 
-def export_and_sample(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, rt: Runtime,
-                      autocast: contextlib.AbstractContextManager) -> None:
-    """The end of a language-modelling run: export the weights (weights.export_model; a LoRA run: its adapters in
-    peft's layout, and with --merge the merged model; an NPT run: its NP parameters, npt.adapters) and print a
-    sample."""
-    if cfg.finetune == "npt":
-        written = [Path(cfg.out_dir) / ADAPTERS_NAME]
-        save_adapters(model, written[0])
-    elif cfg.finetune == "lora":
-        written = [save_adapter(model, Path(cfg.out_dir) / "adapter", cfg.init_from)]
-        if cfg.merge:
-            merge_lora_(model)
-            written += export_model(model, Path(cfg.out_dir), drop_adapters=True)
-    else:
-        written = export_model(model, Path(cfg.out_dir))
-    if rt.rank == 0:
+@dataclass
+class Run:
+    """A prepared run (`prepare_run`): the resolved options, the process layout, what trains and how, and where
+    the run stands (`step`, `bad_steps`: consecutive skipped steps)."""
+
+    cfg: TrainConfig
+    rt: Runtime
+    task: Task
+    mode: FinetuneMode
+    tokenizer: Tokenizer
+    loader: TokenLoader | SyntheticMix
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    autocast: contextlib.AbstractContextManager
+    resume_from: Path | None
+    task_state: dict
+    val_windows: list[Tensor] | None
+    step: int = 0
+    bad_steps: int = 0
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens per optimizer step: W ranks x A micro-steps x B sequences x T tokens."""
+        return self.rt.world_size * self.cfg.gradient_accumulation_steps * self.cfg.batch_size * \
+            self.cfg.context_length
+
+    def save_scheduled(self) -> bool:
+        """A checkpoint is due at this step: every --checkpoint_interval steps, and at the last."""
+        interval = self.cfg.checkpoint_interval
+        return self.step == self.cfg.max_steps or bool(interval) and self.step % interval == 0
+
+    def save(self) -> Path:
+        """Checkpoint this step (collective), then delete checkpoints beyond --keep_checkpoints."""
+        train_state = {"step": self.step, "bad_steps": self.bad_steps, "scheduler": self.scheduler.state_dict(),
+                       "loader": self.loader.state_dict(), "config": dataclasses.asdict(self.cfg),
+                       "model_config": self.model.config.to_dict(), "compute": self.model.compute.to_dict(),
+                       "world_size": self.rt.world_size, **self.task_state}
+        path = save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, train_state)
+        prune_checkpoints(self.out_dir, self.cfg.keep_checkpoints, self.resume_from)
+        return path
+
+
+def export_and_sample(run: Run) -> None:
+    """The end of a language-modelling run: what the fine-tuning mode exports (the model; LoRA adapters; NP
+    parameters), then a sample."""
+    written = run.mode.export(run.model, run.out_dir)
+    if run.rt.rank == 0:
         print(f"exported {', '.join(str(p) for p in written)}")
-        if refusal := export_refusal(model.config):
-            print(f"no hf/ directory: {refusal} (weights.load_model reads {Path(cfg.out_dir) / 'model'})")
-    if cfg.sample_tokens:
-        text = generate_sample(model, tokenizer, cfg, rt.device, autocast)
-        if rt.rank == 0:
-            print(f"--- sample ({cfg.sample_tokens} tokens at temperature 0.8 after {cfg.sample_prompt!r}) ---\n{text}")
+        if (refusal := export_refusal(run.model.config)) and run.mode.name == "full":
+            print(f"no hf/ directory: {refusal} (weights.load_model reads {run.out_dir / 'model'})")
+    if run.cfg.sample_tokens:
+        text = generate_sample(run.model, run.tokenizer, run.cfg, run.rt.device, run.autocast)
+        if run.rt.rank == 0:
+            print(f"--- sample ({run.cfg.sample_tokens} tokens at temperature 0.8 after {run.cfg.sample_prompt!r}) "
+                  f"---\n{text}")
 
 
 @dataclass
@@ -283,8 +307,94 @@ class Task:
     build: Callable[[ModelConfig, ComputeConfig, TrainConfig, Runtime], Transformer] = build_model
     loss: Loss = lm_loss
     start: Callable[[Transformer, TrainConfig], dict] | None = None
-    finish: Callable[[Transformer, Tokenizer, TrainConfig, Runtime, contextlib.AbstractContextManager], None] = (
-        export_and_sample)
+    finish: Callable[[Run], None] = export_and_sample
+
+
+class NothingToTrain(Exception):
+    """The checkpoint to resume has already reached --max_steps."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step}")
+        self.step = step
+
+
+def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
+    """Everything a run needs, in this order (NothingToTrain when the checkpoint to resume has reached --max_steps):
+    1. the options resolved for this device, the fine-tuning mode checked, the run directory checked (before
+       anything is written or allocated);
+    2. tokenizer and data: the vocabulary sizes the model;
+    3. the architecture (preset or --init_from) and the checkpoint to resume, verified before anything is built;
+    4. the model, built and prepared by the mode (adapters exist before FSDP shards them), and the optimizer over
+       what trains (the mode froze the rest);
+    5. the base weights from --init_from (a frozen base always: checkpoints do not hold it), before
+    6. the mode's own initialisation (adapters from the seed or --adapter; quantization last: it replaces the
+       base weights that step 5 filled), before
+    7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position."""
+    cfg = resolve_config(cfg, rt.device)
+    mode = finetune_mode(cfg)
+    mode.check(rt.world_size)
+    check_run_directory(Path(cfg.out_dir), cfg.resume)
+
+    cfg = resolve_tokenizer(cfg)
+    ensure_default_data(cfg, rt)
+    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
+    check_tokenizer(loader.index, tokenizer)
+    if cfg.synthetic_mix:
+        loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed, cfg.synthetic_task, cfg.answer_loss)
+
+    device_memory = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
+    stored = stored_config(cfg.init_from) if cfg.init_from else None
+    model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size, stored)
+    resume_from = checkpoint_to_resume(Path(cfg.out_dir), cfg.resume)
+    if resume_from and (done := read_train_state(resume_from)["step"]) >= cfg.max_steps:
+        if rt.rank == 0:
+            print(f"{resume_from} is step {done} of a run that has finished (--max_steps {cfg.max_steps}): nothing "
+                  "to train; pass a larger --max_steps to continue it")
+        raise NothingToTrain(done)
+    prune_checkpoints(Path(cfg.out_dir), cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
+
+    model = task.build(model_config, compute, cfg, rt)
+    check_vocab(tokenizer, model.config.vocab_size)
+    optimizer, scheduler = build_optimizer(model, cfg)
+    if cfg.init_from and (mode.frozen_base or not resume_from):
+        convert = None if stored.attention_type == model.config.attention_type else (
+            partial(nsa_state_from_dense, config=model.config))  # full -> nsa, the one conversion allowed
+        load_initial_weights(model, cfg.init_from, convert, FRESH if convert else ())
+    elif mode.frozen_base and rt.rank == 0:
+        print(f"warning: --finetune {cfg.finetune} without --init_from adapts a randomly initialised, frozen base")
+    mode.initialise(model, cfg.seed)
+    run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
+              torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
+              else contextlib.nullcontext(), resume_from, {}, None)
+    changed = resume(run) if resume_from else {}
+
+    if rt.device.type == "cuda" and cfg.max_memory:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory * GiB / device_memory), rt.device)
+    run.task_state = task.start(model, cfg) if task.start else {}
+    if cfg.eval_interval:
+        run.val_windows = validation_windows(cfg.data_dir, cfg.context_length, cfg.eval_tokens, cfg.seed, rt.rank,
+                                             rt.world_size)
+    if rt.rank == 0:
+        start_run(run.out_dir, cfg, model, rt.world_size, resume_from, run.step, run.task_state, changed)
+        print(f"{model.num_parameters() / 1e6:.2f}M parameters, {rt.world_size} process(es) x "
+              f"{cfg.gradient_accumulation_steps} micro-steps x {cfg.batch_size} x {cfg.context_length} = "
+              f"{run.step_tokens} tokens per step, {flops_per_token(model.config, cfg.context_length) / 1e9:.3f} "
+              "GFLOP per token")
+    return run
+
+
+def resume(run: Run) -> dict:
+    """Load the checkpoint `run.resume_from` into the run (collective); returns the options that changed since it
+    was saved ({option: [checkpoint value, new value]}), which take effect (`apply_optimizer_options`)."""
+    state = load_checkpoint(run.resume_from, run.model, run.optimizer)
+    run.step, run.bad_steps = state["step"], state["bad_steps"]
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.loader.load_state_dict(state["loader"])
+    return apply_optimizer_options(run.optimizer, run.scheduler, run.cfg, state["config"])
+
+
+# ---- one step ------------------------------------------------------------------------------------------------
 
 
 def forward_backward(model: Transformer, batches: list[list[Tensor]], autocast: contextlib.AbstractContextManager,
@@ -308,165 +418,123 @@ def forward_backward(model: Transformer, batches: list[list[Tensor]], autocast: 
     return loss_sum, extras
 
 
+def train_step(run: Run, batches: list[list[Tensor]], flags: Callable[[], list[bool]]) -> tuple[dict, list[bool]]:
+    """One optimizer step on this rank's micro-batches (A x [input_ids, labels]): forward and backward, gradient
+    clipping, then the AdamW update, or a skip when the loss or the gradient norm is not finite (the schedule
+    advances either way). `flags()`, this rank's requests read once the backward is done (a signal, a save due),
+    are summed over ranks in the same all-reduce as the loss. Returns ({step, loss, extra metrics, lr, grad_norm,
+    skipped}, each flag raised on any rank)."""
+    cfg, model = run.cfg, run.model
+    try:
+        loss_sum, extras = forward_backward(model, batches, run.autocast, run.task.loss)
+    except torch.OutOfMemoryError as e:
+        raise MemoryBudgetExceeded(f"out of memory at step {run.step + 1}: {memory_advice(cfg)}") from e
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                               cfg.grad_clip or math.inf)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    flags = [float(flag) for flag in flags()]
+    stats = torch.cat([loss_sum.reshape(1), torch.tensor(flags, device=run.rt.device),
+                       *(value.reshape(1) for value in extras.values())])  # (1 + flags + extras,)
+    if run.rt.mesh is not None:
+        dist.all_reduce(stats)  # the global loss and metrics; a flag raised on any rank
+    loss, *values = torch.cat([stats, grad_norm.reshape(1)]).tolist()  # the one host sync of the step
+    flags, extra_values, norm = [bool(v) for v in values[:len(flags)]], values[len(flags):-1], values[-1]
+    lr = run.scheduler.get_last_lr()[0]
+    finite = math.isfinite(loss) and math.isfinite(norm)
+    if finite:
+        run.optimizer.step()
+        run.bad_steps = 0
+    else:
+        run.bad_steps += 1
+        tqdm.write(f"warning: step {run.step + 1}: non-finite loss {loss} or gradient norm {norm}; update skipped "
+                   f"({run.bad_steps} in a row, limit --max_bad_steps {cfg.max_bad_steps})")
+    run.optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # a skipped update still advances the schedule (no warning about it)
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        run.scheduler.step()
+    run.step += 1
+    return {"step": run.step, "loss": loss, **dict(zip(extras, extra_values, strict=True)), "lr": lr,
+            "grad_norm": norm, "skipped": not finite}, flags
+
+
+def check_limits(run: Run, metrics: dict) -> None:
+    """Stop a run that cannot go on: too many non-finite steps in a row, or the memory budget exceeded (after a
+    checkpoint, so that it can continue with --resume)."""
+    cfg = run.cfg
+    if run.bad_steps >= cfg.max_bad_steps:
+        raise TooManyBadSteps(f"{run.bad_steps} consecutive steps had a non-finite loss or gradient norm (last: step "
+                              f"{run.step}); lower --lr (now {cfg.lr}) or --grad_clip, or resume from an earlier "
+                              "checkpoint")
+    if not cfg.max_memory:
+        return
+    over = torch.tensor(float(over_memory_budget(cfg, run.rt.device)), device=run.rt.device)
+    if run.rt.mesh is not None:
+        dist.all_reduce(over)
+    if over.item():
+        path = run.save()
+        raise MemoryBudgetExceeded(f"peak memory {metrics['mem_peak_gib']:.2f} GiB exceeds --max_memory "
+                                   f"{cfg.max_memory} GiB (step {run.step}, checkpoint {path}): {memory_advice(cfg)};"
+                                   " then continue with --resume")
+
+
+def observe(run: Run, step_metrics: dict, dt: float, previous: dict, leaks: LeakWatch) -> dict:
+    """The step's metrics with throughput, memory (a warning when it keeps growing; the cache freed every
+    --empty_cache_interval steps), MFU on GPUs and, every --eval_interval steps and at the end, the validation
+    loss."""
+    cfg, device = run.cfg, run.rt.device
+    mem, mem_peak = memory_gib(device)
+    metrics = {**step_metrics, "tokens_per_s": run.step_tokens / dt, "step_time_s": dt, "mem_gib": mem,
+               "mem_peak_gib": mem_peak, "mem_growth_gib": mem - previous.get("mem_gib", mem)}
+    if (reserved := reserved_gib(device)) is not None:
+        metrics["mem_reserved_gib"] = reserved
+    if run.rt.rank == 0 and (leak := leaks.update(run.step, mem)):
+        tqdm.write(leak)
+    if cfg.empty_cache_interval and run.step % cfg.empty_cache_interval == 0:
+        free_cache(device)
+    if peak := peak_flops(device, cfg.dtype):
+        flops = flops_per_token(run.model.config, cfg.context_length)
+        metrics["mfu"] = flops * run.step_tokens / dt / run.rt.world_size / peak
+    if run.val_windows is not None and (run.step % cfg.eval_interval == 0 or run.step == cfg.max_steps):
+        metrics["val_loss"] = validation_loss(run.model, run.val_windows, run.autocast)
+        metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 700))
+    return metrics
+
+
+# ---- the loop ------------------------------------------------------------------------------------------------
+
+
 def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     """Run (or resume) training as configured; returns the last step's metrics."""
-    task = task or Task()
-    cfg = resolve_config(cfg, rt.device)
-    out_dir = Path(cfg.out_dir)
-    check_run_directory(out_dir, cfg.resume)
-    cfg = resolve_tokenizer(cfg)
-    ensure_default_data(cfg, rt)
-    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
-    tokenizer = load_tokenizer(tokenizer_path(cfg))
-    check_tokenizer(loader.index, tokenizer)
-    if cfg.synthetic_mix:
-        loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed)
-    device_memory = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
-    stored = stored_config(cfg.init_from) if cfg.init_from else None
-    model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size, stored)
-
-    resume_from = checkpoint_to_resume(out_dir, cfg.resume)
-    if resume_from and read_train_state(resume_from)["step"] >= cfg.max_steps:
-        step = read_train_state(resume_from)["step"]
-        if rt.rank == 0:
-            print(f"{resume_from} is step {step} of a run that has finished (--max_steps {cfg.max_steps}): nothing "
-                  "to train; pass a larger --max_steps to continue it")
-        return {"step": step}
-    prune_checkpoints(out_dir, cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
-    model = task.build(model_config, compute, cfg, rt)
-    check_vocab(tokenizer, model.config.vocab_size)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = build_optimizer(model, cfg)
-    step, bad_steps, changed = 0, 0, {}
-    if cfg.init_from and (not resume_from or cfg.finetune != "full"):  # an adapter checkpoint holds no base
-        if stored.attention_type == model.config.attention_type:
-            load_initial_weights(model, cfg.init_from)
-        else:  # full -> nsa (build_model_config allows only that)
-            load_initial_weights(model, cfg.init_from, partial(nsa_state_from_dense, config=model.config), FRESH)
-    if cfg.finetune != "full" and not cfg.init_from and rt.rank == 0:
-        print(f"warning: --finetune {cfg.finetune} without --init_from adapts a randomly initialised, frozen base")
-    if cfg.finetune == "lora":
-        init_lora(model, cfg.seed)
-        if cfg.adapter:
-            load_adapter(model, cfg.adapter)
-    if cfg.finetune == "npt" and cfg.adapter:
-        adapter = Path(cfg.adapter)
-        load_adapters(model, adapter / ADAPTERS_NAME if adapter.is_dir() else adapter)
-    if cfg.quantize_base:
-        if rt.mesh is not None:
-            raise ValueError("--quantize_base runs in one process: launch without torchrun")
-        quantize_base(model, cfg.quantize_base)
-    if resume_from:
-        state = load_checkpoint(resume_from, model, optimizer)
-        step, bad_steps = state["step"], state["bad_steps"]
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["loader"])
-        changed = apply_optimizer_options(optimizer, scheduler, cfg, state["config"])
-
-    W, A, B, T = rt.world_size, cfg.gradient_accumulation_steps, cfg.batch_size, cfg.context_length
-    step_tokens = W * A * B * T
-    flops, peak = flops_per_token(model.config, T), peak_flops(rt.device, cfg.dtype)
-    if rt.device.type == "cuda" and cfg.max_memory:
-        total = torch.cuda.get_device_properties(rt.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory * GiB / total), rt.device)
-    autocast = (torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
-                else contextlib.nullcontext())
-    main_rank = rt.rank == 0
-    metrics_file = out_dir / "metrics.jsonl"
-    task_state = task.start(model, cfg) if task.start else {}
-    val_windows = (validation_windows(cfg.data_dir, cfg.context_length, cfg.eval_tokens, cfg.seed, rt.rank,
-                                      rt.world_size) if cfg.eval_interval else None)
-    if main_rank:
-        start_run(out_dir, cfg, model, W, resume_from, step, task_state, changed)
-        print(f"{model.num_parameters() / 1e6:.2f}M parameters, {W} process(es) x {A} micro-steps x {B} x {T} "
-              f"= {step_tokens} tokens per step, {flops / 1e9:.3f} GFLOP per token")
-
-    def save(at_step: int) -> Path:
-        train_state = {"step": at_step, "bad_steps": bad_steps, "scheduler": scheduler.state_dict(),
-                       "loader": loader.state_dict(), "config": dataclasses.asdict(cfg),
-                       "model_config": model.config.to_dict(), "compute": model.compute.to_dict(), "world_size": W,
-                       **task_state}
-        path = save_checkpoint(out_dir, at_step, model, optimizer, train_state)
-        prune_checkpoints(out_dir, cfg.keep_checkpoints, resume_from)
-        return path
-
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="training", unit="step", disable=not main_rank or None,
+    try:
+        run = prepare_run(cfg, rt, task or Task())
+    except NothingToTrain as finished:
+        return {"step": finished.step}
+    cfg, main_rank, A = run.cfg, rt.rank == 0, run.cfg.gradient_accumulation_steps
+    bar = tqdm(total=cfg.max_steps, initial=run.step, desc="training", unit="step", disable=not main_rank or None,
                dynamic_ncols=True)
     metrics: dict = {}
-    leaks = LeakWatch()
-    last_save = time.monotonic()
-    heartbeat = (Heartbeat(model.layers, cfg.heartbeat_seconds, A, cfg.gradient_checkpointing)
+    leaks, last_save, stop = LeakWatch(), time.monotonic(), False
+    heartbeat = (Heartbeat(run.model.layers, cfg.heartbeat_seconds, A, cfg.gradient_checkpointing)
                  if main_rank and cfg.heartbeat_seconds else None)
     with stop_on_signals() as signals:
-        while step < cfg.max_steps:
+        def requests() -> list[bool]:  # read after each backward: a stop signal; a time-based save due
+            minutes = (time.monotonic() - last_save) / 60
+            return [signals["stop"], bool(cfg.checkpoint_minutes) and minutes >= cfg.checkpoint_minutes]
+
+        while run.step < cfg.max_steps:
             t0 = time.perf_counter()
             if heartbeat:
-                heartbeat.begin(step + 1)
-            batches = [[t.to(rt.device, non_blocking=True) for t in next(loader)] for _ in range(A)]  # A x 2 x (B, T)
-            try:
-                loss_sum, extras = forward_backward(model, batches, autocast, task.loss)
-            except torch.OutOfMemoryError as e:
-                raise MemoryBudgetExceeded(f"out of memory at step {step + 1}: {memory_advice(cfg)}") from e
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip or math.inf)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            due = bool(cfg.checkpoint_minutes) and time.monotonic() - last_save >= 60 * cfg.checkpoint_minutes
-            flags = torch.tensor([float(signals["stop"]), float(due)], device=rt.device)
-            stats = torch.stack([loss_sum, *flags, *extras.values()])  # (3 + extras,)
-            if rt.mesh is not None:
-                dist.all_reduce(stats)  # global loss and metrics; any rank signalled, or its save clock ran out
-            loss_value, stop, due, *extra_values, norm_value = torch.cat([stats, grad_norm.reshape(1)]).tolist()
-            lr = scheduler.get_last_lr()[0]
-            finite = math.isfinite(loss_value) and math.isfinite(norm_value)
-            if finite:
-                optimizer.step()
-                bad_steps = 0
-            else:
-                bad_steps += 1
-                tqdm.write(f"warning: step {step + 1}: non-finite loss {loss_value} or gradient norm {norm_value}; "
-                           f"update skipped ({bad_steps} in a row, limit --max_bad_steps {cfg.max_bad_steps})")
-            optimizer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():  # a skipped update still advances the schedule (no warning about it)
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-                scheduler.step()
-            step += 1
-
-            dt = time.perf_counter() - t0
-            mem, mem_peak = memory_gib(rt.device)
-            metrics = {"step": step, "loss": loss_value, **dict(zip(extras, extra_values, strict=True)), "lr": lr,
-                       "grad_norm": norm_value, "tokens_per_s": step_tokens / dt, "step_time_s": dt, "mem_gib": mem,
-                       "mem_peak_gib": mem_peak, "mem_growth_gib": mem - metrics.get("mem_gib", mem),
-                       "skipped": not finite}
-            if (reserved := reserved_gib(rt.device)) is not None:
-                metrics["mem_reserved_gib"] = reserved
-            if main_rank and (leak := leaks.update(step, mem)):
-                tqdm.write(leak)
-            if cfg.empty_cache_interval and step % cfg.empty_cache_interval == 0:
-                free_cache(rt.device)
-            if peak:
-                metrics["mfu"] = flops * step_tokens / dt / W / peak
-            if val_windows is not None and (step % cfg.eval_interval == 0 or step == cfg.max_steps):
-                metrics["val_loss"] = validation_loss(model, val_windows, autocast)
-                metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 700))
+                heartbeat.begin(run.step + 1)
+            batches = [[t.to(rt.device, non_blocking=True) for t in next(run.loader)]  # A x [ids, labels] (B, T)
+                       for _ in range(A)]
+            step_metrics, (stop, save_due) = train_step(run, batches, requests)
+            metrics = observe(run, step_metrics, time.perf_counter() - t0, metrics, leaks)
             if main_rank:
-                log_step(metrics, cfg, metrics_file, bar)
-
-            if bad_steps >= cfg.max_bad_steps:
-                raise TooManyBadSteps(f"{bad_steps} consecutive steps had a non-finite loss or gradient norm (last: "
-                                      f"step {step}); lower --lr (now {cfg.lr}) or --grad_clip, or resume from an "
-                                      "earlier checkpoint")
-            over = torch.tensor(float(bool(cfg.max_memory) and over_memory_budget(cfg, rt.device)))
-            if rt.mesh is not None and cfg.max_memory:
-                over = over.to(rt.device)
-                dist.all_reduce(over)
-            if over.item():
-                path = save(step)
-                raise MemoryBudgetExceeded(f"peak memory {mem_peak:.2f} GiB exceeds --max_memory {cfg.max_memory} "
-                                           f"GiB (step {step}, checkpoint {path}): {memory_advice(cfg)}; then "
-                                           "continue with --resume")
-            if (stop or due or step == cfg.max_steps
-                    or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0)):
-                path = save(step)
+                log_step(metrics, cfg, run.out_dir / "metrics.jsonl", bar)
+            check_limits(run, metrics)
+            if stop or save_due or run.save_scheduled():
+                path = run.save()
                 last_save = time.monotonic()
                 if main_rank:
                     tqdm.write(f"saved {path}")
@@ -475,9 +543,8 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     bar.close()
     if heartbeat:
         heartbeat.remove()
-    if stop:
-        return metrics
-    task.finish(model, tokenizer, cfg, rt, autocast)
+    if not stop:
+        run.task.finish(run)
     return metrics
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,9 @@ from pathlib import Path
 import torch
 
 from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_overrides
+from finetune import FINETUNE_MODES, finetune_mode
 from quantize import QUANTIZED
+from synthetic import SYNTHETIC_TASKS
 
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
 BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per micro-batch
@@ -76,6 +79,13 @@ class TrainConfig:
                                                     "their inputs) in pinned host memory, copied on a side stream "
                                                     "(CUDA); default: on when those inputs would take over "
                                                     f"{OFFLOAD_SHARE:.0%} of the GPU's memory")
+    loss: str = option("auto", f"'chunked' (the output layer and loss in chunks: the full logits never exist, see "
+                               f"loss.py), 'standard', or 'auto': chunked from {LONG_CONTEXT} tokens, and below when "
+                               "the logits would take over 10 GiB")
+    ffn_chunk_size: int | None = option(None, f"tokens per FFN tile (tiled FFN, recomputed in backward; default: "
+                                              f"{TILED_FFN_CHUNK} from {LONG_CONTEXT} tokens, else untiled)")
+    attention_query_chunk: int = option(512, "queries an attention processes together (NSA: bounds its working "
+                                             "memory)")
     compile: bool = option(False, "torch.compile each block")
     dtype: str = option("auto", "'float32' or 'bfloat16' (mixed precision: fp32 master weights, bf16 compute, fp32 "
                               "gradient reduction); 'auto' = bfloat16 on CUDA, float32 on CPU")
@@ -95,8 +105,12 @@ class TrainConfig:
     # data
     data_dir: str = option(DEFAULT_DATA_DIR, f"prepared data (data.py); {DEFAULT_DATA_DIR} is created if missing")
     tokenizer: str | None = option(None, "tokenizer .model file (default: DATA_DIR/tokenizer.model)")
-    synthetic_mix: float = option(0.0, "share of training rows replaced by synthetic passkey / key-value recall "
-                                     "documents (synthetic.py); deterministic and resumable")
+    synthetic_mix: float = option(0.0, "share of training rows replaced by synthetic retrieval documents of "
+                                     "--synthetic_task (synthetic.py); deterministic and resumable")
+    synthetic_task: str = option("passkey", "'passkey' (a passkey or multi-key needle prompt and its answer), 'mqar' "
+                                            "(dense multi-query associative recall over random token ids) or "
+                                            "'mqar_text' (the same in sentences)")
+    answer_loss: bool = option(False, "synthetic rows: loss on their answers only (labels -100 elsewhere)")
     # run
     out_dir: str = option("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
     resume: str | None = option(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
@@ -119,47 +133,27 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"model_size": [*PRESETS, "auto"], "attention_type": ["auto", *ATTENTION_TYPES],
-                   "dtype": ["auto", "float32", "bfloat16"], "finetune": ["full", "lora", "npt"],
-                   "npt_residual_mode": ["modulate", "additive"]}
+                   "dtype": ["auto", "float32", "bfloat16"], "finetune": list(FINETUNE_MODES),
+                   "npt_residual_mode": ["modulate", "additive"], "loss": ["auto", "standard", "chunked"],
+                   "quantize_base": [None, *QUANTIZED], "synthetic_task": list(SYNTHETIC_TASKS)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        minimum = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
-                   "warmup_steps": 0, "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1,
-                   "eval_interval": 0, "eval_tokens": 1, "keep_checkpoints": 1, "lora_rank": 1, "npt_rank": 1,
-                   "empty_cache_interval": 0,
-                   "sample_tokens": 0}
-        for name, low in minimum.items():
+        for name, low in MINIMUM.items():
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name} must be >= {low}, got {value}")
-        for name in ("lr", "max_memory", "rope_theta"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "checkpoint_minutes", "heartbeat_seconds"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if (self.merge or self.quantize_base) and self.finetune != "lora":
-            raise ValueError("--merge and --quantize_base are for --finetune lora")
-        if self.adapter and self.finetune == "full":
-            raise ValueError("--adapter loads LoRA or NPT adapters: pass --finetune lora or --finetune npt")
+        if self.seed > MAX_SEED:
+            raise ValueError(f"--seed must be <= {MAX_SEED} (64-bit generators), got {self.seed}")
+        for table, zero_allowed in ((POSITIVE, False), (NON_NEGATIVE, True)):
+            for name, high in table.items():
+                check_real(name, getattr(self, name), high, zero_allowed)
         self.npt_layer_spec()
-        if not self.npt_targets or not set(self.npt_targets.split(",")) <= {"gate", "up", "down"}:
-            raise ValueError(f"--npt_targets must be comma-separated names from gate, up, down; got "
-                             f"{self.npt_targets!r}")
-        if self.quantize_base not in (None, *QUANTIZED):
-            raise ValueError(f"--quantize_base must be one of {', '.join(QUANTIZED)}; got {self.quantize_base!r}")
-        if self.quantize_base and self.merge:
-            raise ValueError("--merge folds the adapters into the base, which --quantize_base keeps quantized: "
-                             "merge with a float base (--adapter DIR --merge, without --quantize_base)")
-        if not 0 <= self.synthetic_mix <= 1:
-            raise ValueError(f"--synthetic_mix must be in [0, 1], got {self.synthetic_mix}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"--min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         try:
             split_overrides(self.model_overrides)
         except ValueError as e:
             raise ValueError(f"--model_overrides: {e}") from e
+        finetune_mode(self)  # each mode checks its options; another mode's options are refused
 
     def npt_layer_spec(self) -> str | list[int]:
         """--npt_layers as npt.convert takes it: 'upper_half', 'all' or a list of indices."""
@@ -170,6 +164,27 @@ class TrainConfig:
         except ValueError:
             raise ValueError(f"--npt_layers must be 'upper_half', 'all' or comma-separated indices such as '4,5'; "
                              f"got {self.npt_layers!r}") from None
+
+
+# Integer options: the smallest value (and the largest, for the seed: torch's generators take 64 bits).
+MINIMUM = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1, "warmup_steps": 0,
+           "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1, "eval_interval": 0, "eval_tokens": 1,
+           "keep_checkpoints": 1, "lora_rank": 1, "npt_rank": 1, "empty_cache_interval": 0, "sample_tokens": 0,
+           "ffn_chunk_size": 1, "attention_query_chunk": 1, "seed": 0}
+MAX_SEED = 2**63 - 1
+# Real options: finite, in (0, high] (POSITIVE) or [0, high] (NON_NEGATIVE).
+POSITIVE = {"lr": 1.0, "max_memory": math.inf, "rope_theta": math.inf, "lora_alpha": math.inf}
+NON_NEGATIVE = {"weight_decay": math.inf, "grad_clip": math.inf, "checkpoint_minutes": math.inf,
+                "heartbeat_seconds": math.inf, "synthetic_mix": 1.0, "min_lr_ratio": 1.0}
+
+
+def check_real(name: str, value: float | None, high: float, zero_allowed: bool) -> None:
+    """ValueError naming --name unless `value` (None: unset) is finite, > 0 (>= 0 when `zero_allowed`), <= high."""
+    if value is None or (math.isfinite(value) and (value >= 0 if zero_allowed else value > 0) and value <= high):
+        return
+    low = ">= 0" if zero_allowed else "> 0"
+    raise ValueError(f"--{name} must be a finite number {low}" + (f" and <= {high:g}" if high < math.inf else "")
+                     + f", got {value}")
 
 
 # ---- configuration: defaults < file < command line -----------------------------------------------------------
@@ -240,11 +255,18 @@ def load_config_file(path: str) -> dict:
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """TrainConfig from the command line; bad options exit with a usage error naming the option."""
-    parser = build_parser()
+    return parse_options(build_parser(), argv)[0]
+
+
+def parse_options(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
+    """(TrainConfig, the tool's own options) from `parser`: build_parser()'s options plus those a tool added
+    (profile_memory.py); bad options exit with a usage error naming the option."""
     args = vars(parser.parse_args(argv))
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    own = {k: v for k, v in args.items() if k not in names and k != "config"}
     try:
-        values = load_config_file(args.pop("config")) if "config" in args else {}
-        return TrainConfig(**{**values, **args})
+        values = load_config_file(args["config"]) if "config" in args else {}
+        return TrainConfig(**{**values, **{k: v for k, v in args.items() if k in names}}), own
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 
@@ -277,16 +299,20 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
 def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: int | None = None,
                        world_size: int = 1, stored: ModelConfig | None = None) -> tuple[ModelConfig, ComputeConfig]:
     """The resolved run's (ModelConfig, ComputeConfig): preset, then context length, attention type, a vocabulary
-    that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger) and, from LONG_CONTEXT
-    tokens on, a tiled FFN (TILED_FFN_CHUNK tokens per tile) and the chunked loss (at 32k the 10 GiB logits rule of
-    loss_mode="auto" would still pick the standard loss, whose float32 copies cost ~47 GiB), then model_overrides.
+    that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger); the compute options
+    --loss, --ffn_chunk_size and --attention_query_chunk, where from LONG_CONTEXT tokens on "auto" and unset mean the
+    chunked loss (at 32k the 10 GiB logits rule of loss_mode="auto" would still pick the standard loss, whose float32
+    copies cost ~47 GiB) and a tiled FFN (TILED_FFN_CHUNK tokens per tile); then model_overrides.
     Activation offload left at None is on when the checkpointed block inputs (`checkpointed_bytes`) would exceed
     OFFLOAD_SHARE of `device_memory` (bytes of one GPU; None: not a GPU, never).
     `stored`: the architecture of the --init_from weights, used instead of the preset (its vocabulary kept, its
     attention type unless --attention_type nsa converts full attention; the context length, --rope_theta,
     --rope_scaling and model_overrides applied)."""
     model_overrides, compute_overrides = split_overrides(cfg.model_overrides)
-    long = {"ffn_chunk_size": TILED_FFN_CHUNK, "loss_mode": "chunked"} if cfg.context_length >= LONG_CONTEXT else {}
+    long = cfg.context_length >= LONG_CONTEXT
+    compute = {"ffn_chunk_size": cfg.ffn_chunk_size or (TILED_FFN_CHUNK if long else None),
+               "loss_mode": "chunked" if cfg.loss == "auto" and long else cfg.loss,
+               "attention_query_chunk": cfg.attention_query_chunk}
     theta = {"rope_theta": cfg.rope_theta} if cfg.rope_theta else {}
     theta |= {"rope_scaling": cfg.rope_scaling} if cfg.rope_scaling else {}
     if stored is not None:
@@ -305,7 +331,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     if offload is None:
         offload = bool(device_memory and cfg.gradient_checkpointing
                        and checkpointed_bytes(model_config, cfg, world_size) > OFFLOAD_SHARE * device_memory)
-    return model_config, ComputeConfig(**{**long, "offload_activations": offload, **compute_overrides})
+    return model_config, ComputeConfig(**{**compute, "offload_activations": offload, **compute_overrides})
 
 
 def checkpointed_bytes(model_config: ModelConfig, cfg: TrainConfig, world_size: int) -> int:

@@ -17,11 +17,11 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from config import GiB
 from loss import IGNORE_INDEX, chunked_linear_cross_entropy, standard_linear_cross_entropy
 from memtrack import LiveBytesTracker
 from model import ComputeConfig, ModelConfig, Transformer
 
-GiB = 1024**3
 SEQ_LENS = (4096, 40_000, 131_072)
 
 

@@ -35,33 +35,33 @@ from model import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "longctx"  # config.json "format" of the project's export (a Hugging Face config.json has "model_type")
-ADAPTERS = (".lora_", ".np.")  # name parts of adapter parameters (LoRA, NPT): never in stored base weights
 
 
-def gather_model(model: Transformer, drop_adapters: bool = False) -> Transformer | None:
+def gather_model(model: Transformer, base_only: bool = False) -> Transformer | None:
     """The full model as a plain (unsharded) CPU Transformer on rank 0, None on other ranks (collective).
-    `drop_adapters`: leave out LoRA adapter weights (after lora.merge_lora_ folded them into the base)."""
+    `base_only`: keep only the weights a plain Transformer has, leaving out what a fine-tuning mode added (LoRA
+    adapters after lora.merge_lora_ folded them into the base); otherwise such weights are an error."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank() != 0:
         return None
-    if drop_adapters:
-        full = {name: t for name, t in full.items() if ".lora_" not in name}
+    if base_only:
+        full = {name: t for name, t in full.items() if name in base_parameter_names(model.config)}
+    return Transformer.from_weights(model.config, full, model.compute)
+
+
+def base_parameter_names(config: ModelConfig) -> set[str]:
+    """The state-dict names of a plain Transformer of `config` (no fine-tuning parameters), read off a meta model."""
     with torch.device("meta"):
-        plain = Transformer(model.config, model.compute)
-    plain.load_state_dict(full, assign=True)
-    if model.config.tie_embeddings:  # assign=True replaced the shared Parameter by two tensors
-        plain.lm_head.weight = plain.embed_tokens.weight
-    plain.rope.init_weights()
-    return plain
+        return set(Transformer(config).state_dict())
 
 
-def export_model(model: Transformer, out_dir: str | Path, drop_adapters: bool = False) -> list[Path]:
+def export_model(model: Transformer, out_dir: str | Path, base_only: bool = False) -> list[Path]:
     """Write the final weights of `model` (collective under FSDP: every rank calls it): `out_dir/model/`
     (model.safetensors + config.json, the project's layout, any attention type) and `out_dir/hf/` (the Hugging Face
     layout) when the architecture has an equivalent there (`hf.export_refusal`). Each file is written to a
-    temporary name and renamed. Returns the directories written on rank 0, [] elsewhere. `drop_adapters`: see
+    temporary name and renamed. Returns the directories written on rank 0, [] elsewhere. `base_only`: see
     `gather_model`."""
-    plain = gather_model(model, drop_adapters)
+    plain = gather_model(model, base_only)
     if plain is None:
         return []
     out_dir = Path(out_dir)
@@ -121,32 +121,20 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         raise FileNotFoundError(f"{path} does not exist")
     if _is_training_checkpoint(path):
         state = json.loads((path / STATE_NAME).read_text())
-        with torch.device("meta"):
-            model = Transformer(ModelConfig.from_dict(state["model_config"]), compute)
-        model.to_empty(device=device)  # no initialisation: every weight is read from the checkpoint
-        if model.config.tie_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.rope.init_weights()
-        load_model_weights(path, model)
+        model = Transformer.from_weights(ModelConfig.from_dict(state["model_config"]), None, compute, device)
+        load_model_weights(path, model)  # every weight is read from the checkpoint
         return model if dtype is None else model.to(dtype)
     config = _export_config(path)
     if config is not None:
         weights = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
-        with torch.device("meta"):
-            model = Transformer(ModelConfig.from_dict(config), compute)
         with safe_open(weights, framework="pt", device=str(device)) as f:
             state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
         if dtype is not None:
             state = {name: t.to(dtype) for name, t in state.items()}
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_embeddings)]
-        if missing or unexpected:
-            raise ValueError(f"{weights} does not match its config: missing {missing[:10]}, unexpected "
-                             f"{unexpected[:10]}")
-        if model.config.tie_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.rope.init_weights()
-        return model
+        try:
+            return Transformer.from_weights(ModelConfig.from_dict(config), state, compute)
+        except ValueError as e:
+            raise ValueError(f"{weights} does not match its config: {e}") from None
     if path.is_dir() and "model_type" in _json_object(path / CONFIG_NAME):
         return load_hf_checkpoint(path, device=device, dtype=dtype, compute=compute)
     hint = f"; did you mean {path / 'model'} (a run's export)?" if (path / "model" / WEIGHTS_NAME).is_file() else ""
@@ -186,7 +174,8 @@ def load_initial_weights(model: Transformer, path: str | Path,
         state = convert(state)
     if not dist.is_initialized():
         missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [name for name in missing if not any(part in name for part in (*ADAPTERS, *fresh))]
+        added = set(model.state_dict()) - base_parameter_names(model.config)  # a fine-tuning mode's own
+        missing = [name for name in missing if name not in added and not any(part in name for part in fresh)]
         if missing or unexpected:
             raise ValueError(f"{path} does not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
         return

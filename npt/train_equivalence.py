@@ -32,7 +32,7 @@ from model import Transformer
 from npt.adapters import ADAPTERS_NAME, save_adapters
 from npt.convert import np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
-from train import Runtime, Task, build_model, init_runtime, train
+from train import Run, Runtime, Task, build_model, init_runtime, train
 from train_config import TrainConfig, build_parser, field_help, option
 
 
@@ -101,9 +101,9 @@ def equivalence_task(npt_cfg: NPTConfig) -> Task:
         print(f"{npt_state['np_parameters'] / 1e6:.3f}M NP parameters train in layers {sorted(np_blocks(model))}")
         return {"npt": npt_state}
 
-    def finish(model: Transformer, tokenizer: object, cfg: TrainConfig, rt: Runtime, autocast: object) -> None:
-        save_adapters(model, Path(cfg.out_dir) / ADAPTERS_NAME)
-        print(f"saved the NP parameters to {Path(cfg.out_dir) / ADAPTERS_NAME}")
+    def finish(run: Run) -> None:
+        save_adapters(run.model, run.out_dir / ADAPTERS_NAME)
+        print(f"saved the NP parameters to {run.out_dir / ADAPTERS_NAME}")
 
     return Task(build=build, loss=loss, start=start, finish=finish)
 

@@ -72,3 +72,13 @@ def swa():
     register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
     yield attention_class("swa")
     del ATTENTION_TYPES["swa"]
+
+
+@pytest.fixture
+def norms():
+    """The test-only fine-tuning mode registered as "norms" for one test (removed after)."""
+    from finetune import FINETUNE_MODES, finetune_class, register_finetune
+
+    register_finetune("norms", "norm_finetune:NormsOnly")
+    yield finetune_class("norms")
+    del FINETUNE_MODES["norms"]

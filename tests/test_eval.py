@@ -5,6 +5,7 @@ sliding-window type included) in all three checkpoint layouts."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -79,3 +80,101 @@ def test_eval_runs_on_every_attention_type(attention, swa, data_dir, tmp_path):
             assert len(grid["accuracy"]) == 2 and all(0 <= a <= 1 for row in grid["accuracy"] for a in row)
             assert (out / f"{task}.png").read_bytes()[:4] == b"\x89PNG"
         assert (out / "loss_by_position.png").is_file()
+
+
+class CopyOracle:
+    """Stands in for a model in eval's scorers: at each position it predicts the token that followed the latest
+    earlier occurrence of the current token within `window` positions (an induction head with a reach), else token
+    0; logits are 10 x one-hot. Its scores are known exactly."""
+
+    def __init__(self, vocab: int, window: int = 10**9) -> None:
+        self.vocab, self.window = vocab, window
+        self.embed_tokens = torch.nn.Embedding(1, 1)
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        guess = torch.zeros(B, T, dtype=torch.long)
+        for b in range(B):
+            last: dict[int, int] = {}
+            for t in range(T):
+                token = ids[b, t].item()
+                if token in last and t - last[token] <= self.window:
+                    guess[b, t] = ids[b, last[token] + 1]
+                last[token] = t
+        return F.one_hot(guess, self.vocab).double()  # (B, T, V)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return 10 * hidden
+
+
+def test_graded_scores_on_known_answers():
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 9]])  # the second 5 6 7 repeats the first
+    scores = evaluation.score_answers(CopyOracle(16), ids, [[4, 5, 6]])[0]
+    right_log_prob = -math.log(1 + 15 * math.exp(-10))  # one-hot logits of 10 over 16 tokens
+    assert [r for r, _ in scores] == [True, True, False]  # 9 was never seen after a 7
+    assert scores[0][1] == pytest.approx(right_log_prob, abs=1e-12)
+    assert scores[2][1] == pytest.approx(-10 + right_log_prob, abs=1e-12)
+    buckets = evaluation.distance_buckets([1, 3, 3, 100], [True, False, True, True], [-1.0, -2.0, -4.0, -0.5])
+    assert [(b["start"], b["count"], b["accuracy"], b["answer_logprob"]) for b in buckets] == [
+        (1, 1, 1.0, -1.0), (2, 2, 0.5, -3.0), (64, 1, 1.0, -0.5)]
+
+
+def test_mqar_accuracy_by_distance_sees_an_oracles_reach(data_dir):
+    """A copy oracle that reaches back 63 tokens scores 100% on answers up to its reach and 0% beyond: the
+    instrument the recall experiment reads."""
+    documents = evaluation.SyntheticDocuments("mqar", Tokenizer(data_dir / "tokenizer.model"))
+    full = evaluation.recall_scores(CopyOracle(512), documents, [1024], samples=4, seed=0, batch_size=2)
+    assert full["accuracy"] == 1.0 and full["query_accuracy"] == 1.0
+    assert [b["start"] for b in full["buckets"]][-1] >= 256  # distances span the document
+    near = evaluation.recall_scores(CopyOracle(512, window=63), documents, [1024], samples=4, seed=0, batch_size=2)
+    for bucket in near["buckets"]:
+        assert bucket["accuracy"] == (1.0 if bucket["end"] <= 64 else 0.0), bucket
+
+
+@pytest.fixture(scope="module")
+def demo_run(data_dir, tmp_path_factory) -> Path:
+    """A run at the demo's context (256 tokens) on the tiny preset: its export."""
+    out = tmp_path_factory.mktemp("demo_run")
+    train.main(["--model_size", "tiny", "--context_length", "256", "--batch_size", "2", "--max_steps", "1",
+                "--sample_tokens", "0", "--data_dir", str(data_dir), "--out_dir", str(out)])
+    return out
+
+
+def test_defaults_fit_the_run_and_short_lengths_are_skipped(demo_run, capsys):
+    results = evaluation.main([str(demo_run / "model"), "--samples", "2", "--depths", "0.5", "--eval_tokens", "600"])
+    out = capsys.readouterr().out
+    assert results["passkey"]["lengths"][-1] == 246 and results["needle"]["lengths"]  # the context, answer room kept
+    assert json.loads((demo_run / "eval-model" / "eval.json").read_text()) == results  # beside model/, not in it
+    results = evaluation.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "16", "128",
+                               "--samples", "2", "--depths", "0.5"])
+    out = capsys.readouterr().out
+    assert "passkey: length 16 skipped: the task's text needs" in out and results["passkey"]["lengths"] == [128]
+    assert results["mqar"]["lengths"] == [16, 128] and 0 <= results["mqar"]["accuracy"] <= 1
+
+
+def test_eval_json_is_written_after_each_task(demo_run, monkeypatch, tmp_path):
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the recall task failed")
+
+    monkeypatch.setattr(evaluation, "recall_scores", broken)
+    with pytest.raises(RuntimeError):
+        evaluation.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "128", "--samples", "1",
+                         "--depths", "0", "--out_dir", str(tmp_path)])
+    assert "passkey" in json.loads((tmp_path / "eval.json").read_text())  # the finished task is kept
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lengths", "250"], "--lengths 250 does not fit the context of 256 tokens"),
+    (["--depths", "1.5"], "--depths must lie in [0, 1]"),
+    (["--samples", "0"], "--samples must be >= 1"),
+    (["--context_length", "5000"], "exceeds the model's context_length"),
+    (["--tokenizer", "missing.model"], "--tokenizer missing.model does not exist"),
+])
+def test_bad_input_is_one_line_with_exit_code_2(demo_run, args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        evaluation.main([str(demo_run / "model"), "--tasks", "passkey", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        evaluation.main([str(demo_run / "nothing")])
+    assert "does not exist" in capsys.readouterr().err

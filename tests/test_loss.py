@@ -10,11 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from config import GiB
 from loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, standard_linear_cross_entropy
 from model import ComputeConfig, ModelConfig, Transformer
 from verify_chunked_loss import fake_loss_peak, float64_reference
-
-GiB = 1024**3
 
 
 def rel_err(a, b):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from config import GiB
 from model import Block, ModelConfig, Transformer
 from npt.adapters import load_adapters, save_adapters
 from npt.convert import (
@@ -27,8 +28,6 @@ from npt.convert import (
 )
 from npt.layer import NPBlock, modulated_linear
 from npt.memory import layer_memory, llama_like_config, offload_memory
-
-GiB = 1024**3
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -4,8 +4,6 @@ inputs to host memory (the RoPE tables stay), and profile_memory's estimate coun
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -39,8 +37,9 @@ def test_offload_changes_no_number(checkpointing: bool):
 
 
 def test_the_estimate_counts_offloaded_inputs_as_host_memory():
-    config = pm.StepConfig("tiny", 256, batch_size=2, gradient_checkpointing=True, dtype="float32")
-    off, on = pm.estimate(config), pm.estimate(dataclasses.replace(config, offload_activations=True))
+    config = pm.StepConfig.of(model_size="tiny", context_length=256, batch_size=2, gradient_checkpointing=True,
+                              dtype="float32")
+    off, on = pm.estimate(config), pm.estimate(config.replace(offload_activations=True))
     L, C = 2, 64  # tiny: layers, width
     block_inputs = L * 2 * 256 * C * 4
     assert on["stages"]["after forward"]["host"] == block_inputs

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import profile_memory as pm
+from config import GiB
 from memtrack import LiveBytesTracker
 
-GiB = 1024**3
 STAGES = ("parameters", "after embedding", "after first layer", "after forward", "after loss", "peak during forward",
           "peak during backward", "after backward", "after optimizer step", "peak during optimizer step")
 
@@ -52,9 +52,10 @@ class LiveBytesProbe:
 def real_step_live_bytes(config: pm.StepConfig) -> dict:
     """The step of `config` (world size 1: no FSDP, as train.py) run for real on the CPU, measured by memtrack."""
     model, optimizer = pm.build(config, "cpu", None)
-    pm._warm_up(model, optimizer, config.context_length, "cpu")
-    input_ids = torch.randint(0, model.config.vocab_size, (config.batch_size, config.context_length))
-    labels = torch.randint(0, model.config.vocab_size, (config.batch_size, config.context_length))
+    B, T = config.train.batch_size, config.train.context_length
+    pm._warm_up(model, optimizer, T, "cpu")
+    input_ids = torch.randint(0, model.config.vocab_size, (B, T))
+    labels = torch.randint(0, model.config.vocab_size, (B, T))
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     def plain(t: torch.Tensor) -> list[torch.Tensor]:  # a quantized weight: the tensors it is made of
         if not hasattr(t, "__tensor_flatten__"):
@@ -79,8 +80,9 @@ def real_step_live_bytes(config: pm.StepConfig) -> dict:
 def test_estimate_matches_independent_measurement_of_real_step(checkpointing, loss, dtype, finetune, quantize_base):
     if quantize_base:
         pytest.importorskip("torchao")
-    config = pm.StepConfig("tiny", 128, batch_size=2, gradient_checkpointing=checkpointing, loss=loss, dtype=dtype,
-                           finetune=finetune, quantize_base=quantize_base)
+    config = pm.StepConfig.of(model_size="tiny", context_length=128, batch_size=2,
+                              gradient_checkpointing=checkpointing, loss=loss, dtype=dtype, finetune=finetune,
+                              quantize_base=quantize_base)
     estimated = pm.estimate(config)["stages"]
     assert_stages_close(estimated, real_step_live_bytes(config))
     if finetune == "lora":  # a frozen base: only the adapters have gradients and AdamW moments
@@ -93,7 +95,8 @@ def test_estimate_matches_independent_measurement_of_real_step(checkpointing, lo
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fsdp_estimate_matches_real_step_and_sharding_arithmetic(dtype):
-    config = pm.StepConfig("tiny", 128, world_size=2, gradient_checkpointing=True, loss="chunked", dtype=dtype)
+    config = pm.StepConfig.of(model_size="tiny", context_length=128, world_size=2, gradient_checkpointing=True,
+                              loss="chunked", dtype=dtype)
     result = pm.estimate(config)
     assert_stages_close(result["stages"], pm.profile_step(config, "cpu", fake=False)["stages"])
     # Per rank: half of the fp32 master weights, of their gradients and of the two AdamW moments (every tiny
@@ -113,16 +116,17 @@ def test_nsa_double_replaces_the_layer_seam_only_while_active():
     from nsa.layer import NativeSparseAttention
     from nsa.memory import sparse_attention_stand_in
 
-    config = pm.StepConfig("tiny", 64, attention_type="nsa")
-    with FakeTensorMode(), sparse_attention_stand_in(NativeSparseAttention, config.model_config(),
-                                                     config.compute_config(), 1, 64, torch.float32, "cpu"):
+    config = pm.StepConfig.of(model_size="tiny", context_length=64, attention_type="nsa")
+    with FakeTensorMode(), sparse_attention_stand_in(NativeSparseAttention, *config.configs(), 1, 64, torch.float32,
+                                                     "cpu"):
         assert NativeSparseAttention.sparse_attention is not sparse_attention
     assert NativeSparseAttention.sparse_attention is sparse_attention
 
 
 def test_nsa_double_matches_reference_path():
     # 5 query chunks of 64: the double is calibrated at 2 and 4 chunks and extrapolated.
-    config = pm.StepConfig("tiny", 320, attention_type="nsa", world_size=2, loss="standard", query_chunk=64)
+    config = pm.StepConfig.of(model_size="tiny", context_length=320, attention_type="nsa", world_size=2,
+                              loss="standard", attention_query_chunk=64, batch_size=1)
     double = pm.profile_step(config, stand_in=True)
     assert "extrapolated" in double["stand_in"]
     assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])
@@ -132,8 +136,9 @@ def test_nsa_double_matches_reference_path():
 
 @pytest.fixture(scope="module")
 def estimates_4b_131k() -> dict[str, dict]:
-    config = pm.StepConfig("4B", 131072, world_size=2, gradient_checkpointing=True)
-    return {loss: pm.estimate(pm.StepConfig(**{**config.__dict__, "loss": loss})) for loss in ("auto", "standard")}
+    config = pm.StepConfig.of(model_size="4B", context_length=131072, attention_type="full", world_size=2,
+                              model_overrides={"ffn_chunk_size": None})  # untiled, unlike train.py's 131k recipe
+    return {loss: pm.estimate(config.replace(loss=loss)) for loss in ("auto", "standard")}
 
 
 @pytest.mark.slow
@@ -179,7 +184,7 @@ def test_4b_131k_standard_loss_shows_the_logits_blow_up(estimates_4b_131k):
 # ---- will it fit? ----------------------------------------------------------------------------------------------------
 
 def test_fit_verdict_and_cheapest_change():
-    result = pm.estimate(pm.StepConfig("tiny", 128, loss="standard"))
+    result = pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=128, loss="standard"))
     peak = result["peak"]["total"]
     roomy = pm.check_fit(result, gpu_memory_gib=2 * peak / GiB, reserve_gib=0)
     assert roomy["fits"] and roomy["margin_gib"] == pytest.approx(peak / GiB)
@@ -204,6 +209,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     pm.main(["--model_size", "tiny", "--context_length", "64", "--world_size", "2", "--json", "--plot", str(png)])
     out = json.loads(capsys.readouterr().out)
     assert list(out["stages"]) == list(STAGES) and out["config"]["world_size"] == 2
+    assert out["config"]["train"]["model_size"] == "tiny"
     assert out["peak"]["total"] == max(out["stages"][f"peak during {p}"]["total"] for p in pm.PHASES)
     assert png.read_bytes()[:4] == b"\x89PNG"
     beside = pm.format_table(out, measured=out)  # --measure's layout: measured totals beside the estimate
@@ -213,20 +219,34 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
 def test_bad_input_is_rejected_before_anything_is_built():
     for kwargs in (dict(batch_size=0), dict(model_size="5B"), dict(attention_type="sparse"), dict(dtype="fp8"),
                    dict(context_length=1), dict(loss="fused"), dict(finetune="qlora"),
-                   dict(finetune="lora", quantize_base="int4")):
+                   dict(finetune="lora", quantize_base="int4"), dict(world_size=0)):
         with pytest.raises(ValueError):
-            pm.StepConfig(**kwargs)
+            pm.StepConfig.of(**kwargs)
     with pytest.raises(ValueError, match="context_length must be in"):
-        pm.StepConfig("tiny", 100_000_000)  # would loop over 24k loss chunks: refused at once
+        pm.StepConfig.of(model_size="tiny", context_length=100_000_000)  # 24k loss chunks: refused at once
+
+
+def test_one_command_one_answer_with_train_py():
+    """profile_memory resolves options as train.py does on a GPU: at 32k the 4B model, NSA, checkpointing, the
+    chunked loss and FFN tiles; a LoRA fine-tune at 32k gets the chunked loss without being asked."""
+    long = pm.StepConfig.of(context_length=32768)
+    model, compute = long.configs()
+    assert (long.train.model_size, model.attention_type, long.train.gradient_checkpointing, long.train.dtype) == (
+        "4B", "nsa", True, "bfloat16")
+    assert (compute.loss_mode, compute.ffn_chunk_size) == ("chunked", 8192)
+    lora = pm.StepConfig.of(model_size="4B", context_length=32768, finetune="lora", quantize_base="nf4")
+    assert lora.configs()[1].loss_mode == "chunked"
+    offload = pm.StepConfig.of(model_size="4B", context_length=131072, gpu_memory_gib=80, world_size=2)
+    assert offload.configs()[1].offload_activations  # 22.5 GiB of block inputs > 20% of 80 GiB, as train.py
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--world_size", "0"], "world_size must be a positive integer"),
+    (["--world_size", "0"], "--world_size must be a positive integer"),
     (["--context_length", "100000000"], "context_length must be in [2, 4,194,304]"),
     (["--plot", "no/such/dir/memory.png"], "--plot no/such/dir/memory.png: directory"),
-    (["--attention_type", "sparse"], "invalid choice: 'sparse'"),
-    (["--quantize_base", "nf4"], "quantize_base is for finetune 'lora'"),
-    (["--finetune", "npt", "--world_size", "2"], "NPT and a quantized base run in one process"),
+    (["--attention_type", "sparse"], "--attention_type must be one of"),
+    (["--quantize_base", "nf4"], "--quantize_base is not an option of --finetune full"),
+    (["--finetune", "npt", "--world_size", "2"], "--finetune npt runs in one process"),
 ])
 def test_cli_errors_are_one_line_with_exit_code_2(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -238,7 +258,8 @@ def test_an_attention_type_from_the_tests_is_profiled(swa):
     """The test-only sliding-window type, registered with one line: profile_memory lists it, describes it through
     its memory_stand_in, and the estimate equals the real CPU step (as for the built-in types)."""
     assert "swa" in pm.build_parser().parse_args(["--attention_type", "swa"]).attention_type
-    config = pm.StepConfig("tiny", 96, attention_type="swa", batch_size=2, dtype="float32")
+    config = pm.StepConfig.of(model_size="tiny", context_length=96, attention_type="swa", batch_size=2,
+                              dtype="float32")
     result = pm.estimate(config)
     assert result["stand_in"].startswith("sliding-window attention: runs as in training")
     assert_stages_close(result["stages"], real_step_live_bytes(config))
@@ -246,13 +267,13 @@ def test_an_attention_type_from_the_tests_is_profiled(swa):
 
 def test_refuses_to_run_inside_an_initialised_process_group():
     with pm.fake_process_group(2), pytest.raises(RuntimeError, match="outside torch.distributed"):
-        pm.estimate(pm.StepConfig("tiny", 64, world_size=2))
+        pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=64, world_size=2))
     assert not dist.is_initialized()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="--measure needs a CUDA device")
 def test_measured_on_gpu_matches_estimate():
-    config = pm.StepConfig("0.6B", 4096, gradient_checkpointing=True)
+    config = pm.StepConfig.of(model_size="0.6B", context_length=4096, gradient_checkpointing=True)
     estimated, measured = pm.estimate(config), pm.measure(config)
     # The GPU adds what the tracker cannot see (cuBLAS workspaces, 512-byte rounding): allow 5%.
     assert_stages_close(estimated["stages"], measured["stages"], rel=0.05)

@@ -1,5 +1,7 @@
-"""synthetic.py: retrieval documents of exact length that carry their answer, and SyntheticMix: deterministic,
-at the asked rate, and resumable bit for bit from the loader's state; train.py trains on the mix."""
+"""synthetic.py: retrieval documents of exact length that carry their answer (passkey, and MQAR in both forms: each
+answer at its recorded distance from its key, deterministic from the seed), and SyntheticMix: deterministic, at the
+asked rate, resumable bit for bit from the loader's state, checked against its longest documents, with a loss mask
+that gives exactly the hand-computed answer-only loss; train.py trains on the mix."""
 
 from __future__ import annotations
 
@@ -8,10 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import train
+from config import ModelConfig
 from data import TokenLoader
-from synthetic import PromptBuilder, SyntheticMix, training_document
+from model import Transformer
+from synthetic import (
+    KEY_WORDS,
+    PromptBuilder,
+    RecallVocabulary,
+    SyntheticMix,
+    mqar_document,
+    mqar_text_document,
+    passkey_document,
+)
 from tokenizer import Tokenizer
 
 
@@ -23,9 +36,10 @@ def tokenizer(data_dir: Path) -> Tokenizer:
 def test_documents_have_the_length_and_their_answer(tokenizer):
     builder = PromptBuilder(tokenizer)
     for seed in range(6):
-        ids = training_document(builder, 400, random.Random(seed))
-        assert len(ids) == 400
-        text = tokenizer.decode(ids)
+        doc = passkey_document(builder, 400, random.Random(seed))
+        assert len(doc.ids) == 400
+        text = tokenizer.decode(doc.ids)
+        assert tokenizer.decode([doc.ids[a] for a in doc.answers]).strip().isdigit()
         question, _, after = text.rpartition(" is")  # "... The pass key is 12345." / "... key redfox is 123456."
         answer = after.split(".")[0].strip()
         assert answer.isdigit() and answer in question  # the answer was hidden earlier in the document
@@ -49,12 +63,65 @@ def test_mix_is_deterministic_at_its_rate_and_resumable(data_dir, tokenizer):
     resumed = SyntheticMix(TokenLoader(data_dir, 400, 4, seed=1), tokenizer, 0.5, seed=1)
     resumed.load_state_dict(first.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(_batches(resumed, 3), mixed[3:], strict=True))
-    with pytest.raises(ValueError, match="cannot hold the task's text"):
+    with pytest.raises(ValueError, match="--context_length 32 is too short for synthetic passkey documents"):
         SyntheticMix(TokenLoader(data_dir, 32, 4), tokenizer, 0.5)
 
 
-def test_train_runs_on_the_mix(data_dir, tmp_path):
+@pytest.mark.parametrize("T", [64, 512, 2048])
+def test_mqar_answers_sit_at_their_distance_and_cover_every_scale(T):
+    vocab = RecallVocabulary(8192)
+    doc = mqar_document(T, vocab, random.Random(T))
+    assert len(doc.ids) == T and doc.answers and len(doc.answers) == len(doc.distances)
+    for position, distance in zip(doc.answers, doc.distances, strict=True):
+        key, value = doc.ids[position - 1], doc.ids[position]
+        assert key in vocab.keys and value in vocab.values
+        assert doc.ids[position - 1 - distance:position + 1 - distance] == [key, value]  # the pair, `distance` back
+        assert doc.ids[:position - 1].count(key) == 1  # asked once, after its only pair
+    if T == 2048:  # log-uniform distances: every octave from 2 to 1024 holds answers
+        octaves = {d.bit_length() for d in doc.distances}
+        assert set(range(2, 11)) <= octaves
+        assert 250 <= len(doc.answers) <= 2048 // 6  # a third of the slots hold pairs, each asked once
+    assert mqar_document(T, vocab, random.Random(T)) == doc  # deterministic
+    assert mqar_document(T, vocab, random.Random(T + 1)) != doc
+
+
+def test_mqar_text_answers_are_the_values_of_earlier_statements(tokenizer):
+    doc = mqar_text_document(PromptBuilder(tokenizer), 1024, random.Random(3))
+    assert len(doc.ids) == 1024 and doc.answers
+    by_query: dict[int, list[int]] = {}
+    for position, query in zip(doc.answers, doc.queries, strict=True):
+        by_query.setdefault(query, []).append(position)
+    for positions in by_query.values():
+        value = tokenizer.decode([doc.ids[p] for p in positions]).strip()
+        before = tokenizer.decode(doc.ids[:positions[0]])
+        key = before.rsplit("What is the value of key ", 1)[1].rstrip("?")
+        assert key in KEY_WORDS and value.isdigit() and f"The value of key {key} is {value}." in before
+
+
+def test_answer_loss_equals_the_hand_masked_loss(data_dir, tokenizer):
+    """--answer_loss: the model's loss with the mix's labels equals the mean cross-entropy over the answer tokens
+    alone, computed by hand from the logits (float64, 1e-12)."""
+    mix = SyntheticMix(TokenLoader(data_dir, 256, 2, seed=0), tokenizer, 1.0, seed=0, task="mqar", answer_loss=True)
+    input_ids, labels = next(mix)
+    docs = []
+    for row in range(2):  # the mix's own draws: (seed, epoch, step, rank, row), the rate first
+        rng = random.Random(f"0-0-0-0-{row}")
+        rng.random()
+        docs.append(mix.documents(256, rng))
+    for row, doc in enumerate(docs):
+        assert torch.equal(input_ids[row], torch.tensor(doc.ids))
+        assert (labels[row] != -100).nonzero().flatten().tolist() == doc.answers
+    model = Transformer(ModelConfig.from_preset("tiny", vocab_size=512)).double()
+    out = model(input_ids, labels)
+    logits = model(input_ids).logits  # (B, T, V)
+    terms = [F.cross_entropy(logits[row, a - 1], input_ids[row, a])
+             for row, doc in enumerate(docs) for a in doc.answers]
+    torch.testing.assert_close(out.loss, torch.stack(terms).mean(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("task", ["passkey", "mqar", "mqar_text"])
+def test_train_runs_on_the_mix(data_dir, tmp_path, task):
     metrics = train.main(["--model_size", "tiny", "--context_length", "400", "--batch_size", "2", "--max_steps", "2",
-                          "--synthetic_mix", "0.5", "--sample_tokens", "0", "--data_dir", str(data_dir), "--out_dir",
-                          str(tmp_path)])
+                          "--synthetic_mix", "0.5", "--synthetic_task", task, "--answer_loss", "--sample_tokens", "0",
+                          "--data_dir", str(data_dir), "--out_dir", str(tmp_path)])
     assert metrics["step"] == 2

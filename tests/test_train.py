@@ -218,7 +218,7 @@ def test_auto_options_resolve_by_device_and_context() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--batch_size", "0"], "--batch_size must be >= 1"),
     (["--model_size", "5B"], "--model_size must be one of"),
-    (["--lr", "-1"], "--lr must be positive"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
     (["--model_overrides", '{"n_layer": 2}'], "unknown field(s) ['n_layer']"),
     (["--max_steps", "ten"], "invalid int value"),
     (["--config", "missing.json"], "does not exist"),

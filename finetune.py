@@ -1,0 +1,198 @@
+"""Fine-tuning modes: what a run trains and how it stores it, behind one interface (`FinetuneMode`) and a registry
+(`FINETUNE_MODES`), as attention types are behind `attention.AttentionLayer` and `config.ATTENTION_TYPES`.
+
+    full   every weight trains; checkpoints and the export hold the whole model
+    lora   LoRA adapters (lora.py) on a frozen base, optionally quantized (quantize.py); the export is the adapters
+           in peft's layout (OUT_DIR/adapter), and with --merge also the merged model
+    npt    neuro-plastic FFN layers (npt/) on a frozen base; the export is the NP parameters (adapters.safetensors)
+
+A mode is a class built from the run's TrainConfig. train.prepare_run calls it in this order:
+`check` (before anything is built), `prepare` (on the meta device, before FSDP shards the model: new parameters
+must exist to be sharded), base weights from --init_from, `initialise` (after the base weights, which it may
+quantize or start adapters from; before resume, which overwrites what trains), resume, training, `export`.
+A checkpoint always holds the parameters that train (requires_grad) and the optimizer state; with `frozen_base`
+that is not the whole model, and resume rebuilds the base from --init_from.
+
+`register_finetune("name", "module:Class")` adds a mode without editing this file (tests/norm_finetune.py is a
+complete example: train only the RMSNorm gains).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from lora import apply_lora, init_lora, load_adapter, merge_lora_, save_adapter
+from model import Transformer
+from npt.adapters import ADAPTERS_NAME, load_adapters, save_adapters
+from npt.convert import convert
+from quantize import quantize_base
+from weights import export_model
+
+if TYPE_CHECKING:
+    from train_config import TrainConfig
+
+
+@runtime_checkable
+class FinetuneMode(Protocol):
+    """What a fine-tuning mode implements. Class attributes:
+    name: the --finetune value; frozen_base: the base does not train (checkpoints hold the trained parameters
+    only, resume takes the base from --init_from, and with --dtype bfloat16 one process stores it in bf16);
+    options: TrainConfig fields only this mode reads (another mode refuses them when they differ from the default);
+    description: a phrase for summaries ("LoRA on a frozen base")."""
+
+    name: ClassVar[str]
+    frozen_base: ClassVar[bool]
+    options: ClassVar[tuple[str, ...]]
+    description: ClassVar[str]
+
+    def __init__(self, cfg: TrainConfig) -> None: ...
+
+    def check(self, world_size: int) -> None:
+        """ValueError, before anything is built, when the mode cannot run on `world_size` processes."""
+
+    def prepare(self, model: Transformer) -> None:
+        """Add the mode's parameters (uninitialised is fine: the model may be on the meta device) and freeze what
+        does not train."""
+
+    def initialise(self, model: Transformer, seed: int) -> None:
+        """After the base weights are in place: give the mode's parameters their starting values (from `seed`, the
+        same on every rank, or from --adapter) and change the frozen base where the mode does (quantization)."""
+
+    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
+        """Write what a finished run delivers under `out_dir` (collective under FSDP); the paths written on rank 0,
+        [] elsewhere."""
+
+
+class Full:
+    """Every weight trains; the export is the whole model (weights.export_model)."""
+
+    name, frozen_base, options, description = "full", False, (), ""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        pass
+
+    def check(self, world_size: int) -> None:
+        pass
+
+    def prepare(self, model: Transformer) -> None:
+        pass
+
+    def initialise(self, model: Transformer, seed: int) -> None:
+        pass
+
+    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
+        return export_model(model, out_dir)
+
+
+class LoRA:
+    """LoRA adapters on the --lora_targets of every block (lora.py), the base frozen and optionally quantized."""
+
+    name, frozen_base, description = "lora", True, "LoRA on a frozen base"
+    options = ("lora_rank", "lora_alpha", "lora_targets", "quantize_base", "merge", "adapter")
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.rank, self.alpha, self.targets = cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(","))
+        self.quantize, self.merge, self.adapter, self.base = cfg.quantize_base, cfg.merge, cfg.adapter, cfg.init_from
+        if self.quantize and self.merge:
+            raise ValueError("--merge folds the adapters into the base, which --quantize_base keeps quantized: "
+                             "merge with a float base (--adapter DIR --merge, without --quantize_base)")
+
+    def check(self, world_size: int) -> None:
+        if self.quantize and world_size > 1:
+            raise ValueError("--quantize_base runs in one process: launch without torchrun")
+
+    def prepare(self, model: Transformer) -> None:
+        apply_lora(model, self.rank, self.alpha, self.targets)
+
+    def initialise(self, model: Transformer, seed: int) -> None:
+        init_lora(model, seed)
+        if self.adapter:
+            load_adapter(model, self.adapter)
+        if self.quantize:
+            quantize_base(model, self.quantize)
+
+    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
+        written = [save_adapter(model, out_dir / "adapter", self.base)]
+        if self.merge:
+            merge_lora_(model)
+            written += export_model(model, out_dir, base_only=True)
+        return [p for p in written if p is not None]
+
+
+class NPT:
+    """Neuro-plastic FFN layers in --npt_layers (npt/convert.py), the base frozen; one process."""
+
+    name, frozen_base, description = "npt", True, "NPT layers on a frozen base"
+    options = ("npt_layers", "npt_rank", "npt_targets", "npt_residual_mode", "adapter")
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.layers, self.rank = cfg.npt_layer_spec(), cfg.npt_rank
+        self.targets, self.residual_mode, self.adapter = tuple(cfg.npt_targets.split(",")), cfg.npt_residual_mode, \
+            cfg.adapter
+        if not self.targets or not set(self.targets) <= {"gate", "up", "down"}:
+            raise ValueError(f"--npt_targets must be comma-separated names from gate, up, down; got "
+                             f"{cfg.npt_targets!r}")
+
+    def check(self, world_size: int) -> None:
+        if world_size > 1:
+            raise ValueError("--finetune npt runs in one process: launch without torchrun")
+
+    def prepare(self, model: Transformer) -> None:
+        convert(model, self.layers, self.rank, self.targets, self.residual_mode)
+
+    def initialise(self, model: Transformer, seed: int) -> None:
+        if self.adapter:  # the NP parameters were initialised by convert
+            adapter = Path(self.adapter)
+            load_adapters(model, adapter / ADAPTERS_NAME if adapter.is_dir() else adapter)
+
+    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
+        save_adapters(model, out_dir / ADAPTERS_NAME)
+        return [out_dir / ADAPTERS_NAME]
+
+
+# name -> "module:Class", imported on first use, or the class itself.
+FINETUNE_MODES: dict[str, str | type] = {"full": "finetune:Full", "lora": "finetune:LoRA", "npt": "finetune:NPT"}
+
+
+def register_finetune(name: str, cls: str | type) -> None:
+    """Make `cls` (a class implementing FinetuneMode, or its "module:Class" path) the mode `--finetune name`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a fine-tuning mode needs a non-empty name, got {name!r}")
+    FINETUNE_MODES[name] = cls
+
+
+def finetune_class(name: str) -> type:
+    """The class registered as fine-tuning mode `name` (imported on first use)."""
+    if name not in FINETUNE_MODES:
+        raise ValueError(f"--finetune must be one of {sorted(FINETUNE_MODES)} (add one with "
+                         f"finetune.register_finetune), got {name!r}")
+    entry = FINETUNE_MODES[name]
+    if isinstance(entry, str):
+        module, _, cls = entry.partition(":")
+        entry = FINETUNE_MODES[name] = getattr(importlib.import_module(module), cls)
+    return entry
+
+
+def finetune_mode(cfg: TrainConfig) -> FinetuneMode:
+    """The run's mode, built from its options; ValueError naming an option that belongs to another mode only."""
+    cls = finetune_class(cfg.finetune)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for other in FINETUNE_MODES:
+        for option in set(finetune_class(other).options) - set(cls.options):
+            if getattr(cfg, option) != defaults[option]:
+                owners = sorted(name for name in FINETUNE_MODES if option in finetune_class(name).options)
+                raise ValueError(f"--{option} is not an option of --finetune {cfg.finetune}: pass --finetune "
+                                 f"{' or --finetune '.join(owners)}, or leave --{option} out")
+    return cls(cfg)
+
+
+def cast_frozen_base(model: Transformer, dtype: torch.dtype) -> None:
+    """Store the parameters that do not train in `dtype` (only trained weights need float32 masters)."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)  # tied weights are one Parameter: cast once
