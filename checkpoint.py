@@ -250,6 +250,8 @@ def checkpoint_to_resume(out_dir: Path, resume: str | None) -> Path | None:
     if resume is None:
         return None
     if resume != "auto":
+        if not Path(resume).is_dir():
+            raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
         verify_checkpoint(Path(resume))
         return Path(resume)
     errors = []

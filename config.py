@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +45,11 @@ def attention_class(name: str) -> type:
         module, _, cls = entry.partition(":")
         entry = ATTENTION_TYPES[name] = getattr(importlib.import_module(module), cls)
     return entry
+
+
+def _is_real(value: object) -> bool:
+    """An int or float, not a bool or a string."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _positive_int(owner: str, name: str, value: object, optional: bool = False) -> None:
@@ -92,8 +98,13 @@ class ModelConfig:
                      "nsa_window"):
             _positive_int("ModelConfig", name, getattr(self, name))
         for name in ("norm_eps", "rope_theta", "init_std"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)!r}")
+            if not (_is_real(getattr(self, name)) and 0 < getattr(self, name) < math.inf):
+                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {getattr(self, name)!r}")
+        for name in ("tie_embeddings", "qk_norm", "nsa_separate_kv"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.attention_type, str):
+            raise ValueError(f"ModelConfig.attention_type must be a name, got {self.attention_type!r}")
         if self.rope_scaling is not None:
             validate_rope_scaling(self.rope_scaling)
         if self.n_heads % self.n_kv_heads:
@@ -102,7 +113,7 @@ class ModelConfig:
                              f"{[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        if self.logit_softcap is not None and not self.logit_softcap > 0:
+        if self.logit_softcap is not None and not (_is_real(self.logit_softcap) and 0 < self.logit_softcap < math.inf):
             raise ValueError(f"ModelConfig.logit_softcap must be None or positive, got {self.logit_softcap}")
         if not isinstance(self.attention_options, dict):
             raise ValueError(f"ModelConfig.attention_options must be a dict, got {self.attention_options!r}")
@@ -201,6 +212,11 @@ def validate_rope_scaling(scaling: object) -> None:
     if not set(required) <= set(scaling) <= set(required) | set(optional):
         raise ValueError(f"ModelConfig.rope_scaling ({kind}) needs the keys {list(required)}"
                          + (f" and may have {list(optional)}" if optional else "") + f", got {sorted(scaling)}")
+    numbers = [k for k in (*required, *optional) if k in scaling and k not in ("rope_type", "truncate")]
+    if not isinstance(scaling.get("truncate", True), bool):
+        raise ValueError(f"ModelConfig.rope_scaling truncate must be true or false, got {scaling['truncate']!r}")
+    if not all(_is_real(scaling[k]) and math.isfinite(scaling[k]) for k in numbers):
+        raise ValueError(f"ModelConfig.rope_scaling values must be finite numbers, got {scaling!r}")
     factor, original_length = scaling["factor"], scaling["original_max_position_embeddings"]
     if not factor >= 1:
         raise ValueError(f"ModelConfig.rope_scaling needs factor >= 1, got {factor}")

@@ -397,6 +397,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     """eval.py's work for parsed arguments; every input is checked (one-line ValueError / FileNotFoundError) before
     the model is loaded, and eval.json is rewritten after each task."""
     checkpoint = Path(args.checkpoint)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if not checkpoint.exists():
         raise FileNotFoundError(f"{checkpoint} does not exist")
     run_dir, run = _run_config(checkpoint)

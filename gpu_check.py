@@ -223,10 +223,13 @@ def main(argv: list[str] | None = None) -> str:
     if not out.parent.is_dir():
         parser.error(f"--out {out}: directory {out.parent} does not exist")
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
+    info = machine()
     with tempfile.TemporaryDirectory() as tmp:
-        text = report(machine(), sections, args.dry_run, Path(tmp))
+        text = report(info, sections, args.dry_run, Path(tmp))
     out.write_text(text)
     print(f"wrote {out}")
+    if not args.dry_run and all(section.needs(info) for section in sections):
+        raise SystemExit(f"gpu_check: nothing was checked ({sections[0].needs(info)}); see {out}")
     return text
 
 

@@ -261,6 +261,8 @@ class Transformer(nn.Module):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)
+        if eos_id is not None and not 0 <= eos_id < self.config.vocab_size:
+            raise ValueError(f"eos_id must be a token id in [0, {self.config.vocab_size}), got {eos_id}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be a non-empty prompt of shape (B, T), got {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -302,9 +304,10 @@ def check_token_range(name: str, ids: Tensor, vocab_size: int, ignore: int | Non
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """ValueError naming the argument unless temperature >= 0 (0: greedy), top_k >= 1 and 0 < top_p <= 1."""
-    if not temperature >= 0:  # also refuses NaN
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    """ValueError naming the argument unless temperature is finite and >= 0 (0: greedy), top_k >= 1 and
+    0 < top_p <= 1."""
+    if not 0 <= temperature < math.inf:  # also refuses NaN
+        raise ValueError(f"temperature must be finite and >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
         raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:

@@ -199,9 +199,37 @@ def _json_line(line: str) -> dict | None:
     return row if isinstance(row, dict) else None
 
 
+def duration(seconds: float) -> str:
+    """`seconds` as 12s, 3m05s or 2h07m."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Clock:
+    """Time since this process started training and the time to --max_steps, from the mean time of the steps it
+    has run (the first one, with its warm-up, left out once there are others)."""
+
+    def __init__(self, first_step: int, max_steps: int) -> None:
+        self.start, self.first_step, self.max_steps = time.monotonic(), first_step, max_steps
+        self.after_first: float | None = None
+
+    def update(self, step: int) -> dict:
+        """{"elapsed_s", "eta_s"} after `step`."""
+        now = time.monotonic()
+        if step == self.first_step + 1:
+            self.after_first = now
+        done = step - self.first_step - 1
+        per_step = (now - self.after_first) / done if done else now - self.start
+        return {"elapsed_s": round(now - self.start, 1), "eta_s": round(per_step * (self.max_steps - step), 1)}
+
+
 def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> None:
     """Rank 0: append the step's metrics to metrics.jsonl, advance the progress bar, print a line every
-    log_interval steps (and at the first and last)."""
+    log_interval steps (and at the first and last), with the elapsed time and the estimated time to the end."""
     with metrics_file.open("a") as f:
         f.write(json.dumps(strict_json(metrics), allow_nan=False) + "\n")
     step = metrics["step"]
@@ -213,15 +241,29 @@ def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> 
                    f"{metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | mem {metrics['mem_gib']:.2f}"
                    f" GiB (peak {metrics['mem_peak_gib']:.2f}"
                    + (f", reserved {metrics['mem_reserved_gib']:.2f}" if "mem_reserved_gib" in metrics else "")
-                   + f"){mfu}")
+                   + f"){mfu} | {duration(metrics['elapsed_s'])} elapsed, ETA {duration(metrics['eta_s'])}")
     if "val_loss" in metrics:
         tqdm.write(f"step {step:>6}/{cfg.max_steps} | validation loss {metrics['val_loss']:.4f} | perplexity "
                    f"{metrics['val_perplexity']:.2f}")
 
 
+def summary(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> str:
+    """One line: the model, the tokens of a step, the length of the run, the devices, and where the outputs go."""
+    c = model.config
+    name = cfg.init_from or cfg.model_size
+    devices = f"{world_size} GPU{'s' if world_size > 1 else ''}" if torch.cuda.is_available() else (
+        f"{world_size} CPU process{'es' if world_size > 1 else ''} ({torch.get_num_threads()} threads each)")
+    tokens = world_size * cfg.gradient_accumulation_steps * cfg.batch_size * cfg.context_length
+    return (f"{name}: {model.num_parameters() / 1e6:,.1f}M parameters, {c.attention_type} attention, "
+            f"{cfg.finetune} fine-tune, {cfg.dtype}; {cfg.max_steps} steps of {tokens:,} tokens "
+            f"({world_size} x {cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.context_length}) on "
+            f"{devices}; writing {cfg.out_dir} (config.json holds every option; --verbose prints them)")
+
+
 def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_size: int, resume_from: Path | None,
               step: int, task_state: dict, changed: dict) -> None:
-    """Rank 0: print the resolved configuration (with the task's state) and save it as out_dir/config.json; on
+    """Rank 0: print a summary of the run (the resolved configuration with --verbose) and save the configuration
+    (with the task's state) as out_dir/config.json; on
     resume, drop the metrics lines of steps after the checkpoint (written by the interrupted run) and any line a
     kill cut short, and record the options that changed (`changed`: {option: [checkpoint value, new value]}) as a
     metrics line {"step", "resumed_with"}. A run started without a checkpoint begins a fresh metrics.jsonl."""
@@ -229,7 +271,7 @@ def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_siz
     resolved = {"train": dataclasses.asdict(cfg), "model": model.config.to_dict(),
                 "compute": model.compute.to_dict(), "world_size": world_size,
                 "parameters": model.num_parameters(), **task_state}
-    print(json.dumps(resolved, indent=1))
+    print(json.dumps(resolved, indent=1) if cfg.verbose else summary(cfg, model, world_size))
     (out_dir / "config.json").write_text(json.dumps(resolved, indent=1))
     metrics_file = out_dir / "metrics.jsonl"
     if resume_from:

@@ -102,7 +102,7 @@ class StepConfig:
     @classmethod
     def of(cls, world_size: int = 1, gpu_memory_gib: float | None = None, **options: object) -> StepConfig:
         """From train.py options, e.g. `StepConfig.of(model_size="4B", context_length=131072, world_size=2)`."""
-        return cls(resolve_config(TrainConfig(**options), torch.device("cuda")), world_size, gpu_memory_gib)
+        return cls(resolve_config(TrainConfig(**options), torch.device("cuda"), log=_quiet), world_size, gpu_memory_gib)
 
     def __post_init__(self) -> None:
         cfg = self.train
@@ -150,6 +150,10 @@ class StepConfig:
                 + (", activations offloaded to host memory" if compute.offload_activations else "")
                 + (f", {mode.description}" if mode.description else "")
                 + (f" ({cfg.quantize_base})" if cfg.quantize_base else ""))
+
+
+def _quiet(message: str) -> None:
+    """resolve_config's notes are about a training run, not about this estimate."""
 
 
 def tokenizer_vocab(cfg: TrainConfig) -> int:
@@ -551,7 +555,8 @@ def main(argv: list[str] | None = None) -> None:
     if args["measure"] and not torch.cuda.is_available():
         parser.error("--measure needs a CUDA device")
     try:
-        config = StepConfig(resolve_config(cfg, torch.device("cuda")), args["world_size"], args["gpu_memory"])
+        config = StepConfig(resolve_config(cfg, torch.device("cuda"), log=_quiet), args["world_size"],
+                            args["gpu_memory"])
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     result = estimate(config)

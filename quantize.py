@@ -15,7 +15,10 @@ layer, the norms and the LoRA adapters stay as they are.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -26,14 +29,29 @@ QUANTIZED = ("int8", "nf4", "int4")
 NF4_BLOCK = 64  # values sharing one NF4 scale
 
 
+@contextlib.contextmanager
+def _quiet_loggers(*names: str) -> Iterator[None]:
+    """Only errors from these loggers inside the block."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def quantize_base(model: Transformer, kind: str) -> None:
     """Quantize the frozen linear layers of `model`'s blocks in place to `kind` (one of QUANTIZED). Call after the
     base weights are loaded; the model must not be sharded (FSDP2)."""
     if kind not in QUANTIZED:
         raise ValueError(f"--quantize_base must be one of {QUANTIZED}, got {kind!r}")
     try:
-        from torchao import quantization as ao
-        from torchao.quantization.granularity import PerGroup
+        with _quiet_loggers("torchao", "torch.utils._pytree"):  # its optional CUDA kernels, an enum registration
+            from torchao import quantization as ao
+            from torchao.quantization.granularity import PerGroup
     except ImportError as e:
         raise ImportError("--quantize_base needs torchao: pip install torchao") from e
 

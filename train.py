@@ -23,6 +23,7 @@ import dataclasses
 import math
 import os
 import random
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -39,8 +40,6 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from checkpoint import (
-    DamagedCheckpoint,
-    UnsafeCheckpoint,
     checkpoint_to_resume,
     latest_checkpoint,
     load_checkpoint,
@@ -56,6 +55,7 @@ from hf import export_refusal
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from monitor import (
+    Clock,
     Heartbeat,
     LeakWatch,
     MemoryBudgetExceeded,
@@ -80,6 +80,8 @@ from train_config import (
     TOKENIZER_VOCAB,
     TrainConfig,
     build_model_config,
+    default_out_dir,
+    exit_with_error,
     parse_config,
     resolve_config,
 )
@@ -288,11 +290,10 @@ def export_and_sample(run: Run) -> None:
         print(f"exported {', '.join(str(p) for p in written)}")
         if (refusal := export_refusal(run.model.config)) and run.mode.name == "full":
             print(f"no hf/ directory: {refusal} (weights.load_model reads {run.out_dir / 'model'})")
-    if run.cfg.sample_tokens:
-        text = generate_sample(run.model, run.tokenizer, run.cfg, run.rt.device, run.autocast)
+    if run.cfg.sample_tokens != 0:
+        n, text = generate_sample(run.model, run.tokenizer, run.cfg, run.rt.device, run.autocast)
         if run.rt.rank == 0:
-            print(f"--- sample ({run.cfg.sample_tokens} tokens at temperature 0.8 after {run.cfg.sample_prompt!r}) "
-                  f"---\n{text}")
+            print(f"--- sample ({n} tokens at temperature 0.8 after {run.cfg.sample_prompt!r}) ---\n{text}")
 
 
 @dataclass
@@ -330,7 +331,13 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     6. the mode's own initialisation (adapters from the seed or --adapter; quantization last: it replaces the
        base weights that step 5 filled), before
     7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position."""
-    cfg = resolve_config(cfg, rt.device)
+    say = print if rt.rank == 0 else (lambda message: None)
+    cfg = resolve_config(cfg, rt.device, say)
+    if cfg.out_dir == "auto":  # rank 0 decides: the other ranks could see its directory appear
+        out_dir = [str(default_out_dir(cfg, say)) if rt.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(out_dir, src=0)
+        cfg = dataclasses.replace(cfg, out_dir=out_dir[0])
     mode = finetune_mode(cfg)
     mode.check(rt.world_size)
     check_run_directory(Path(cfg.out_dir), cfg.resume)
@@ -340,6 +347,10 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     check_tokenizer(loader.index, tokenizer)
+    if cfg.sample_tokens and len(tokenizer.encode(cfg.sample_prompt)) + cfg.sample_tokens > cfg.context_length:
+        raise ValueError(f"--sample_tokens {cfg.sample_tokens} after the --sample_prompt's "
+                         f"{len(tokenizer.encode(cfg.sample_prompt))} tokens exceed --context_length "
+                         f"{cfg.context_length}")
     if cfg.synthetic_mix:
         loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed, cfg.synthetic_task, cfg.answer_loss)
 
@@ -377,10 +388,6 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
                                              rt.world_size)
     if rt.rank == 0:
         start_run(run.out_dir, cfg, model, rt.world_size, resume_from, run.step, run.task_state, changed)
-        print(f"{model.num_parameters() / 1e6:.2f}M parameters, {rt.world_size} process(es) x "
-              f"{cfg.gradient_accumulation_steps} micro-steps x {cfg.batch_size} x {cfg.context_length} = "
-              f"{run.step_tokens} tokens per step, {flops_per_token(model.config, cfg.context_length) / 1e9:.3f} "
-              "GFLOP per token")
     return run
 
 
@@ -514,7 +521,7 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     bar = tqdm(total=cfg.max_steps, initial=run.step, desc="training", unit="step", disable=not main_rank or None,
                dynamic_ncols=True)
     metrics: dict = {}
-    leaks, last_save, stop = LeakWatch(), time.monotonic(), False
+    leaks, last_save, stop, clock = LeakWatch(), time.monotonic(), False, Clock(run.step, cfg.max_steps)
     heartbeat = (Heartbeat(run.model.layers, cfg.heartbeat_seconds, A, cfg.gradient_checkpointing)
                  if main_rank and cfg.heartbeat_seconds else None)
     with stop_on_signals() as signals:
@@ -529,7 +536,8 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
             batches = [[t.to(rt.device, non_blocking=True) for t in next(run.loader)]  # A x [ids, labels] (B, T)
                        for _ in range(A)]
             step_metrics, (stop, save_due) = train_step(run, batches, requests)
-            metrics = observe(run, step_metrics, time.perf_counter() - t0, metrics, leaks)
+            metrics = {**observe(run, step_metrics, time.perf_counter() - t0, metrics, leaks),
+                       **clock.update(run.step)}
             if main_rank:
                 log_step(metrics, cfg, run.out_dir / "metrics.jsonl", bar)
             check_limits(run, metrics)
@@ -549,14 +557,15 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
 
 
 def generate_sample(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, device: torch.device,
-                    autocast: contextlib.AbstractContextManager) -> str:
-    """Decode a sample from the prompt (every rank runs it in lockstep under FSDP; the seed makes them agree)."""
+                    autocast: contextlib.AbstractContextManager) -> tuple[int, str]:
+    """(tokens, text) of a sample decoded after the prompt: --sample_tokens, or by default up to 200 within the
+    context (every rank runs it in lockstep under FSDP; the seed makes them agree)."""
     prompt = torch.tensor([tokenizer.encode(cfg.sample_prompt) or [tokenizer.eod_id]], device=device)  # (1, P)
-    n = min(cfg.sample_tokens, cfg.context_length - prompt.shape[1])
+    n = min(200, cfg.context_length - prompt.shape[1]) if cfg.sample_tokens is None else cfg.sample_tokens
     generator = torch.Generator(device).manual_seed(cfg.seed)
     with autocast:
         out = model.generate(prompt, n, temperature=0.8, top_k=50, eos_id=tokenizer.eod_id, generator=generator)
-    return tokenizer.decode(out[0].tolist())
+    return n, tokenizer.decode(out[0].tolist())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -577,7 +586,9 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (FileExistsError, NotADirectoryError, UnsafeCheckpoint, DamagedCheckpoint) as e:  # not a bug: one line
-        raise SystemExit(f"error: {e}") from None
     except (MemoryBudgetExceeded, TooManyBadSteps) as e:  # a checkpoint is saved where possible: one line
-        raise SystemExit(f"stopped: {e}") from None
+        exit_with_error(f"stopped: {e}", code=1)
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as e:
+        if "--verbose" in sys.argv:  # a bad input, or a damaged / unsafe checkpoint: one line
+            raise
+        exit_with_error(f"error: {e}")

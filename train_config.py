@@ -6,9 +6,14 @@ and resolved from the device and the context length (`resolve_config`, `build_mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import math
+import os
+import sys
+import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,8 +87,8 @@ class TrainConfig:
     loss: str = option("auto", f"'chunked' (the output layer and loss in chunks: the full logits never exist, see "
                                f"loss.py), 'standard', or 'auto': chunked from {LONG_CONTEXT} tokens, and below when "
                                "the logits would take over 10 GiB")
-    ffn_chunk_size: int | None = option(None, f"tokens per FFN tile (tiled FFN, recomputed in backward; default: "
-                                              f"{TILED_FFN_CHUNK} from {LONG_CONTEXT} tokens, else untiled)")
+    ffn_chunk_size: int | None = option(None, f"tokens per FFN tile (tiled FFN, recomputed in backward; 0: untiled; "
+                                              f"default: {TILED_FFN_CHUNK} from {LONG_CONTEXT} tokens, else untiled)")
     attention_query_chunk: int = option(512, "queries an attention processes together (NSA: bounds its working "
                                              "memory)")
     compile: bool = option(False, "torch.compile each block")
@@ -112,7 +117,9 @@ class TrainConfig:
                                             "'mqar_text' (the same in sentences)")
     answer_loss: bool = option(False, "synthetic rows: loss on their answers only (labels -100 elsewhere)")
     # run
-    out_dir: str = option("runs/train", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/")
+    out_dir: str = option("auto", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/; 'auto' = "
+                                  "runs/<model>-<attention>-<T>[-<finetune>], or the next free -2, -3, ... when that "
+                                  "holds another run (with --resume: the newest of them)")
     resume: str | None = option(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
     checkpoint_interval: int = option(100, "save every this many steps (0: only at the end)")
     checkpoint_minutes: float = option(0.0, "also save at the first step boundary this many minutes after the last "
@@ -128,8 +135,11 @@ class TrainConfig:
                                             "the cache is freed from 70% of it; past it, a checkpoint and a stop")
     empty_cache_interval: int = option(0, "free the CUDA allocator's cache (CPU: collect garbage) every this many "
                                           "steps (0: never)")
-    sample_tokens: int = option(200, "tokens to generate from the final model (0: none)")
+    sample_tokens: int | None = option(None, "tokens to generate from the final model after --sample_prompt (0: "
+                                             "none; default: 200, fewer when the context is shorter)")
     sample_prompt: str = option("def ", "prompt of the final sample")
+    verbose: bool = option(False, "print the whole resolved configuration at the start, and the traceback of an "
+                                  "error")
 
     def __post_init__(self) -> None:
         choices = {"model_size": [*PRESETS, "auto"], "attention_type": ["auto", *ATTENTION_TYPES],
@@ -143,6 +153,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name} must be >= {low}, got {value}")
+        if self.sample_tokens is not None and self.sample_tokens >= self.context_length:
+            raise ValueError(f"--sample_tokens must be less than --context_length ({self.context_length}), the "
+                             f"longest sequence the model generates; got {self.sample_tokens}")
         if self.seed > MAX_SEED:
             raise ValueError(f"--seed must be <= {MAX_SEED} (64-bit generators), got {self.seed}")
         for table, zero_allowed in ((POSITIVE, False), (NON_NEGATIVE, True)):
@@ -160,17 +173,20 @@ class TrainConfig:
         if self.npt_layers in ("upper_half", "all"):
             return self.npt_layers
         try:
-            return [int(i) for i in self.npt_layers.split(",")]
+            layers = [int(i) for i in self.npt_layers.split(",")]
         except ValueError:
-            raise ValueError(f"--npt_layers must be 'upper_half', 'all' or comma-separated indices such as '4,5'; "
-                             f"got {self.npt_layers!r}") from None
+            layers = [-1]
+        if min(layers) < 0:
+            raise ValueError(f"--npt_layers must be 'upper_half', 'all' or comma-separated indices from 0 such as "
+                             f"'4,5'; got {self.npt_layers!r}")
+        return layers
 
 
 # Integer options: the smallest value (and the largest, for the seed: torch's generators take 64 bits).
 MINIMUM = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1, "warmup_steps": 0,
            "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1, "eval_interval": 0, "eval_tokens": 1,
            "keep_checkpoints": 1, "lora_rank": 1, "npt_rank": 1, "empty_cache_interval": 0, "sample_tokens": 0,
-           "ffn_chunk_size": 1, "attention_query_chunk": 1, "seed": 0}
+           "ffn_chunk_size": 0, "attention_query_chunk": 1, "seed": 0}
 MAX_SEED = 2**63 - 1
 # Real options: finite, in (0, high] (POSITIVE) or [0, high] (NON_NEGATIVE).
 POSITIVE = {"lr": 1.0, "max_memory": math.inf, "rope_theta": math.inf, "lora_alpha": math.inf}
@@ -202,9 +218,28 @@ def field_help(f: dataclasses.Field) -> str:
     return f.metadata["help"].replace("%", "%%") + ("" if default is None else f" (default: {default})")
 
 
+def exit_with_error(message: str, code: int = 2) -> typing.NoReturn:
+    """End a command-line run on a user error with one line: printed by rank 0 only (every rank of a torchrun job
+    fails the same check) and written to torchrun's error file (TORCHELASTIC_ERROR_FILE), so that the launcher's
+    report ends with it ("Root Cause ... traceback : <message>"); exit `code` (2: bad input, 1: a run stopped)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    raise SystemExit(code)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (exit_with_error), once per torchrun job."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        exit_with_error(f"{self.prog}: error: {message} (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line options generated from TrainConfig; options not given are absent from the result."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="JSON or TOML file of TrainConfig fields (command-line options win)")
     for f in dataclasses.fields(TrainConfig):
@@ -271,10 +306,10 @@ def parse_options(parser: argparse.ArgumentParser, argv: list[str] | None = None
         parser.error(str(e))
 
 
-def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+def resolve_config(cfg: TrainConfig, device: torch.device, log: typing.Callable[[str], None] = print) -> TrainConfig:
     """Replace "auto"/None by concrete values. From LONG_CONTEXT tokens on, attention is NSA and blocks are
     recomputed in backward; on CUDA the model is then the 4B preset (build_model_config adds the tiled FFN and the
-    chunked loss at these lengths). Elsewhere the default model is "demo".
+    chunked loss at these lengths). Elsewhere the default model is "demo" (said through `log` at these lengths).
     The learning rate follows the model size; the batch size fills BATCH_TOKENS per micro-step."""
     long = cfg.context_length >= LONG_CONTEXT
     cuda = device.type == "cuda"
@@ -286,6 +321,9 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     if cfg.init_from:  # the architecture is the stored model's (build_model_config)
         del auto["model_size"], auto["attention_type"]
     values = {k: v for k, v in auto.items() if getattr(cfg, k) == "auto"}
+    if values.get("model_size") == "demo" and long:
+        log(f"--model_size auto: demo (the {LONG_CONTEXT}-token recipe picks 4B on CUDA, and this machine has no "
+              "CUDA device; pass --model_size 4B to run it here anyway)")
     if cfg.lr is None:
         small = values.get("model_size", cfg.model_size) in ("demo", "tiny")
         values["lr"] = 2e-5 if cfg.init_from else 3e-3 if small else 3e-4
@@ -294,6 +332,30 @@ def resolve_config(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     if cfg.batch_size is None:
         values["batch_size"] = max(1, BATCH_TOKENS // cfg.context_length)
     return dataclasses.replace(cfg, **values)
+
+
+def default_out_dir(cfg: TrainConfig, log: typing.Callable[[str], None] = print) -> Path:
+    """runs/<model>-<attention>-<T>[-<finetune>] (<model>: the preset, or the --init_from directory's name), or the
+    first of <name>-2, <name>-3, ... that does not hold a run; with --resume the newest of them that exists."""
+    if cfg.init_from:
+        source = Path(cfg.init_from).resolve()
+        model = source.parent.name if source.name == "model" or source.name.startswith("step-") else source.name
+    else:
+        model = cfg.model_size
+    attention = "" if cfg.attention_type == "auto" else f"-{cfg.attention_type}"
+    name = f"{model}{attention}-{cfg.context_length}" + ("" if cfg.finetune == "full" else f"-{cfg.finetune}")
+    series = (Path("runs") / (name if i == 1 else f"{name}-{i}") for i in itertools.count(1))
+    taken: list[Path] = []
+    for candidate in series:
+        if not (candidate.is_dir() and any(candidate.iterdir())):
+            break
+        taken.append(candidate)
+    if cfg.resume:
+        return taken[-1] if taken else candidate
+    if taken:
+        log(f"{taken[-1]} holds a run: this one goes to {candidate} (pass --out_dir to choose, --resume to continue "
+            "that one)")
+    return candidate
 
 
 def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: int | None = None,
@@ -310,7 +372,8 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     --rope_scaling and model_overrides applied)."""
     model_overrides, compute_overrides = split_overrides(cfg.model_overrides)
     long = cfg.context_length >= LONG_CONTEXT
-    compute = {"ffn_chunk_size": cfg.ffn_chunk_size or (TILED_FFN_CHUNK if long else None),
+    tile = cfg.ffn_chunk_size if cfg.ffn_chunk_size is not None else TILED_FFN_CHUNK if long else 0
+    compute = {"ffn_chunk_size": tile or None,
                "loss_mode": "chunked" if cfg.loss == "auto" and long else cfg.loss,
                "attention_query_chunk": cfg.attention_query_chunk}
     theta = {"rope_theta": cfg.rope_theta} if cfg.rope_theta else {}

@@ -117,6 +117,10 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     compute (default ComputeConfig()). Raises FileNotFoundError / ValueError naming `path` when it is none of these.
     """
     path = Path(path)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this machine has no CUDA device; use \"cpu\"")
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if _is_training_checkpoint(path):

@@ -92,19 +92,30 @@ def report(found: list[dict[str, Tensor]], positions: list[int], select_block_si
 
 
 def main(argv: list[str] | None = None) -> str:
-    from tokenizer import Tokenizer
-    from weights import load_model
+    from tokenizer import check_vocab, load_tokenizer
+    from weights import load_model, stored_config
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--tokenizer", required=True, help="SentencePiece .model or tokenizer.json")
     p.add_argument("--text", required=True, help="the prompt (or @FILE to read it from a file)")
     p.add_argument("--positions", type=int, nargs="+", default=[-1], help="query positions to show (-1: the last)")
     p.add_argument("--find", help="text whose selection blocks are marked with * (e.g. the needle's number)")
     args = p.parse_args(argv)
-    text = Path(args.text[1:]).read_text() if args.text.startswith("@") else args.text
-    tokenizer, model = Tokenizer(args.tokenizer), load_model(args.checkpoint).eval()
-    ids = tokenizer.encode(text)
+    try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
+        text = Path(args.text[1:]).read_text() if args.text.startswith("@") else args.text
+        config, tokenizer = stored_config(args.checkpoint), load_tokenizer(args.tokenizer)
+        check_vocab(tokenizer, config.vocab_size)
+        ids = tokenizer.encode(text)
+        if not 1 <= len(ids) <= config.context_length:
+            raise ValueError(f"the prompt is {len(ids)} tokens; the model takes 1 to {config.context_length}")
+        if config.attention_type != "nsa":
+            raise ValueError(f"{args.checkpoint} has {config.attention_type!r} attention: nothing to inspect")
+        if any(not -len(ids) <= t < len(ids) for t in args.positions):
+            raise ValueError(f"--positions must lie in [-{len(ids)}, {len(ids)}) for this {len(ids)}-token prompt")
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    model = load_model(args.checkpoint).eval()
     needle_blocks = None
     if args.find:
         target = tokenizer.encode(" " + args.find)[1:] or tokenizer.encode(args.find)

@@ -45,7 +45,7 @@ def test_npt_run_trains_and_checkpoints_only_the_np_parameters(qwen3, tmp_path: 
     ({"finetune": "full", "adapter": "x"}, "pass --finetune lora or --finetune npt"),
     ({"finetune": "npt", "merge": True}, "--merge is not an option of --finetune npt: pass --finetune lora"),
     ({"finetune": "full", "lora_rank": 8}, "--lora_rank is not an option of --finetune full"),
-    ({"finetune": "lora", "npt_layers": "-1"}, "--npt_layers is not an option of --finetune lora"),
+    ({"finetune": "lora", "npt_layers": "1"}, "--npt_layers is not an option of --finetune lora"),
     ({"finetune": "npt", "npt_layers": "top"}, "--npt_layers must be"),
     ({"finetune": "npt", "npt_targets": "gate,q"}, "--npt_targets must be"),
     ({"finetune": "npt", "npt_residual_mode": "add"}, "--npt_residual_mode must be one of"),

@@ -67,7 +67,7 @@ def test_sampling_filters():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(top_k=0), "top_k must be None or an integer >= 1"),
-    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be finite and >= 0"),
     (dict(top_p=1.5), r"top_p must be None or in \(0, 1\]"),
 ])
 def test_bad_sampling_arguments_name_the_argument(model, kwargs, message):

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 import gpu_check
 
 
@@ -20,10 +23,14 @@ def test_the_plan_on_an_80_gb_gpu_skips_only_the_140_gb_headline(tmp_path: Path)
     assert "Skipped: Triton is not installed" in no_triton
 
 
-def test_on_this_cpu_every_section_is_skipped_with_its_reason(tmp_path: Path, capsys):
-    text = gpu_check.main(["--out", str(tmp_path / "report.md")])
-    assert (tmp_path / "report.md").read_text() == text
-    assert text.count("Skipped: no CUDA device") == 5
+def test_on_this_cpu_every_section_is_skipped_and_the_exit_code_says_so(tmp_path: Path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit, match="gpu_check: nothing was checked \\(no CUDA device\\)") as exit_info:
+        gpu_check.main(["--out", str(tmp_path / "report.md")])
+    assert exit_info.value.code != 0
+    assert (tmp_path / "report.md").read_text().count("Skipped: no CUDA device") == 5
+    assert gpu_check.main(["--out", str(tmp_path / "plan.md"), "--dry_run"])  # the plan: exit 0
 
 
 def test_section_outputs_become_tables(tmp_path: Path):

@@ -3,6 +3,7 @@ path, chunk by chunk), the gates are the layer's, and the command prints them fo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from config import ComputeConfig
@@ -43,3 +44,19 @@ def test_inspect_reports_every_layer_and_the_gates():
     assert "sparse_attention" not in vars(layer)  # the seam is restored
     text = report(found, [-1, 5], 16, needle_blocks={1})
     assert "layer 1: mean gates" in text and "query     69 (block 4)" in text and "1*" in text
+
+
+@pytest.mark.parametrize("attention, text, message", [
+    ("nsa", "x " * 2000, "the prompt is"),
+    ("nsa", "", "the prompt is 0 tokens"),
+    ("full", "def f():", "has 'full' attention: nothing to inspect"),
+])
+def test_bad_inputs_are_one_line_errors(attention, text, message, data_dir, tmp_path, capsys):
+    from nsa.inspection import main
+    from weights import export_model
+
+    export_model(Transformer(ModelConfig.from_preset("tiny", attention_type=attention)), tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "model"), "--tokenizer", str(data_dir / "tokenizer.model"), "--text", text])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err

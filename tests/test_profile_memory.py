@@ -137,7 +137,7 @@ def test_nsa_double_matches_reference_path():
 @pytest.fixture(scope="module")
 def estimates_4b_131k() -> dict[str, dict]:
     config = pm.StepConfig.of(model_size="4B", context_length=131072, attention_type="full", world_size=2,
-                              model_overrides={"ffn_chunk_size": None})  # untiled, unlike train.py's 131k recipe
+                              ffn_chunk_size=0)  # untiled, unlike train.py's 131k recipe
     return {loss: pm.estimate(config.replace(loss=loss)) for loss in ("auto", "standard")}
 
 
