@@ -224,9 +224,9 @@ def exit_with_error(message: str, code: int = 2) -> typing.NoReturn:
     report ends with it ("Root Cause ... traceback : <message>"); exit `code` (2: bad input, 1: a run stopped)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, file=sys.stderr, flush=True)
-    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        with contextlib.suppress(OSError):
-            Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            with contextlib.suppress(OSError):
+                Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
     raise SystemExit(code)
 
 

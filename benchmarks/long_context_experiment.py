@@ -8,7 +8,7 @@ The NSA geometry is scaled to the context so that each query visits at least 4x 
 on average: at T = 2048, l = 32, d = 16, l' = 32, n = 4, w = 64 gives 64 compressed + 128 selected + 64 window = 256
 keys against full attention's 1024. Training mixes in synthetic retrieval documents (--synthetic_mix) so that a
 small model can learn the skill the grids measure. Prints a table and writes OUT_DIR/summary.json and
-OUT_DIR/validation_loss.png; each run's eval.py results are in OUT_DIR/<type>/model/eval/.
+OUT_DIR/validation_loss.png; each run's eval.py results are in OUT_DIR/<type>/eval-model/.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         run(["eval.py", str(run_dir / "model"), "--lengths", *lengths, "--samples", str(args.samples),
              "--eval_tokens", str(16 * T), "--batch_size", "5"])
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        results = json.loads((run_dir / "model" / "eval" / "eval.json").read_text())
+        results = json.loads((run_dir / "eval-model" / "eval.json").read_text())
         summary[attention] = {
             "val_curve": [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r],
             "val_loss": results["loss"]["loss"], "buckets": results["loss"]["buckets"],

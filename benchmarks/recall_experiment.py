@@ -1,0 +1,141 @@
+"""Does an attention type retrieve across its context? Dense associative recall (MQAR, synthetic.py) learned by the
+demo model with full attention, with a sliding window (the control: it cannot see past its window) and with NSA,
+on the same documents, then scored by key-query distance (eval.py --tasks mqar).
+
+    python benchmarks/recall_experiment.py --out_dir runs/recall                  # the stages and types below
+    python benchmarks/recall_experiment.py --types full --stages 64:1200 512:600 --seeds 0 1 2
+
+Training is a short-to-long curriculum, each stage starting from the previous stage's export: every row an MQAR
+document (--synthetic_mix 1.0), the loss on the answers only (--answer_loss), the demo preset's default learning
+rate. After each stage the model is scored on fresh documents of the stage's length. Types:
+- full: SDPA, every key visible;
+- swa: the test-only sliding-window type (tests/sliding_window_attention.py) with a window of 64 keys: the control,
+  which should retrieve only pairs within 64 tokens;
+- nsa: compression blocks l = 32 (stride 16), selection blocks l' = 32, n = 6 selected blocks (block 0 and the two
+  most recent among them, so 3 free slots), window w = 64: at T = 2048 a query visits on average 64 compressed +
+  192 selected + 64 window keys = 320, under a third of full attention's 1024.
+Prints a table, writes OUT_DIR/summary.json and OUT_DIR/recall_by_distance.png; each stage's run and eval.py
+results are in OUT_DIR/<type>-seed<s>/T<length>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the sliding-window control lives with the tests
+import eval as evaluation  # noqa: E402
+import train  # noqa: E402
+from config import register_attention  # noqa: E402
+
+TYPES = {
+    "full": {"attention_type": "full", "model_overrides": {}},
+    "swa": {"attention_type": "swa", "model_overrides": {"attention_options": {"window": 64}}},
+    "nsa": {"attention_type": "nsa", "model_overrides": {
+        "nsa_block_size": 32, "nsa_stride": 16, "nsa_select_block_size": 32, "nsa_num_selected": 6,
+        "nsa_window": 64}},
+}
+
+
+def stage_run(kind: str, seed: int, length: int, steps: int, previous: Path | None, out: Path,
+              data_dir: str) -> tuple[Path, float]:
+    """Train one stage (skipped when its export exists); returns (its run directory, seconds)."""
+    run_dir = out / f"{kind}-seed{seed}" / f"T{length}"
+    if (run_dir / "model" / "model.safetensors").is_file():
+        return run_dir, json.loads((run_dir / "stage.json").read_text())["seconds"]
+    args = ["--context_length", str(length), "--max_steps", str(steps), "--synthetic_mix", "1.0",
+            "--synthetic_task", "mqar", "--answer_loss", "--lr", "3e-3", "--warmup_steps", str(min(30, steps // 10)),
+            "--checkpoint_interval", "0", "--sample_tokens", "0", "--log_interval", "50", "--seed", str(seed),
+            "--data_dir", data_dir, "--out_dir", str(run_dir)]
+    if previous is None:
+        spec = TYPES[kind]
+        args += ["--model_size", "demo", "--attention_type", spec["attention_type"], "--model_overrides",
+                 json.dumps(spec["model_overrides"])]
+    else:
+        args += ["--init_from", str(previous / "model")]
+    start = time.perf_counter()
+    train.main(args)
+    seconds = time.perf_counter() - start
+    (run_dir / "stage.json").write_text(json.dumps({"seconds": seconds, "args": args}))
+    return run_dir, seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="runs/recall")
+    p.add_argument("--data_dir", default="data/stdlib", help="any prepared data (its rows are all replaced)")
+    p.add_argument("--types", nargs="+", choices=list(TYPES), default=list(TYPES))
+    p.add_argument("--stages", nargs="+", default=["64:1200", "512:600", "2048:300"],
+                   help="LENGTH:STEPS of each curriculum stage")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--samples", type=int, default=8, help="documents scored per stage")
+    args = p.parse_args(argv)
+    stages = [tuple(int(x) for x in stage.split(":")) for stage in args.stages]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    summary: dict = {}
+    for kind in args.types:
+        for seed in args.seeds:
+            previous, rows = None, []
+            for length, steps in stages:
+                run_dir, seconds = stage_run(kind, seed, length, steps, previous, out, args.data_dir)
+                results = evaluation.main([str(run_dir / "model"), "--tasks", "mqar", "--lengths", str(length),
+                                           "--samples", str(args.samples), "--batch_size", "2", "--seed", "1000"])
+                metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                rows.append({"length": length, "steps": steps, "seconds": seconds, "mqar": results["mqar"],
+                             "loss_curve": [(m["step"], m["loss"]) for m in metrics if "loss" in m]})
+                previous = run_dir
+            summary[f"{kind}-seed{seed}"] = rows
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    report(summary, out)
+
+
+def report(summary: dict, out: Path) -> None:
+    """The table (accuracy overall, within 64 tokens and beyond, per stage) and the plot of the last stages."""
+    print("\n| run | T | steps | minutes | accuracy | within 64 tokens | beyond 64 tokens | final loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, rows in summary.items():
+        for row in rows:
+            buckets = row["mqar"]["buckets"]
+            near = [b for b in buckets if b["end"] <= 64]
+            far = [b for b in buckets if b["start"] >= 64]
+
+            def mean(group: list[dict]) -> str:
+                n = sum(b["count"] for b in group)
+                return f"{sum(b['accuracy'] * b['count'] for b in group) / n:.1%}" if n else "-"
+
+            print(f"| {name} | {row['length']} | {row['steps']} | {row['seconds'] / 60:.1f} | "
+                  f"{row['mqar']['accuracy']:.1%} | {mean(near)} | {mean(far)} | {row['loss_curve'][-1][1]:.3f} |")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    lengths = sorted({row["length"] for rows in summary.values() for row in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for ax, length in zip(axes[0], lengths, strict=True):
+        for name, rows in summary.items():
+            for row in rows:
+                if row["length"] == length:
+                    evaluation.plot_recall(ax, row["mqar"], label=name)
+        ax.set_title(f"MQAR, T = {length}")
+        ax.axvline(64, color="grey", linestyle=":", linewidth=1)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "recall_by_distance.png")
+    plt.close(fig)
+    print(f"wrote {out / 'summary.json'} and {out / 'recall_by_distance.png'}")
+
+
+if __name__ == "__main__":
+    main()
