@@ -130,27 +130,101 @@ def _write_manifest(tmp: Path) -> None:
         _fsync(tmp)
 
 
+@contextlib.contextmanager
+def written_directory(path: Path) -> Iterator[Path]:
+    """A directory written whole or not at all (exports): yields a temporary sibling `path`.tmp/ (a leftover one is
+    removed first) to write into; then every file takes its mode from the umask, is fsynced and recorded in
+    manifest.json, and the directory replaces `path` in one rename (an older `path` is deleted after it). On an
+    error the temporary directory is removed and `path` is left as it was."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
+        for file in files:
+            os.chmod(file, 0o666 & ~umask)  # safetensors writes 0600
+            _fsync(file)
+        with (tmp / MANIFEST_NAME).open("w") as f:
+            json.dump({"files": file_records(files)}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        _fsync(path.parent)
+        if old.exists():
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 class DamagedCheckpoint(ValueError):
     """A checkpoint file is missing, or its size or checksum differs from the manifest: nothing was loaded."""
+
+
+def _read_manifest(path: Path) -> dict[str, dict]:
+    """The file records of `path`/manifest.json; ValueError when it is unreadable or names a file outside `path`
+    (anything but a plain file name)."""
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text())["files"]
+        names = sorted(manifest)
+        sizes = [int(record["bytes"]) for record in manifest.values()]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{MANIFEST_NAME} is missing or unreadable ({type(e).__name__})") from None
+    outside = [name for name in names if Path(name).name != name or name in (".", "..")]
+    if outside or min(sizes, default=0) < 0:
+        raise ValueError(f"{MANIFEST_NAME} names files outside the directory: {outside[:3]}")
+    return manifest
+
+
+def _damage(path: Path, manifest: dict[str, dict], names: list[str]) -> list[str]:
+    """What differs between the files `names` of `path` and their manifest records: sizes first (from the
+    directory, nothing read), then checksums of the files whose size is right."""
+    problems = [f"{name} is missing" for name in names if not (path / name).is_file()]
+    present = [name for name in names if (path / name).is_file()]
+    sized = []
+    for name in present:
+        size = (path / name).stat().st_size
+        if size != manifest[name]["bytes"]:
+            problems.append(f"{name} has {size} bytes; the manifest says {manifest[name]['bytes']}")
+        else:
+            sized.append(name)
+    for name, found in file_records([path / name for name in sized]).items():
+        if found != manifest[name]:
+            problems.append(f"{name} has CRC-32 {','.join(found['crc32'])[:80]}; the manifest says "
+                            f"{','.join(manifest[name]['crc32'])[:80]}")
+    return problems
+
+
+def verify_files(path: Path) -> None:
+    """Check every file of `path` (an export, or a checkpoint read by one process) against its manifest, in this
+    process alone; DamagedCheckpoint naming the first damaged file."""
+    try:
+        manifest = _read_manifest(path)
+        problems = _damage(path, manifest, sorted(manifest))
+    except ValueError as e:
+        problems = [str(e)]
+    if problems:
+        raise DamagedCheckpoint(f"{path} is damaged: {problems[0]}"
+                                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                                + "; write it again (a run's export: --resume the run, which exports again)")
 
 
 def verify_checkpoint(path: Path) -> None:
     """Check every file of checkpoint `path` against its manifest (collective under a process group: each rank
     checks a share); DamagedCheckpoint names the first damaged file and the next-older checkpoint to use."""
-    problems = []
     try:
-        manifest = json.loads((path / MANIFEST_NAME).read_text())["files"]
-        names = sorted(manifest)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        problems, names = [f"{MANIFEST_NAME} is missing or unreadable ({type(e).__name__})"], []
-    mine = names[rank()::_world()]
-    problems += [f"{name} is missing" for name in mine if not (path / name).is_file()]
-    records = file_records([path / name for name in mine if (path / name).is_file()])
-    for name, found in records.items():
-        if found != manifest[name]:
-            problems.append(f"{name} has {found['bytes']} bytes, CRC-32 {','.join(found['crc32'])[:80]}; the "
-                            f"manifest says {manifest[name]['bytes']} bytes, CRC-32 "
-                            f"{','.join(manifest[name]['crc32'])[:80]}")
+        manifest = _read_manifest(path)
+        problems = _damage(path, manifest, sorted(manifest)[rank()::_world()])
+    except ValueError as e:
+        problems = [str(e)]
     problems = sorted(p for part in _gather(problems) for p in part)
     if problems:
         older = older_checkpoint(path)
@@ -168,12 +242,33 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written; the message names the cause and the last complete checkpoint."""
+
+
+LOW_DISK = 64 * 2**20  # free bytes under which a failed write is reported as a full disk
+
+
 def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
                     train_state: dict) -> Path:
-    """Write `out_dir/step-{step}` (collective: every rank calls it) and return its path.
+    """Write `out_dir/step-{step}` (collective: every rank calls it) and return its path. SaveFailed names the cause
+    (a full disk, a read-only directory) and the last complete checkpoint; the partial step-N.tmp is removed.
 
     `train_state` must be JSON-serialisable and identical on every rank (rank 0 writes it).
     """
+    try:
+        return _save(out_dir, step, model, optimizer, train_state)
+    except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports a short write as "unexpected pos"
+        shutil.rmtree(out_dir / f"step-{step}.tmp", ignore_errors=True)
+        full = shutil.disk_usage(out_dir).free < LOW_DISK if out_dir.is_dir() else False
+        cause = "No space left on device" if full else getattr(e, "strerror", None) or f"{type(e).__name__}: {e}"
+        last = latest_checkpoint(out_dir)
+        raise SaveFailed(f"could not save step-{step}: {cause} at {out_dir}; the last complete checkpoint is "
+                         f"{last.name if last else 'none'}") from e
+
+
+def _save(out_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
+          train_state: dict) -> Path:
     final = out_dir / f"step-{step}"
     tmp = out_dir / f"step-{step}.tmp"
     if rank() == 0 and tmp.exists():
@@ -303,7 +398,13 @@ def load_checkpoint(path: Path, model: Transformer, optimizer: torch.optim.Optim
     set_optimizer_state_dict(model, optimizer, state["optim"])
     rng_file = path / f"rng_rank{rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than were saved: those keep their seeded state
-        rng = torch.load(rng_file, weights_only=True)
+        try:
+            rng = safe_load(rng_file, rng_file.name)
+        except UnsafeCheckpoint as e:
+            raise UnsafeCheckpoint(f"checkpoint {path} is not safe to load: {e}; nothing was run. Do not resume "
+                                   "from it") from None
+        if not isinstance(rng, dict) or not all(isinstance(v, torch.Tensor) for v in rng.values()):
+            raise DamagedCheckpoint(f"{rng_file} does not hold RNG states")
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
@@ -311,12 +412,11 @@ def load_checkpoint(path: Path, model: Transformer, optimizer: torch.optim.Optim
 
 
 def load_model_weights(path: Path, model: Transformer) -> None:
-    """Load only the model weights of checkpoint `path` into `model` (built with the checkpoint's ModelConfig);
-    the optimizer state is not read. Collective under a process group, like `load_checkpoint`; the files are
-    verified against the manifest first."""
-    verify_checkpoint(path)
+    """Load only the model weights of checkpoint `path` into the plain `model` (built with the checkpoint's
+    ModelConfig), in this process alone (under FSDP rank 0 reads, then broadcasts); the optimizer state is not read.
+    The caller verifies the files first (`verify_files`)."""
     state = {"model": get_model_state_dict(model)}
-    _read(path, state)
+    _read(path, state, alone=True)
     set_model_state_dict(model, state["model"])
 
 
@@ -329,7 +429,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> object:
         if (module, name) not in SAFE_GLOBALS:
-            raise UnsafeCheckpoint(f"{module}.{name}")
+            raise UnsafeCheckpoint(f"its .metadata asks to build {module}.{name}, outside the allow-list")
         return super().find_class(module, name)
 
 
@@ -352,6 +452,10 @@ class SafeReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as file:
             metadata = _MetadataUnpickler(file).load()
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            where = str(getattr(info, "relative_path", ""))
+            if Path(where).name != where or where in ("", ".", ".."):
+                raise UnsafeCheckpoint(f"its .metadata points a tensor at {where!r}, outside the checkpoint")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -363,27 +467,43 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     torch.load(weights_only=True) instead of weights_only=False."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        loaded = safe_load(value, f"its entry {read_item.dest_index.fqn}")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def _read(path: Path, state: dict) -> None:
+def safe_load(file: io.BytesIO | Path, what: str) -> object:
+    """torch.load(weights_only=True) of `file`; UnsafeCheckpoint (naming `what`) when it holds anything else."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UnsafeCheckpoint(f"{what} holds an object that is not plain tensors and numbers (refused before it "
+                               "was built)") from None
+
+
+def _read(path: Path, state: dict, alone: bool = False) -> None:
     """dcp.load of the entries of `state` from checkpoint `path`, in place, through `SafeReader` and
-    `SafeLoadPlanner` (no code in the checkpoint runs), with a clear error when unreadable or unsafe."""
+    `SafeLoadPlanner` (no code in the checkpoint runs), with a clear error when unreadable or unsafe. `alone`: this
+    process reads by itself (no collective), also under a process group."""
     reader = SafeReader(path)
     try:
         reader.read_metadata()  # refused here, with its own error, before DCP would wrap it per rank
     except UnsafeCheckpoint as e:
-        raise UnsafeCheckpoint(f"checkpoint {path} is not safe to load: its .metadata asks to build {e}, outside "
-                               "the allow-list; nothing was run. Do not resume from it") from None
+        raise UnsafeCheckpoint(f"checkpoint {path} is not safe to load: {e}; nothing was run. Do not resume from "
+                               "it") from None
     except Exception:
         pass  # unreadable: dcp.load below reports it like any other damage
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                     no_dist=alone or not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps per-rank errors
+        unsafe = [failure[0] for failure in getattr(e, "failures", {}).values() if isinstance(failure[0],
+                                                                                              UnsafeCheckpoint)]
+        if isinstance(e, UnsafeCheckpoint) or unsafe:
+            raise UnsafeCheckpoint(f"checkpoint {path} is not safe to load: {(unsafe or [e])[0]}; nothing was run. "
+                                   "Do not resume from it") from None
         raise ValueError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); delete it, or resume "
                          "from an earlier step-N with --resume PATH") from e

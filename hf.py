@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from checkpoint import written_directory
 from config import YARN_OPTIONAL_KEYS, ComputeConfig, ModelConfig, check_fields
 from model import Transformer
 
@@ -301,6 +300,17 @@ def _check_keys(found: dict[str, tuple[Path, tuple[int, ...]]], model: Transform
                          f"{unexpected[:10]}, shape mismatches {mismatched[:10]}")
 
 
+def check_hf_checkpoint(path: str | Path, **config_overrides: object) -> ModelConfig:
+    """The architecture of Hugging Face directory `path`, after checking every tensor name and shape in the
+    safetensors headers against it (ValueError otherwise); no tensor data is read, nothing is allocated."""
+    path = Path(path)
+    config = config_from_hf(read_hf_config(path), **config_overrides)
+    _check_tokenizer_vocab(path, config.vocab_size)
+    with torch.device("meta"):
+        _check_keys(_read_headers(path, _checkpoint_files(path)), Transformer(config), path)
+    return config
+
+
 def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                        compute: ComputeConfig | None = None, **config_overrides: object) -> Transformer:
     """Build a Transformer from the Hugging Face checkpoint directory `path` (Qwen3 or Llama).
@@ -312,12 +322,8 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dty
     Every tensor name and shape is checked against the config before any tensor data is read.
     """
     path = Path(path)
-    config = config_from_hf(read_hf_config(path), **config_overrides)
-    _check_tokenizer_vocab(path, config.vocab_size)
+    config = check_hf_checkpoint(path, **config_overrides)
     found = _read_headers(path, _checkpoint_files(path))
-    with torch.device("meta"):
-        model = Transformer(config, compute)
-    _check_keys(found, model, path)
 
     state: dict[str, Tensor] = {}
     for file in sorted({file for file, _ in found.values()}):
@@ -366,8 +372,9 @@ def export_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: 
     transformers' `AutoModelForCausalLM.from_pretrained`): config.json plus model.safetensors, or shards of at most
     `max_shard_bytes` named model-0000i-of-0000n.safetensors with model.safetensors.index.json.
 
-    Everything is written to a temporary sibling directory first and renamed into place, so `path` never holds a
-    half-written checkpoint. An existing non-empty `path` is an error unless `overwrite`. Tokenizer files are not
+    Everything is written to a temporary sibling directory first, with a manifest.json of sizes and checksums, and
+    renamed into place (checkpoint.written_directory), so `path` never holds a half-written checkpoint. An existing
+    non-empty `path` is an error unless `overwrite`. Tokenizer files are not
     written: copy them from the source checkpoint.
     """
     path = Path(path)
@@ -381,10 +388,7 @@ def export_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: 
     names = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                     for i in range(len(shards))]
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    with written_directory(path) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
         for file_name, shard in zip(names, shards, strict=True):
             tensors = {name: state[name].to("cpu").contiguous() for name in shard}
@@ -394,16 +398,3 @@ def export_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: 
             total_size = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-            path.rename(old)
-            tmp.rename(path)
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

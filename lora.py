@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from checkpoint import rank
+from checkpoint import MANIFEST_NAME, rank, verify_files, written_directory
 from hf import hf_name, our_name
 from model import Transformer
 
@@ -112,16 +112,14 @@ def save_adapter(model: nn.Module, path: str | Path, base: str | None = None) ->
         raise ValueError("the model has no LoRA adapters to save")
     any_layer = next(iter(layers.values()))
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tensors = {_PEFT_PREFIX + hf_name(name): t.contiguous() for name, t in state.items() if ".lora_" in name}
-    tmp = path / (ADAPTER_WEIGHTS + ".tmp")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    tmp.replace(path / ADAPTER_WEIGHTS)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": any_layer.rank,
               "lora_alpha": any_layer.scale * any_layer.rank, "lora_dropout": 0.0, "bias": "none",
               "target_modules": sorted({name.rsplit(".", 1)[1] for name in layers}), "fan_in_fan_out": False,
               "base_model_name_or_path": base, "inference_mode": True}
-    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    with written_directory(path) as tmp:  # whole or not at all, with a manifest.json
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return path
 
 
@@ -134,6 +132,8 @@ def load_adapter(model: nn.Module, path: str | Path) -> None:
         if not f.is_file():
             raise FileNotFoundError(f"{f} does not exist: --adapter takes a directory written by a LoRA run "
                                     "(OUT_DIR/adapter) or by peft")
+    if (path / MANIFEST_NAME).is_file():  # written by this project: checked; peft's own directories have none
+        verify_files(path)
     config, layers = json.loads(config_file.read_text()), lora_layers(model)
     any_layer = next(iter(layers.values()), None)
     if any_layer is None or config.get("r") != any_layer.rank or config.get("lora_alpha") != any_layer.scale * \

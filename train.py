@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import random
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,8 +41,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from checkpoint import (
+    SaveFailed,
     checkpoint_to_resume,
-    latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
     read_train_state,
@@ -73,6 +74,7 @@ from monitor import (
 )
 from nsa.convert import FRESH, nsa_state_from_dense
 from parallel import apply_fsdp, init_sharded_weights
+from rundir import RunLock, check_run_directory, exit_with_launcher, start_timeline
 from synthetic import SyntheticMix
 from tokenizer import Tokenizer, check_vocab, load_tokenizer
 from train_config import (
@@ -85,7 +87,9 @@ from train_config import (
     parse_config,
     resolve_config,
 )
-from weights import load_initial_weights, stored_config
+from weights import load_initial_weights, stored_config, weights_fingerprint
+
+FINISHED_NAME = "finished.json"  # written once a run's end (export, sample) is done
 
 # ---- runtime: devices, processes, data, model ----------------------------------------------------------------
 
@@ -110,6 +114,7 @@ def init_runtime() -> Runtime:
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = init_device_mesh(device.type, (world_size,))
+    exit_with_launcher()  # a worker whose torchrun dies stops (saving first) instead of training on
     return Runtime(rank, world_size, device, mesh)
 
 
@@ -170,23 +175,6 @@ def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainCon
         apply_fsdp(model, rt.mesh, param_dtype=param_dtype, reduce_dtype=torch.float32, sum_gradients=True)
         init_sharded_weights(model, rt.device, cfg.seed)
     return model
-
-
-def check_run_directory(out_dir: Path, resume: str | None) -> None:
-    """FileExistsError (one line, naming what to pass) unless starting or resuming into `out_dir` leaves every other
-    run's files alone: a fresh run needs a directory without a run (config.json, metrics.jsonl or step-N), and a
-    checkpoint resumed from another directory may not be continued in one that holds a run."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out_dir {out_dir} is a file; pass a directory")
-    holds_run = any((out_dir / name).exists() for name in ("config.json", "metrics.jsonl")) or latest_checkpoint(
-        out_dir) is not None
-    if resume is None and holds_run:
-        what = latest_checkpoint(out_dir).name if latest_checkpoint(out_dir) else "a run without a checkpoint"
-        raise FileExistsError(f"{out_dir} already holds a run ({what}); pass --resume to continue it (from scratch "
-                              "when it has no checkpoint), or choose another --out_dir")
-    if resume not in (None, "auto") and holds_run and Path(resume).resolve().parent != out_dir.resolve():
-        raise FileExistsError(f"{out_dir} holds another run: continuing {resume} there would rewrite its files; "
-                              "choose an empty --out_dir")
 
 
 def apply_optimizer_options(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: TrainConfig,
@@ -253,6 +241,7 @@ class Run:
     resume_from: Path | None
     task_state: dict
     val_windows: list[Tensor] | None
+    base: dict | None = None  # a frozen base: {"path", "checksum"} of --init_from (checkpoints hold no base)
     step: int = 0
     bad_steps: int = 0
 
@@ -276,7 +265,7 @@ class Run:
         train_state = {"step": self.step, "bad_steps": self.bad_steps, "scheduler": self.scheduler.state_dict(),
                        "loader": self.loader.state_dict(), "config": dataclasses.asdict(self.cfg),
                        "model_config": self.model.config.to_dict(), "compute": self.model.compute.to_dict(),
-                       "world_size": self.rt.world_size, **self.task_state}
+                       "world_size": self.rt.world_size, "base": self.base, **self.task_state}
         path = save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, train_state)
         prune_checkpoints(self.out_dir, self.cfg.keep_checkpoints, self.resume_from)
         return path
@@ -319,10 +308,45 @@ class NothingToTrain(Exception):
         self.step = step
 
 
+def resolve_run(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
+    """The options resolved for this device (resolve_config), and the run directory: --out_dir, or its default,
+    decided by rank 0 (the other ranks could see its directory appear)."""
+    say = print if rt.rank == 0 else (lambda message: None)
+    cfg = resolve_config(cfg, rt.device, say)
+    if cfg.out_dir == "auto":
+        out_dir = [str(default_out_dir(cfg, say)) if rt.rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(out_dir, src=0)
+        cfg = dataclasses.replace(cfg, out_dir=out_dir[0])
+    return cfg
+
+
+@contextlib.contextmanager
+def run_directory_lock(out_dir: Path, rt: Runtime) -> Iterator[None]:
+    """Rank 0 holds the run directory's lock (rundir.RunLock) inside the block; every rank raises the same one-line
+    error when another run holds it."""
+    lock = RunLock(out_dir)
+    outcome: list = [None]
+    if rt.rank == 0:
+        try:
+            if note := lock.acquire():
+                print(note)
+        except OSError as e:
+            outcome = [e]
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     """Everything a run needs, in this order (NothingToTrain when the checkpoint to resume has reached --max_steps):
-    1. the options resolved for this device, the fine-tuning mode checked, the run directory checked (before
-       anything is written or allocated);
+    1. (resolved options, the run directory locked: `resolve_run`, `run_directory_lock`) the fine-tuning mode
+       checked, the run directory checked (before anything is written or allocated);
     2. tokenizer and data: the vocabulary sizes the model;
     3. the architecture (preset or --init_from) and the checkpoint to resume, verified before anything is built;
     4. the model, built and prepared by the mode (adapters exist before FSDP shards them), and the optimizer over
@@ -331,13 +355,6 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     6. the mode's own initialisation (adapters from the seed or --adapter; quantization last: it replaces the
        base weights that step 5 filled), before
     7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position."""
-    say = print if rt.rank == 0 else (lambda message: None)
-    cfg = resolve_config(cfg, rt.device, say)
-    if cfg.out_dir == "auto":  # rank 0 decides: the other ranks could see its directory appear
-        out_dir = [str(default_out_dir(cfg, say)) if rt.rank == 0 else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(out_dir, src=0)
-        cfg = dataclasses.replace(cfg, out_dir=out_dir[0])
     mode = finetune_mode(cfg)
     mode.check(rt.world_size)
     check_run_directory(Path(cfg.out_dir), cfg.resume)
@@ -359,10 +376,15 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size, stored)
     resume_from = checkpoint_to_resume(Path(cfg.out_dir), cfg.resume)
     if resume_from and (done := read_train_state(resume_from)["step"]) >= cfg.max_steps:
+        if done > cfg.max_steps or finished_step(Path(cfg.out_dir)) == done:
+            if rt.rank == 0:
+                print(f"{resume_from} is step {done} of a run that has finished (--max_steps {cfg.max_steps}): "
+                      "nothing to train; pass a larger --max_steps to continue it")
+            raise NothingToTrain(done)
         if rt.rank == 0:
-            print(f"{resume_from} is step {done} of a run that has finished (--max_steps {cfg.max_steps}): nothing "
-                  "to train; pass a larger --max_steps to continue it")
-        raise NothingToTrain(done)
+            print(f"{resume_from} is the last step, but the run's end (its export) did not complete: doing it again")
+    if resume_from and rt.rank == 0 and (aside := start_timeline(Path(cfg.out_dir), resume_from)):
+        print(f"resuming {resume_from.name}: its newer checkpoints, another timeline, moved to {aside}")
     prune_checkpoints(Path(cfg.out_dir), cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
 
     model = task.build(model_config, compute, cfg, rt)
@@ -378,6 +400,8 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
               torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
               else contextlib.nullcontext(), resume_from, {}, None)
+    if mode.frozen_base and cfg.init_from:
+        run.base = {"path": str(Path(cfg.init_from).resolve()), "checksum": weights_fingerprint(cfg.init_from)}
     changed = resume(run) if resume_from else {}
 
     if rt.device.type == "cuda" and cfg.max_memory:
@@ -395,6 +419,11 @@ def resume(run: Run) -> dict:
     """Load the checkpoint `run.resume_from` into the run (collective); returns the options that changed since it
     was saved ({option: [checkpoint value, new value]}), which take effect (`apply_optimizer_options`)."""
     state = load_checkpoint(run.resume_from, run.model, run.optimizer)
+    if run.mode.frozen_base and state.get("base") != run.base:
+        def name(base: dict | None) -> str:
+            return "a random base (no --init_from)" if not base else f"{base['path']} (checksum {base['checksum']})"
+        raise ValueError(f"{run.resume_from} adapts {name(state.get('base'))}, but this run's base is "
+                         f"{name(run.base)}: resume with the --init_from it was trained on")
     run.step, run.bad_steps = state["step"], state["bad_steps"]
     run.scheduler.load_state_dict(state["scheduler"])
     run.loader.load_state_dict(state["loader"])
@@ -513,10 +542,18 @@ def observe(run: Run, step_metrics: dict, dt: float, previous: dict, leaks: Leak
 
 def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
     """Run (or resume) training as configured; returns the last step's metrics."""
-    try:
-        run = prepare_run(cfg, rt, task or Task())
-    except NothingToTrain as finished:
-        return {"step": finished.step}
+    cfg = resolve_run(cfg, rt)
+    with run_directory_lock(Path(cfg.out_dir), rt):
+        try:
+            run = prepare_run(cfg, rt, task or Task())
+        except NothingToTrain as finished:
+            return {"step": finished.step}
+        return loop(run)
+
+
+def loop(run: Run) -> dict:
+    """The training loop of a prepared run, to --max_steps or a stop signal; returns the last step's metrics."""
+    rt = run.rt
     cfg, main_rank, A = run.cfg, rt.rank == 0, run.cfg.gradient_accumulation_steps
     bar = tqdm(total=cfg.max_steps, initial=run.step, desc="training", unit="step", disable=not main_rank or None,
                dynamic_ncols=True)
@@ -553,7 +590,17 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
         heartbeat.remove()
     if not stop:
         run.task.finish(run)
+        if main_rank:  # the end is done: a later --resume has nothing left to do
+            (run.out_dir / FINISHED_NAME).write_text(json.dumps({"step": run.step}) + "\n")
     return metrics
+
+
+def finished_step(out_dir: Path) -> int | None:
+    """The step whose end (export, sample) a run in `out_dir` completed, or None."""
+    try:
+        return json.loads((out_dir / FINISHED_NAME).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def generate_sample(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, device: torch.device,
@@ -586,7 +633,7 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (MemoryBudgetExceeded, TooManyBadSteps) as e:  # a checkpoint is saved where possible: one line
+    except (MemoryBudgetExceeded, TooManyBadSteps, SaveFailed) as e:  # saved where possible: one line
         exit_with_error(f"stopped: {e}", code=1)
     except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as e:
         if "--verbose" in sys.argv:  # a bad input, or a damaged / unsafe checkpoint: one line

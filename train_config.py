@@ -347,7 +347,7 @@ def default_out_dir(cfg: TrainConfig, log: typing.Callable[[str], None] = print)
     series = (Path("runs") / (name if i == 1 else f"{name}-{i}") for i in itertools.count(1))
     taken: list[Path] = []
     for candidate in series:
-        if not (candidate.is_dir() and any(candidate.iterdir())):
+        if not (candidate.is_dir() and any(p.name != ".lock" for p in candidate.iterdir())):
             break
         taken.append(candidate)
     if cfg.resume:

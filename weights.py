@@ -17,6 +17,7 @@ choice, so a long-context model exported with a tiled FFN loads with any compute
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +29,17 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from checkpoint import STATE_NAME, load_model_weights, rank
+from checkpoint import (
+    MANIFEST_NAME,
+    STATE_NAME,
+    file_records,
+    load_model_weights,
+    rank,
+    verify_files,
+    written_directory,
+)
 from config import ComputeConfig, ModelConfig
-from hf import CONFIG_NAME, config_from_hf, export_hf_checkpoint, export_refusal, load_hf_checkpoint, read_hf_config
+from hf import CONFIG_NAME, check_hf_checkpoint, export_hf_checkpoint, export_refusal, load_hf_checkpoint
 from model import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
@@ -58,25 +67,21 @@ def base_parameter_names(config: ModelConfig) -> set[str]:
 def export_model(model: Transformer, out_dir: str | Path, base_only: bool = False) -> list[Path]:
     """Write the final weights of `model` (collective under FSDP: every rank calls it): `out_dir/model/`
     (model.safetensors + config.json, the project's layout, any attention type) and `out_dir/hf/` (the Hugging Face
-    layout) when the architecture has an equivalent there (`hf.export_refusal`). Each file is written to a
-    temporary name and renamed. Returns the directories written on rank 0, [] elsewhere. `base_only`: see
-    `gather_model`."""
+    layout) when the architecture has an equivalent there (`hf.export_refusal`). Each directory is written whole
+    or not at all, with a manifest.json that `load_model` checks (checkpoint.written_directory). Returns the
+    directories written on rank 0, [] elsewhere. `base_only`: see `gather_model`."""
     plain = gather_model(model, base_only)
     if plain is None:
         return []
     out_dir = Path(out_dir)
-    (out_dir / "model").mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in plain.state_dict().items()}
     if plain.config.tie_embeddings:
         del state["lm_head.weight"]  # safetensors refuses shared storage; it is embed_tokens.weight
-    weights, config_file = out_dir / "model" / WEIGHTS_NAME, out_dir / "model" / CONFIG_NAME
-    tmp = weights.with_name(weights.name + ".tmp")
-    save_file(state, tmp, metadata={"format": "pt", "model_config": json.dumps(plain.config.to_dict())})
-    tmp.replace(weights)
-    described = {"format": FORMAT, "model": plain.config.to_dict(), "compute": plain.compute.to_dict()}
-    tmp = config_file.with_name(config_file.name + ".tmp")
-    tmp.write_text(json.dumps(described, indent=1) + "\n")
-    tmp.replace(config_file)
+    with written_directory(out_dir / "model") as tmp:
+        save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt",
+                                                       "model_config": json.dumps(plain.config.to_dict())})
+        described = {"format": FORMAT, "model": plain.config.to_dict(), "compute": plain.compute.to_dict()}
+        (tmp / CONFIG_NAME).write_text(json.dumps(described, indent=1) + "\n")
     written = [out_dir / "model"]
     if export_refusal(plain.config) is None:
         export_hf_checkpoint(plain, out_dir / "hf", overwrite=True)
@@ -123,6 +128,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
         raise ValueError(f"device {device!r}: this machine has no CUDA device; use \"cpu\"")
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
+    verify(path)  # before anything is read or built
     if _is_training_checkpoint(path):
         state = json.loads((path / STATE_NAME).read_text())
         model = Transformer.from_weights(ModelConfig.from_dict(state["model_config"]), None, compute, device)
@@ -147,20 +153,58 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
                      f"Hugging Face directory ({CONFIG_NAME} with \"model_type\" + *.safetensors){hint}")
 
 
+def verify(path: Path) -> None:
+    """Check the files of what `path` holds against its manifest.json (checkpoint.verify_files): every training
+    checkpoint and every export this project writes has one; a Hugging Face directory from elsewhere has none and is
+    read as it is."""
+    home = path.parent if path.suffix == ".safetensors" else path
+    if _is_training_checkpoint(home) or (home / MANIFEST_NAME).is_file():
+        verify_files(home)
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """A checksum of the weight files stored at `path` (any layout `load_model` reads): SHA-256 over their names,
+    sizes and block CRC-32s (checkpoint.file_records), 16 hex digits. Tells whether two runs adapt the same base."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".distcp"))
+    records = file_records(files)
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def stored_config(path: str | Path) -> ModelConfig:
-    """The architecture stored at `path` (any layout `load_model` reads), read without touching the weights."""
+    """The architecture stored at `path` (any layout `load_model` reads), checked before anything is built: the
+    files against their manifest (when the project wrote them), and the tensor names and shapes in the file headers
+    against the architecture (no tensor data is read)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
+    verify(path)
     if _is_training_checkpoint(path):
         return ModelConfig.from_dict(json.loads((path / STATE_NAME).read_text())["model_config"])
     config = _export_config(path)
     if config is not None:
-        return ModelConfig.from_dict(config)
+        config = ModelConfig.from_dict(config)
+        _check_export_shapes(path if path.suffix == ".safetensors" else path / WEIGHTS_NAME, config)
+        return config
     if path.is_dir() and "model_type" in _json_object(path / CONFIG_NAME):
-        return config_from_hf(read_hf_config(path))
+        return check_hf_checkpoint(path)
     load_model(path)  # raises the error that names every layout
     raise AssertionError("unreachable")
+
+
+def _check_export_shapes(weights: Path, config: ModelConfig) -> None:
+    """ValueError unless the tensors in the header of export `weights` are those of `config` (a tied output weight
+    omitted), with their shapes; no tensor data is read."""
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in Transformer(config).state_dict().items()}
+    if config.tie_embeddings:
+        del expected["lm_head.weight"]
+    with safe_open(weights, framework="pt") as f:
+        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    if found != expected:
+        wrong = sorted(set(found) ^ set(expected)) + [n for n in sorted(set(found) & set(expected))
+                                                      if found[n] != expected[n]]
+        raise ValueError(f"{weights} does not match its config: {wrong[:10]} differ (names or shapes)")
 
 
 def load_initial_weights(model: Transformer, path: str | Path,

@@ -76,7 +76,7 @@ def test_a_damaged_checkpoint_names_the_file_and_resume_falls_back(data_dir: Pat
         shutil.rmtree(victim)
     weights = next(step2.glob("*.distcp"))
     flip_bit(weights, weights.stat().st_size // 2)
-    with pytest.raises(DamagedCheckpoint, match=rf"step-2 is damaged: {weights.name} has \d+ bytes, CRC-32 \w+; the "
+    with pytest.raises(DamagedCheckpoint, match=rf"step-2 is damaged: {weights.name} has CRC-32 \w+; the "
                                                rf"manifest says .*--resume {tmp_path / 'run' / 'step-1'}"):
         verify_checkpoint(step2)
     with pytest.raises(DamagedCheckpoint, match="step-2 is damaged"):

@@ -1,0 +1,122 @@
+"""One run per directory: what a run directory holds, the lock a run keeps on it, the timeline a resume continues,
+and workers that do not outlive their launcher.
+
+- `RunLock`: rank 0 holds an advisory lock (flock) on OUT_DIR/.lock for the life of the run; the file names the
+  holder (host, pid, start time). A second run on the directory is refused with one line naming the holder. A lock
+  file whose process has died holds no lock (the kernel drops it with the process): it is taken over, with a line.
+- `check_run_directory`: a fresh run needs a directory without a run; a checkpoint from elsewhere is never continued
+  into a directory that holds another run.
+- `start_timeline`: resuming a checkpoint older than the newest moves the newer ones aside (OUT_DIR/abandoned-<time>/)
+  so that a later plain --resume continues this timeline and pruning never takes them for its own.
+- `exit_with_launcher`: under torchrun a worker gets SIGTERM when its launcher dies (Linux), so `kill -9` of the
+  launcher leaves nothing training: the worker finishes its step, saves and exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+from checkpoint import checkpoints, latest_checkpoint
+
+LOCK_NAME = ".lock"
+RUN_FILES = ("config.json", "metrics.jsonl")  # with step-N/, what makes a directory hold a run
+
+
+class RunLock:
+    """The advisory lock of a run directory, held from `acquire` until the process exits (or `release`)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a note when a dead run's lock file was taken over. FileExistsError (one line,
+        naming the holder) when another live process holds it; PermissionError when the directory is read-only."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise PermissionError(f"cannot write in {self.path.parent} ({e.strerror}); choose another --out_dir") \
+                from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise FileExistsError(f"{self.path.parent} is in use by a running training run ({holder}); wait for "
+                                      "it to end, stop it, or choose another --out_dir") from None
+            raise
+        previous = os.read(fd, 4096).decode(errors="replace").strip()
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "started": datetime.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self.fd = fd
+        return f"took over the lock of a run that is no longer running ({previous})" if previous else None
+
+    def release(self) -> None:
+        """Remove the lock file (a run that ended leaves none) and drop the lock."""
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
+def holds_run(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a run: its config.json, metrics.jsonl or a step-N checkpoint."""
+    return any((out_dir / name).exists() for name in RUN_FILES) or latest_checkpoint(out_dir) is not None
+
+
+def check_run_directory(out_dir: Path, resume: str | None) -> None:
+    """FileExistsError (one line, naming what to pass) unless starting or resuming into `out_dir` leaves every other
+    run's files alone: a fresh run needs a directory without a run (config.json, metrics.jsonl or step-N), and a
+    checkpoint resumed from another directory may not be continued in one that holds a run."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out_dir {out_dir} is a file; pass a directory")
+    if resume is None and holds_run(out_dir):
+        what = latest_checkpoint(out_dir).name if latest_checkpoint(out_dir) else "a run without a checkpoint"
+        raise FileExistsError(f"{out_dir} already holds a run ({what}); pass --resume to continue it (from scratch "
+                              "when it has no checkpoint), or choose another --out_dir")
+    if resume not in (None, "auto") and holds_run(out_dir) and Path(resume).resolve().parent != out_dir.resolve():
+        raise FileExistsError(f"{out_dir} holds another run: continuing {resume} there would rewrite its files; "
+                              "choose an empty --out_dir")
+
+
+def start_timeline(out_dir: Path, resume_from: Path) -> Path | None:
+    """Rank 0, resuming `resume_from` inside `out_dir`: move the checkpoints newer than it into
+    out_dir/abandoned-<time>/ (the timeline this resume leaves); returns that directory, or None when none is newer."""
+    if resume_from.resolve().parent != out_dir.resolve():
+        return None
+    step = int(resume_from.name.split("-")[1])
+    newer = [p for p in checkpoints(out_dir) if int(p.name.split("-")[1]) > step]
+    if not newer:
+        return None
+    aside = out_dir / f"abandoned-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for path in newer:
+        path.rename(aside / path.name)
+    return aside
+
+
+def exit_with_launcher() -> None:
+    """Under torchrun (Linux): have the kernel send this worker SIGTERM when its launcher dies, so that a killed
+    launcher leaves no worker training (train.py's SIGTERM handler saves and exits)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not hasattr(os, "getppid"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return  # not glibc Linux: the launcher must be stopped with a signal it forwards
+    parent = os.getppid()
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
