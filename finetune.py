@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from lora import apply_lora, init_lora, load_adapter, merge_lora_, save_adapter
+from lora import ADAPTER_CONFIG, TARGETS, apply_lora, init_lora, load_adapter, merge_lora_, save_adapter
 from model import Transformer
 from npt.adapters import ADAPTERS_NAME, load_adapters, save_adapters
 from npt.convert import convert
@@ -98,6 +99,8 @@ class LoRA:
     def __init__(self, cfg: TrainConfig) -> None:
         self.rank, self.alpha, self.targets = cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(","))
         self.quantize, self.merge, self.adapter, self.base = cfg.quantize_base, cfg.merge, cfg.adapter, cfg.init_from
+        if self.adapter and (Path(self.adapter) / ADAPTER_CONFIG).is_file():  # the adapters' own geometry
+            self.rank, self.alpha, self.targets = adapter_geometry(Path(self.adapter), cfg)
         if self.quantize and self.merge:
             raise ValueError("--merge folds the adapters into the base, which --quantize_base keeps quantized: "
                              "merge with a float base (--adapter DIR --merge, without --quantize_base)")
@@ -122,6 +125,28 @@ class LoRA:
             merge_lora_(model)
             written += export_model(model, out_dir, base_only=True)
         return [p for p in written if p is not None]
+
+
+def adapter_geometry(path: Path, cfg: TrainConfig) -> tuple[int, float, tuple[str, ...]]:
+    """(rank, alpha, targets) of the peft adapter directory `path`; ValueError when --lora_rank, --lora_alpha or
+    --lora_targets was given with another value."""
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    short = {module.rsplit(".", 1)[1]: name for name, module in TARGETS.items()}  # q_proj -> q
+    try:
+        found = (int(config["r"]), float(config["lora_alpha"]),
+                 tuple(sorted(short[m] for m in config["target_modules"])))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path / ADAPTER_CONFIG} does not describe LoRA adapters this model has ({e!r})") from None
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    given = {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_targets": cfg.lora_targets}
+    stored = {"lora_rank": found[0], "lora_alpha": found[1], "lora_targets": ",".join(found[2])}
+    for name, value in given.items():
+        same = sorted(value.split(",")) == sorted(stored[name].split(",")) if name == "lora_targets" else \
+            value == stored[name]
+        if value != defaults[name] and not same:
+            raise ValueError(f"--{name} {value} differs from the adapters in {path} ({stored[name]}); leave it out "
+                             "to take theirs")
+    return found
 
 
 class NPT:

@@ -119,7 +119,15 @@ def init_runtime() -> Runtime:
 
 
 def tokenizer_path(cfg: TrainConfig) -> Path:
-    return Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.data_dir) / "tokenizer.model"
+    """--tokenizer; else DATA_DIR/tokenizer.model, or the tokenizer the data was prepared with (its index.json)."""
+    if cfg.tokenizer:
+        return Path(cfg.tokenizer)
+    beside, index = Path(cfg.data_dir) / "tokenizer.model", Path(cfg.data_dir) / INDEX_NAME
+    if not beside.is_file() and index.is_file():
+        recorded = json.loads(index.read_text()).get("tokenizer", {}).get("path")
+        if recorded and Path(recorded).is_file():
+            return Path(recorded)
+    return beside
 
 
 def resolve_tokenizer(cfg: TrainConfig) -> TrainConfig:
@@ -396,6 +404,9 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
         load_initial_weights(model, cfg.init_from, convert, FRESH if convert else ())
     elif mode.frozen_base and rt.rank == 0:
         print(f"warning: --finetune {cfg.finetune} without --init_from adapts a randomly initialised, frozen base")
+    if cfg.init_from and cfg.warmup_steps > cfg.max_steps and rt.rank == 0:
+        print(f"warning: --warmup_steps {cfg.warmup_steps} is longer than --max_steps {cfg.max_steps}: the learning "
+              f"rate never reaches --lr {cfg.lr}")
     mode.initialise(model, cfg.seed)
     run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
               torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
@@ -548,7 +559,11 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
             run = prepare_run(cfg, rt, task or Task())
         except NothingToTrain as finished:
             return {"step": finished.step}
-        return loop(run)
+        try:
+            return loop(run)
+        finally:
+            if rt.device.type == "cuda" and cfg.max_memory:  # the budget was this run's, not the process's
+                torch.cuda.set_per_process_memory_fraction(1.0, rt.device)
 
 
 def loop(run: Run) -> dict:

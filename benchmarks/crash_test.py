@@ -3,11 +3,19 @@ uninterrupted run's: checkpoints are complete or ignored, resume is exact, and m
 
     python benchmarks/crash_test.py --cycles 20                # single process, then 2 processes (torchrun, gloo)
     python benchmarks/crash_test.py --cycles 5 --procs 1
+    python benchmarks/crash_test.py --scenario launcher --procs 2  # kill -9 of torchrun alone
+    python benchmarks/crash_test.py --scenario twice               # two runs started at once on one directory
 
-Each cycle starts `train.py --resume` (tiny model, a checkpoint every step so that kills often land mid-write),
-waits a random 2-8 s, and kills it and every process below it with SIGKILL (Linux: /proc). The table counts the
-kills that left a `step-N.tmp` behind (a save interrupted mid-write), resumes that failed, and the steps lost
-(trained, then redone after the kill). Exit code 1 when any loss differs or any resume failed.
+Each cycle starts `train.py --resume` (tiny model, a checkpoint every step so that kills often land mid-write) and
+waits a random 2-8 s, then, by scenario:
+- machine: kills it and every process below it with SIGKILL (Linux: /proc), as a machine crash would;
+- launcher: kills only the torchrun launcher with SIGKILL; its workers must stop by themselves (they save first)
+  within 60 s, and any still running then counts as an orphan;
+- twice: starts the same command twice at once; the second must be refused (the directory's lock) while the first
+  trains, then both are killed as in "machine".
+The table counts the kills that left a `step-N.tmp` behind (a save interrupted mid-write), resumes that failed, the
+steps lost (trained, then redone after the kill), orphans, and second runs refused. Exit code 1 when any loss
+differs, any resume failed, a worker outlived its launcher or a second run was not refused.
 """
 
 from __future__ import annotations
@@ -78,24 +86,54 @@ def run_to_end(cmd: list[str]) -> None:
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random.Random, work: Path) -> dict:
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def kill_launcher(proc: subprocess.Popen) -> int:
+    """SIGKILL the launcher alone; returns how many of its workers are still running 60 s later (then killed)."""
+    workers = descendants(proc.pid)[1:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+        time.sleep(0.5)
+    orphans = [p for p in workers if Path(f"/proc/{p}").exists()]
+    for p in orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return len(orphans)
+
+
+def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random.Random, work: Path,
+                 scenario: str = "machine") -> dict:
     reference = work / f"reference-{procs}"
     run_to_end(command(procs, reference, steps, data_dir))
     expected = losses(reference)
-    out_dir = work / f"crashed-{procs}"
-    kills = mid_write = failures = lost = finished_early = 0
+    out_dir = work / f"crashed-{procs}-{scenario}"
+    kills = mid_write = failures = lost = finished_early = orphans = refused = 0
     for _ in range(cycles):
         before = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
-        proc = subprocess.Popen(command(procs, out_dir, steps, data_dir), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        try:
-            proc.wait(timeout=rng.uniform(2, 8))
-            finished_early += 1
-            failures += proc.returncode != 0
-        except subprocess.TimeoutExpired:
-            kill_all(proc.pid)
-            proc.wait()
+        started = [start(command(procs, out_dir, steps, data_dir)) for _ in range(2 if scenario == "twice" else 1)]
+        deadline = time.monotonic() + 60
+        while scenario == "twice" and all(p.poll() is None for p in started) and time.monotonic() < deadline:
+            time.sleep(0.2)  # until one of the two is refused (or, wrongly, both still run a minute later)
+        time.sleep(rng.uniform(2, 8))
+        for proc in started:
+            if proc.poll() is not None:  # ended by itself: finished, or (twice) refused by the lock
+                message = proc.stderr.read()
+                if scenario == "twice" and proc.returncode != 0 and b"is in use by a running training run" in message:
+                    refused += 1  # exit code 2 (torchrun's launcher: 1), the holder named
+                else:
+                    finished_early += 1
+                    failures += proc.returncode != 0
+                continue
+            if scenario == "launcher":
+                orphans += kill_launcher(proc)
+            else:
+                kill_all(proc.pid)
+                proc.wait()
             kills += 1
             mid_write += any(out_dir.glob("step-*.tmp"))
             logged = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
@@ -108,8 +146,9 @@ def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random
     run_to_end(command(procs, out_dir, steps, data_dir))
     got = losses(out_dir)
     differ = [s for s in expected if got.get(s) != expected[s]]
-    return {"processes": procs, "cycles": kills + finished_early, "kills": kills, "kills mid-write": mid_write,
-            "resume failures": failures, "steps lost (redone)": lost, "steps": len(got),
+    return {"scenario": scenario, "processes": procs, "cycles": kills + finished_early, "kills": kills,
+            "kills mid-write": mid_write, "resume failures": failures, "steps lost (redone)": lost,
+            "orphans": orphans, "second runs refused": refused if scenario == "twice" else "-", "steps": len(got),
             "losses bitwise equal": not differ and len(got) == len(expected)}
 
 
@@ -120,16 +159,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="steps of the run (enough to outlast the cycles)")
     parser.add_argument("--data_dir", default="data/stdlib", help="prepared data (created by train.py if missing)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scenario", choices=["machine", "launcher", "twice"], default="machine",
+                        help="what is killed or started: see above (launcher needs --procs 2 or more)")
     args = parser.parse_args()
+    if args.scenario == "launcher" and min(args.procs) < 2:
+        parser.error("--scenario launcher kills torchrun: use --procs 2")
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [crash_cycles(p, args.cycles, args.steps, args.data_dir, rng, Path(tmp)) for p in args.procs]
+        rows = [crash_cycles(p, args.cycles, args.steps, args.data_dir, rng, Path(tmp), args.scenario)
+                for p in args.procs]
     print("| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
     for row in rows:
         print("| " + " | ".join(str(v) for v in row.values()) + " |")
     print(f"\n{time.perf_counter() - t0:.0f} s")
-    if any(not r["losses bitwise equal"] or r["resume failures"] for r in rows):
+    if any(not r["losses bitwise equal"] or r["resume failures"] or r["orphans"]
+           or r["second runs refused"] not in ("-", r["kills"]) for r in rows):
         sys.exit(1)
 
 

@@ -19,6 +19,7 @@ import train
 from config import ModelConfig
 from lora import apply_lora, init_lora, lora_layers, merge_lora_
 from model import Transformer
+from train_config import TrainConfig
 
 
 def test_adapters_start_at_the_base_and_merge_exactly():
@@ -66,6 +67,16 @@ def test_lora_run_trains_and_checkpoints_only_the_adapters(qwen3, tmp_path: Path
                 "--out_dir", str(tmp_path / "c")])
     merged = load_file(tmp_path / "c" / "model" / "model.safetensors")
     assert not any(".lora_" in k for k in merged)
+    # The adapters' own rank, alpha and targets are read from adapter_config.json; a different one given is refused.
+    geometry = ["--lora_rank", "4", "--lora_alpha", "8", "--lora_targets", "q,v,up"]
+    train.main([*run, "--max_steps", "1", *geometry, "--out_dir", str(tmp_path / "d")])
+    tuned = train.main([*run, "--max_steps", "1", "--adapter", str(tmp_path / "d" / "adapter"),
+                        "--out_dir", str(tmp_path / "e")])
+    assert tuned["step"] == 1
+    config = json.loads((tmp_path / "e" / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, ["q_proj", "up_proj", "v_proj"])
+    with pytest.raises(ValueError, match="--lora_rank 8 differs from the adapters in .* \\(4\\); leave it out"):
+        TrainConfig(finetune="lora", lora_rank=8, adapter=str(tmp_path / "d" / "adapter"))
 
 
 def _lora_run(model_dir: str, data_dir: str, out_dir: str, batch: str, results: str | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,75 @@ def test_readme_snippet_runs(index: int, tmp_path: Path):
     proc = subprocess.run([sys.executable, "-c", SNIPPETS[index]], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"snippet {index}:\n{SNIPPETS[index]}\n{proc.stderr[-3000:]}"
+
+
+# ---- every command of the README, in order, in a fresh clone ---------------------------------------------------------
+
+SKIPPED = {  # what a CPU test cannot run, and why
+    "~/models": "needs downloaded weights",
+    "gpu_check.py": "needs a GPU",
+    "pip ": "installs",
+    "python3 -m venv": "installs",
+    "pytest": "the test suite itself",
+    "benchmarks/": "a benchmark (minutes; its --help is tested)",
+}
+SCALED = {"--context_length 131072": "--context_length 256", "--context_length 32768": "--context_length 256",
+          "--model_size 4B": "--model_size tiny", "~/corpus": "CORPUS"}  # CPU-test scale; CORPUS: a stdlib package
+
+
+def readme_commands() -> list[str]:
+    """The shell commands of README.md's bash blocks, in order, continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    return commands
+
+
+def scaled(command: str) -> list[str]:
+    """`command` as the test runs it: at CPU-test scale, a few steps, small evaluations."""
+    import shlex
+    import sysconfig
+
+    for old, new in SCALED.items():
+        command = command.replace(old, new)
+    args = [a.replace("CORPUS", str(Path(sysconfig.get_paths()["stdlib"]) / "json")) for a in shlex.split(command)]
+    args = [sys.executable if a == "python" else a for a in args]
+    if args[0] == "torchrun":
+        args = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
+    script = next((a for a in args if a.endswith(".py")), "")
+    if script == "train.py" or "npt.train_equivalence" in args:
+        if "--max_steps" in args:
+            args[args.index("--max_steps") + 1] = "2"
+        args += ["--max_steps", "2"] if "--max_steps" not in args else []
+    if script == "eval.py":
+        args += ["--samples", "2", "--depths", "0.5", "--eval_tokens", "2048"]
+    if script == "profile_memory.py" and "--model_size" not in args:
+        args += ["--model_size", "tiny"]
+    return args
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs_in_sequence_from_a_fresh_clone(tmp_path: Path):
+    """A new user's session: each command of README.md, in order, in a fresh clone (the demo data is prepared by
+    the first train.py, as it would be), none refused for a directory an earlier one used. Runs at CPU-test scale
+    (SCALED; 2 steps per run); what a CPU cannot run is listed in SKIPPED."""
+    clone = tmp_path / "clone"  # the checkout's files as a clone has them: tracked or not ignored, no data, no runs
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, clone / name)
+    env = {**os.environ, "PYTHONPATH": str(clone), "OMP_NUM_THREADS": "1"}
+    ran = []
+    for command in readme_commands():
+        if any(marker in command for marker in SKIPPED) or command.startswith(("for ", "ruff")):
+            continue
+        args = scaled(command)
+        proc = subprocess.run(args, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"{command}\n{' '.join(args)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        ran.append(command)
+    assert len(ran) >= 12 and any("torch.distributed.run" in " ".join(scaled(c)) for c in ran)
