@@ -319,7 +319,8 @@ def plot_recall(ax: object, result: dict, label: str | None = None) -> None:
     """Accuracy by key-query distance (log scale) of one recall result on matplotlib axes `ax`."""
     buckets = result["buckets"]
     ax.plot([b["start"] for b in buckets], [b["accuracy"] for b in buckets], marker="o", label=label)
-    ax.set(xscale="log", xlabel="key-query distance (tokens)", ylabel="answer accuracy", ylim=(-0.02, 1.02))
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="key-query distance (tokens)", ylabel="answer accuracy", ylim=(-0.02, 1.02))
 
 
 # ---- command line -------------------------------------------------------------------------------------------------
@@ -396,33 +397,9 @@ def main(argv: list[str] | None = None) -> dict:
 def evaluate(args: argparse.Namespace) -> dict:
     """eval.py's work for parsed arguments; every input is checked (one-line ValueError / FileNotFoundError) before
     the model is loaded, and eval.json is rewritten after each task."""
-    checkpoint = Path(args.checkpoint)
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
-    if not checkpoint.exists():
-        raise FileNotFoundError(f"{checkpoint} does not exist")
-    run_dir, run = _run_config(checkpoint)
-    data_dir = args.data_dir or run.get("data_dir")
-    tokenizer = load_tokenizer(find_tokenizer(checkpoint, args.tokenizer, run, data_dir))
-    if "loss" in args.tasks and not data_dir:
-        raise ValueError("the loss task needs --data_dir (prepared data with a validation split)")
-    if not 0 <= min(args.depths) <= max(args.depths) <= 1:
-        raise ValueError(f"--depths must lie in [0, 1], got {args.depths}")
-    for name in ("samples", "batch_size", "eval_tokens", "context_length"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if any(n < 2 for n in args.lengths or []):
-        raise ValueError(f"--lengths must be >= 2, got {args.lengths}")
-    stored = stored_config(checkpoint)
-    check_vocab(tokenizer, stored.vocab_size)
-    if args.context_length and args.context_length > stored.context_length:
-        raise ValueError(f"--context_length {args.context_length} exceeds the model's context_length "
-                         f"{stored.context_length}")
-    context = min(args.context_length or run.get("context_length") or 1024, stored.context_length)
+    checkpoint, tokenizer, data_dir, context, out_dir = check_inputs(args)
     builder = PromptBuilder(tokenizer)
     plans = {task: plan_lengths(task, args.lengths, context, builder) for task in args.tasks if task != "loss"}
-    out_dir = Path(args.out_dir) if args.out_dir else (run_dir / f"eval-{checkpoint.stem}" if run_dir
-                                                       else Path("eval") / checkpoint.stem)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     model = load_model(checkpoint, device=args.device, compute=ComputeConfig()).eval()
@@ -456,6 +433,37 @@ def evaluate(args: argparse.Namespace) -> dict:
     write()
     print(f"wrote {out_dir / 'eval.json'}" + "".join(f", {p}" for p in results["plots"]))
     return results
+
+
+def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, int, Path]:
+    """(checkpoint, tokenizer, data directory, context length, output directory) from the arguments, each checked
+    before anything large is read (ValueError / FileNotFoundError naming the argument)."""
+    checkpoint = Path(args.checkpoint)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"{checkpoint} does not exist")
+    run_dir, run = _run_config(checkpoint)
+    data_dir = args.data_dir or run.get("data_dir")
+    tokenizer = load_tokenizer(find_tokenizer(checkpoint, args.tokenizer, run, data_dir))
+    if "loss" in args.tasks and not data_dir:
+        raise ValueError("the loss task needs --data_dir (prepared data with a validation split)")
+    if not 0 <= min(args.depths) <= max(args.depths) <= 1:
+        raise ValueError(f"--depths must lie in [0, 1], got {args.depths}")
+    for name in ("samples", "batch_size", "eval_tokens", "context_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if any(n < 2 for n in args.lengths or []):
+        raise ValueError(f"--lengths must be >= 2, got {args.lengths}")
+    stored = stored_config(checkpoint)
+    check_vocab(tokenizer, stored.vocab_size)
+    if args.context_length and args.context_length > stored.context_length:
+        raise ValueError(f"--context_length {args.context_length} exceeds the model's context_length "
+                         f"{stored.context_length}")
+    context = min(args.context_length or run.get("context_length") or 1024, stored.context_length)
+    out_dir = Path(args.out_dir) if args.out_dir else (run_dir / f"eval-{checkpoint.stem}" if run_dir
+                                                       else Path("eval") / checkpoint.stem)
+    return checkpoint, tokenizer, data_dir, context, out_dir
 
 
 def find_tokenizer(checkpoint: Path, given: str | None, run: dict, data_dir: str | None) -> Path:

@@ -40,6 +40,8 @@ class RunLock:
     def acquire(self) -> str | None:
         """Take the lock; returns a note when a dead run's lock file was taken over. FileExistsError (one line,
         naming the holder) when another live process holds it; PermissionError when the directory is read-only."""
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise NotADirectoryError(f"--out_dir {self.path.parent} is a file; pass a directory")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

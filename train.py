@@ -355,58 +355,29 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     """Everything a run needs, in this order (NothingToTrain when the checkpoint to resume has reached --max_steps):
     1. (resolved options, the run directory locked: `resolve_run`, `run_directory_lock`) the fine-tuning mode
        checked, the run directory checked (before anything is written or allocated);
-    2. tokenizer and data: the vocabulary sizes the model;
-    3. the architecture (preset or --init_from) and the checkpoint to resume, verified before anything is built;
+    2. tokenizer and data (`prepare_data`): the vocabulary sizes the model;
+    3. the architecture (preset or --init_from) and the checkpoint to resume (`resume_point`), verified before
+       anything is built;
     4. the model, built and prepared by the mode (adapters exist before FSDP shards them), and the optimizer over
        what trains (the mode froze the rest);
-    5. the base weights from --init_from (a frozen base always: checkpoints do not hold it), before
+    5. the base weights from --init_from (`load_base`; a frozen base always: checkpoints do not hold it), before
     6. the mode's own initialisation (adapters from the seed or --adapter; quantization last: it replaces the
        base weights that step 5 filled), before
     7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position."""
     mode = finetune_mode(cfg)
     mode.check(rt.world_size)
     check_run_directory(Path(cfg.out_dir), cfg.resume)
-
-    cfg = resolve_tokenizer(cfg)
-    ensure_default_data(cfg, rt)
-    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
-    tokenizer = load_tokenizer(tokenizer_path(cfg))
-    check_tokenizer(loader.index, tokenizer)
-    if cfg.sample_tokens and len(tokenizer.encode(cfg.sample_prompt)) + cfg.sample_tokens > cfg.context_length:
-        raise ValueError(f"--sample_tokens {cfg.sample_tokens} after the --sample_prompt's "
-                         f"{len(tokenizer.encode(cfg.sample_prompt))} tokens exceed --context_length "
-                         f"{cfg.context_length}")
-    if cfg.synthetic_mix:
-        loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed, cfg.synthetic_task, cfg.answer_loss)
+    cfg, tokenizer, loader = prepare_data(cfg, rt)
 
     device_memory = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
     stored = stored_config(cfg.init_from) if cfg.init_from else None
     model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size, stored)
-    resume_from = checkpoint_to_resume(Path(cfg.out_dir), cfg.resume)
-    if resume_from and (done := read_train_state(resume_from)["step"]) >= cfg.max_steps:
-        if done > cfg.max_steps or finished_step(Path(cfg.out_dir)) == done:
-            if rt.rank == 0:
-                print(f"{resume_from} is step {done} of a run that has finished (--max_steps {cfg.max_steps}): "
-                      "nothing to train; pass a larger --max_steps to continue it")
-            raise NothingToTrain(done)
-        if rt.rank == 0:
-            print(f"{resume_from} is the last step, but the run's end (its export) did not complete: doing it again")
-    if resume_from and rt.rank == 0 and (aside := start_timeline(Path(cfg.out_dir), resume_from)):
-        print(f"resuming {resume_from.name}: its newer checkpoints, another timeline, moved to {aside}")
-    prune_checkpoints(Path(cfg.out_dir), cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
+    resume_from = resume_point(cfg, rt)
 
     model = task.build(model_config, compute, cfg, rt)
     check_vocab(tokenizer, model.config.vocab_size)
     optimizer, scheduler = build_optimizer(model, cfg)
-    if cfg.init_from and (mode.frozen_base or not resume_from):
-        convert = None if stored.attention_type == model.config.attention_type else (
-            partial(nsa_state_from_dense, config=model.config))  # full -> nsa, the one conversion allowed
-        load_initial_weights(model, cfg.init_from, convert, FRESH if convert else ())
-    elif mode.frozen_base and rt.rank == 0:
-        print(f"warning: --finetune {cfg.finetune} without --init_from adapts a randomly initialised, frozen base")
-    if cfg.init_from and cfg.warmup_steps > cfg.max_steps and rt.rank == 0:
-        print(f"warning: --warmup_steps {cfg.warmup_steps} is longer than --max_steps {cfg.max_steps}: the learning "
-              f"rate never reaches --lr {cfg.lr}")
+    load_base(model, cfg, stored, mode.frozen_base, resume_from, rt)
     mode.initialise(model, cfg.seed)
     run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
               torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
@@ -424,6 +395,58 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     if rt.rank == 0:
         start_run(run.out_dir, cfg, model, rt.world_size, resume_from, run.step, run.task_state, changed)
     return run
+
+
+def prepare_data(cfg: TrainConfig, rt: Runtime) -> tuple[TrainConfig, Tokenizer, TokenLoader | SyntheticMix]:
+    """(cfg with its tokenizer resolved, the tokenizer, this rank's loader): the default corpus prepared when it is
+    missing, the tokenizer checked against the data's, the sample checked against the context, the synthetic mix."""
+    cfg = resolve_tokenizer(cfg)
+    ensure_default_data(cfg, rt)
+    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
+    check_tokenizer(loader.index, tokenizer)
+    prompt = len(tokenizer.encode(cfg.sample_prompt))
+    if cfg.sample_tokens and prompt + cfg.sample_tokens > cfg.context_length:
+        raise ValueError(f"--sample_tokens {cfg.sample_tokens} after the --sample_prompt's {prompt} tokens exceed "
+                         f"--context_length {cfg.context_length}")
+    if cfg.synthetic_mix:
+        loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed, cfg.synthetic_task, cfg.answer_loss)
+    return cfg, tokenizer, loader
+
+
+def resume_point(cfg: TrainConfig, rt: Runtime) -> Path | None:
+    """The verified checkpoint to resume (checkpoint_to_resume), its newer checkpoints moved aside (a new timeline),
+    stale and surplus checkpoints deleted. NothingToTrain when it has reached --max_steps and the run's end is done;
+    a run whose end (export) was interrupted is resumed to do it again."""
+    resume_from = checkpoint_to_resume(Path(cfg.out_dir), cfg.resume)
+    say = print if rt.rank == 0 else (lambda message: None)
+    if resume_from and (done := read_train_state(resume_from)["step"]) >= cfg.max_steps:
+        if done > cfg.max_steps or finished_step(Path(cfg.out_dir)) == done:
+            say(f"{resume_from} is step {done} of a run that has finished (--max_steps {cfg.max_steps}): nothing to "
+                "train; pass a larger --max_steps to continue it")
+            raise NothingToTrain(done)
+        say(f"{resume_from} is the last step, but the run's end (its export) did not complete: doing it again")
+    if resume_from and rt.rank == 0 and (aside := start_timeline(Path(cfg.out_dir), resume_from)):
+        print(f"resuming {resume_from.name}: its newer checkpoints, another timeline, moved to {aside}")
+    prune_checkpoints(Path(cfg.out_dir), cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
+    return resume_from
+
+
+def load_base(model: Transformer, cfg: TrainConfig, stored: ModelConfig | None, frozen_base: bool,
+              resume_from: Path | None, rt: Runtime) -> None:
+    """Fill `model` from --init_from when the run starts from it, and always for a frozen base (checkpoints do not
+    hold it); dense weights into NSA layers through nsa.convert, the one conversion allowed. Warns about a frozen
+    random base and about a warmup that outlasts the run."""
+    say = print if rt.rank == 0 else (lambda message: None)
+    if cfg.init_from and (frozen_base or not resume_from):
+        convert = None if stored.attention_type == model.config.attention_type else (
+            partial(nsa_state_from_dense, config=model.config))
+        load_initial_weights(model, cfg.init_from, convert, FRESH if convert else ())
+    elif frozen_base:
+        say(f"warning: --finetune {cfg.finetune} without --init_from adapts a randomly initialised, frozen base")
+    if cfg.init_from and cfg.warmup_steps > cfg.max_steps:
+        say(f"warning: --warmup_steps {cfg.warmup_steps} is longer than --max_steps {cfg.max_steps}: the learning "
+            f"rate never reaches --lr {cfg.lr}")
 
 
 def resume(run: Run) -> dict:

@@ -106,13 +106,36 @@ def kill_launcher(proc: subprocess.Popen) -> int:
     return len(orphans)
 
 
+def end_cycle(proc: subprocess.Popen, scenario: str, out_dir: Path, counts: dict) -> None:
+    """After a cycle's wait: count a run that ended by itself (finished, or in `twice` refused by the lock), or kill
+    a running one as the scenario says and count what the kill left (a save cut short, steps to redo, orphans)."""
+    if proc.poll() is not None:
+        message = proc.stderr.read()
+        if scenario == "twice" and proc.returncode != 0 and b"is in use by a running training run" in message:
+            counts["refused"] += 1  # exit code 2 (torchrun's launcher: 1), the holder named
+        else:
+            counts["finished early"] += 1
+            counts["failures"] += proc.returncode != 0
+        return
+    if scenario == "launcher":
+        counts["orphans"] += kill_launcher(proc)
+    else:
+        kill_all(proc.pid)
+        proc.wait()
+    counts["kills"] += 1
+    counts["mid-write"] += any(out_dir.glob("step-*.tmp"))
+    logged = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
+    saved = max((int(p.name.split("-")[1]) for p in out_dir.glob("step-*") if p.suffix != ".tmp"), default=0)
+    counts["lost"] += max(0, logged - saved)
+
+
 def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random.Random, work: Path,
                  scenario: str = "machine") -> dict:
     reference = work / f"reference-{procs}"
     run_to_end(command(procs, reference, steps, data_dir))
     expected = losses(reference)
     out_dir = work / f"crashed-{procs}-{scenario}"
-    kills = mid_write = failures = lost = finished_early = orphans = refused = 0
+    counts = dict.fromkeys(("kills", "mid-write", "failures", "lost", "finished early", "orphans", "refused"), 0)
     for _ in range(cycles):
         before = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
         started = [start(command(procs, out_dir, steps, data_dir)) for _ in range(2 if scenario == "twice" else 1)]
@@ -121,34 +144,18 @@ def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random
             time.sleep(0.2)  # until one of the two is refused (or, wrongly, both still run a minute later)
         time.sleep(rng.uniform(2, 8))
         for proc in started:
-            if proc.poll() is not None:  # ended by itself: finished, or (twice) refused by the lock
-                message = proc.stderr.read()
-                if scenario == "twice" and proc.returncode != 0 and b"is in use by a running training run" in message:
-                    refused += 1  # exit code 2 (torchrun's launcher: 1), the holder named
-                else:
-                    finished_early += 1
-                    failures += proc.returncode != 0
-                continue
-            if scenario == "launcher":
-                orphans += kill_launcher(proc)
-            else:
-                kill_all(proc.pid)
-                proc.wait()
-            kills += 1
-            mid_write += any(out_dir.glob("step-*.tmp"))
-            logged = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
-            saved = max((int(p.name.split("-")[1]) for p in out_dir.glob("step-*") if p.suffix != ".tmp"), default=0)
-            lost += max(0, logged - saved)
+            end_cycle(proc, scenario, out_dir, counts)
         if (out_dir / "metrics.jsonl").exists() and before > max(losses(out_dir), default=0):
-            failures += 1  # progress went backwards further than the last checkpoint
-        if finished_early and (out_dir / "model").exists():
+            counts["failures"] += 1  # progress went backwards further than the last checkpoint
+        if counts["finished early"] and (out_dir / "model").exists():
             break
     run_to_end(command(procs, out_dir, steps, data_dir))
     got = losses(out_dir)
     differ = [s for s in expected if got.get(s) != expected[s]]
-    return {"scenario": scenario, "processes": procs, "cycles": kills + finished_early, "kills": kills,
-            "kills mid-write": mid_write, "resume failures": failures, "steps lost (redone)": lost,
-            "orphans": orphans, "second runs refused": refused if scenario == "twice" else "-", "steps": len(got),
+    return {"scenario": scenario, "processes": procs, "cycles": counts["kills"] + counts["finished early"],
+            "kills": counts["kills"], "kills mid-write": counts["mid-write"], "resume failures": counts["failures"],
+            "steps lost (redone)": counts["lost"], "orphans": counts["orphans"],
+            "second runs refused": counts["refused"] if scenario == "twice" else "-", "steps": len(got),
             "losses bitwise equal": not differ and len(got) == len(expected)}
 
 

@@ -186,7 +186,7 @@ def test_run_directory_errors_are_one_line(data_dir: Path, tmp_path: Path, capsy
     root = Path(__file__).resolve().parent.parent
     command = [sys.executable, str(root / "train.py"), *RUN, "--data_dir", str(data_dir)]
     again = subprocess.run([*command, "--out_dir", str(tmp_path / "run")], capture_output=True, text=True)
-    assert again.returncode == 1 and again.stderr.strip().splitlines() == [
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'run'} already holds a run (step-2); pass --resume to continue it (from scratch when "
         "it has no checkpoint), or choose another --out_dir"]
     (tmp_path / "file").write_text("")
