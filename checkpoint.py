@@ -32,7 +32,7 @@ import re
 import shutil
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -250,14 +250,15 @@ LOW_DISK = 64 * 2**20  # free bytes under which a failed write is reported as a 
 
 
 def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
-                    train_state: dict) -> Path:
+                    train_state: dict, write_files: Callable[[Path], None] | None = None) -> Path:
     """Write `out_dir/step-{step}` (collective: every rank calls it) and return its path. SaveFailed names the cause
     (a full disk, a read-only directory) and the last complete checkpoint; the partial step-N.tmp is removed.
 
-    `train_state` must be JSON-serialisable and identical on every rank (rank 0 writes it).
+    `train_state` must be JSON-serialisable and identical on every rank (rank 0 writes it). `write_files(directory)`:
+    rank 0 adds files of its own (the run's tokenizer), covered by the manifest like the rest.
     """
     try:
-        return _save(out_dir, step, model, optimizer, train_state)
+        return _save(out_dir, step, model, optimizer, train_state, write_files)
     except (OSError, RuntimeError, CheckpointException) as e:  # DCP reports a short write as "unexpected pos"
         shutil.rmtree(out_dir / f"step-{step}.tmp", ignore_errors=True)
         full = shutil.disk_usage(out_dir).free < LOW_DISK if out_dir.is_dir() else False
@@ -268,7 +269,7 @@ def save_checkpoint(out_dir: Path, step: int, model: Transformer, optimizer: tor
 
 
 def _save(out_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
-          train_state: dict) -> Path:
+          train_state: dict, write_files: Callable[[Path], None] | None) -> Path:
     final = out_dir / f"step-{step}"
     tmp = out_dir / f"step-{step}.tmp"
     if rank() == 0 and tmp.exists():
@@ -283,6 +284,8 @@ def _save(out_dir: Path, step: int, model: Transformer, optimizer: torch.optim.O
     torch.save(rng, tmp / f"rng_rank{rank()}.pt")
     if rank() == 0:
         (tmp / STATE_NAME).write_text(json.dumps(train_state, indent=1))
+        if write_files is not None:
+            write_files(tmp)
     _barrier()  # every rank has finished writing
     _write_manifest(tmp)
     if rank() == 0:

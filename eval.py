@@ -43,7 +43,7 @@ from config import ComputeConfig
 from data import TokenLoader, validation_dir
 from model import Transformer
 from synthetic import PromptBuilder, SyntheticDocuments
-from tokenizer import check_vocab, load_tokenizer
+from tokenizer import check_vocab, model_tokenizer
 from weights import load_model, stored_config
 
 TASKS = ("loss", "passkey", "needle", "mqar", "mqar_text")
@@ -347,8 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "Hugging Face directory")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS[:3]),
                    help="default: loss passkey needle")
-    p.add_argument("--tokenizer", help="tokenizer file, SentencePiece .model or tokenizer.json (default: the run's, "
-                                       "DATA_DIR/tokenizer.model, or the checkpoint directory's tokenizer.json)")
+    p.add_argument("--tokenizer", help="a SentencePiece .model, a tokenizer.json or a directory holding one "
+                                       "(default: the one stored with the checkpoint, the run's, "
+                                       "DATA_DIR/tokenizer.model)")
     p.add_argument("--data_dir", help="prepared data with a validation split (default: the run's)")
     p.add_argument("--context_length", type=int, help="tokens per loss window and longest prompt (default: the "
                                                        "run's, else 1024, at most the model's)")
@@ -445,7 +446,8 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
         raise FileNotFoundError(f"{checkpoint} does not exist")
     run_dir, run = _run_config(checkpoint)
     data_dir = args.data_dir or run.get("data_dir")
-    tokenizer = load_tokenizer(find_tokenizer(checkpoint, args.tokenizer, run, data_dir))
+    tokenizer = model_tokenizer(checkpoint, args.tokenizer, (run.get("tokenizer"),
+                                                             data_dir and Path(data_dir) / "tokenizer.model"))
     if "loss" in args.tasks and not data_dir:
         raise ValueError("the loss task needs --data_dir (prepared data with a validation split)")
     if not 0 <= min(args.depths) <= max(args.depths) <= 1:
@@ -464,19 +466,6 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
     out_dir = Path(args.out_dir) if args.out_dir else (run_dir / f"eval-{checkpoint.stem}" if run_dir
                                                        else Path("eval") / checkpoint.stem)
     return checkpoint, tokenizer, data_dir, context, out_dir
-
-
-def find_tokenizer(checkpoint: Path, given: str | None, run: dict, data_dir: str | None) -> Path:
-    """The tokenizer file: --tokenizer, the run's, DATA_DIR/tokenizer.model, or the checkpoint directory's
-    tokenizer.json; FileNotFoundError naming --tokenizer when there is none."""
-    if given and not Path(given).is_file():
-        raise FileNotFoundError(f"--tokenizer {given} does not exist")
-    home = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    for candidate in (given, run.get("tokenizer"), data_dir and Path(data_dir) / "tokenizer.model",
-                      home / "tokenizer.json"):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    raise FileNotFoundError(f"no tokenizer found for {checkpoint}: pass --tokenizer FILE (.model or tokenizer.json)")
 
 
 if __name__ == "__main__":

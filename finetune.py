@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from hf import ExportInfo
 from lora import ADAPTER_CONFIG, TARGETS, apply_lora, init_lora, load_adapter, merge_lora_, save_adapter
 from model import Transformer
 from npt.adapters import ADAPTERS_NAME, load_adapters, save_adapters
@@ -64,9 +65,9 @@ class FinetuneMode(Protocol):
         """After the base weights are in place: give the mode's parameters their starting values (from `seed`, the
         same on every rank, or from --adapter) and change the frozen base where the mode does (quantization)."""
 
-    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
-        """Write what a finished run delivers under `out_dir` (collective under FSDP); the paths written on rank 0,
-        [] elsewhere."""
+    def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
+        """Write what a finished run delivers under `out_dir` (collective under FSDP), each directory with what
+        `info` adds (the tokenizer; see hf.ExportInfo); the paths written on rank 0, [] elsewhere."""
 
 
 class Full:
@@ -86,8 +87,8 @@ class Full:
     def initialise(self, model: Transformer, seed: int) -> None:
         pass
 
-    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
-        return export_model(model, out_dir)
+    def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
+        return export_model(model, out_dir, info=info)
 
 
 class LoRA:
@@ -119,11 +120,11 @@ class LoRA:
         if self.quantize:
             quantize_base(model, self.quantize)
 
-    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
-        written = [save_adapter(model, out_dir / "adapter", self.base)]
+    def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
+        written = [save_adapter(model, out_dir / "adapter", self.base, info)]
         if self.merge:
             merge_lora_(model)
-            written += export_model(model, out_dir, base_only=True)
+            written += export_model(model, out_dir, base_only=True, info=info)
         return [p for p in written if p is not None]
 
 
@@ -175,8 +176,8 @@ class NPT:
             adapter = Path(self.adapter)
             load_adapters(model, adapter / ADAPTERS_NAME if adapter.is_dir() else adapter)
 
-    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
-        save_adapters(model, out_dir / ADAPTERS_NAME)
+    def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
+        save_adapters(model, out_dir / ADAPTERS_NAME)  # one file beside the run's config.json
         return [out_dir / ADAPTERS_NAME]
 
 

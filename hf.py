@@ -18,8 +18,10 @@ https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,9 +32,12 @@ from torch import Tensor
 from checkpoint import written_directory
 from config import YARN_OPTIONAL_KEYS, ComputeConfig, ModelConfig, check_fields
 from model import Transformer
+from tokenizer import HFTokenizer, Tokenizer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 # Path segments that differ between our parameter names and the Hugging Face ones (a bijection; all other
@@ -60,6 +65,68 @@ def our_name(name: str) -> str:
 
 
 # ---- config --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """What an export carries besides the weights.
+
+    tokenizer: the run's, written beside the weights (`save`) so that the directory is complete for every tool.
+    base: the --init_from directory; a Hugging Face export keeps its special-token ids and generation_config.json.
+    context_length: the context the export declares (`max_position_embeddings`): the base's, or the context
+        trained when that is longer (a context extension); None: the model config's.
+    dtype: of the weights written; None: as the model holds them.
+    """
+
+    tokenizer: Tokenizer | HFTokenizer | None = None
+    base: Path | None = None
+    context_length: int | None = None
+    dtype: torch.dtype | None = None
+
+    def model_config(self, config: ModelConfig) -> ModelConfig:
+        """`config` with the context length this export declares."""
+        return dataclasses.replace(config, context_length=self.context_length or config.context_length)
+
+    def cast(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`state` in the export's dtype (floating-point tensors only)."""
+        if self.dtype is None:
+            return state
+        return {name: t.to(self.dtype) if t.is_floating_point() else t for name, t in state.items()}
+
+    def write_tokenizer(self, directory: Path, context_length: int) -> None:
+        if self.tokenizer is not None:
+            self.tokenizer.save(directory, context_length)
+
+    def special_ids(self) -> dict[str, int | list[int]]:
+        """bos/eos/pad ids for config.json: the base's when it is a Hugging Face directory, else the tokenizer's
+        (the model starts a document after the end-of-document id, so that is its bos)."""
+        base = json_object(self.base / CONFIG_NAME) if self.base and self.base.is_dir() else {}
+        if any(base.get(key) is not None for key in SPECIAL_IDS):
+            return {key: base[key] for key in SPECIAL_IDS if base.get(key) is not None}
+        if self.tokenizer is None:
+            return {}
+        ids = {"bos_token_id": self.tokenizer.eod_id, "eos_token_id": self.tokenizer.eod_id,
+               "pad_token_id": self.tokenizer.pad_id}
+        return {key: value for key, value in ids.items() if value >= 0}
+
+    def write_generation_config(self, directory: Path) -> None:
+        """generation_config.json: the base's, with the special ids it lacks (the eos id makes `generate` stop)."""
+        config = json_object(self.base / GENERATION_CONFIG) if self.base and self.base.is_dir() else {}
+        config |= {key: value for key, value in self.special_ids().items() if config.get(key) is None}
+        if config:
+            (directory / GENERATION_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+WEIGHTS_ONLY = ExportInfo()  # an export with nothing besides the weights
+
+
+def json_object(file: Path) -> dict:
+    """The JSON object in `file`, or {} when it is absent or not an object."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _require(hf_config: dict, key: str, where: str = "config.json") -> object:
@@ -164,7 +231,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})},
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "initializer_range": config.init_std, "torch_dtype": str(dtype).removeprefix("torch."),
+        "initializer_range": config.init_std, "dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),  # the name before transformers 5
     }
     hf_config |= {"use_sliding_window": False} if model_type == "qwen3" else {"mlp_bias": False}
     return hf_config
@@ -367,23 +435,24 @@ def _plan_shards(state: dict[str, Tensor], max_shard_bytes: int) -> list[list[st
 
 
 def export_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 10**9,
-                         overwrite: bool = False) -> None:
+                         overwrite: bool = False, info: ExportInfo = WEIGHTS_ONLY) -> None:
     """Write `model` to directory `path` in the Hugging Face layout (loadable by `load_hf_checkpoint` and by
     transformers' `AutoModelForCausalLM.from_pretrained`): config.json plus model.safetensors, or shards of at most
     `max_shard_bytes` named model-0000i-of-0000n.safetensors with model.safetensors.index.json.
 
     Everything is written to a temporary sibling directory first, with a manifest.json of sizes and checksums, and
     renamed into place (checkpoint.written_directory), so `path` never holds a half-written checkpoint. An existing
-    non-empty `path` is an error unless `overwrite`. Tokenizer files are not
-    written: copy them from the source checkpoint.
+    non-empty `path` is an error unless `overwrite`. `info` (ExportInfo): the tokenizer files, the special ids and
+    generation_config.json, the declared context and the dtype of the weights.
     """
     path = Path(path)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to replace it")
-    state = hf_state_dict(model)
-    hf_config = config_to_hf(model.config, model.embed_tokens.weight.dtype)
+    state = info.cast(hf_state_dict(model))
+    config = info.model_config(model.config)
+    hf_config = config_to_hf(config, next(iter(state.values())).dtype) | info.special_ids()
     shards = _plan_shards(state, max_shard_bytes)
     names = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                     for i in range(len(shards))]
@@ -398,3 +467,5 @@ def export_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: 
             total_size = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        info.write_generation_config(tmp)
+        info.write_tokenizer(tmp, config.context_length)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from checkpoint import MANIFEST_NAME, rank, verify_files, written_directory
-from hf import hf_name, our_name
+from hf import WEIGHTS_ONLY, ExportInfo, hf_name, our_name
 from model import Transformer
 
 TARGETS = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj",
@@ -100,9 +100,11 @@ def _load(model: nn.Module, state: dict[str, Tensor]) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def save_adapter(model: nn.Module, path: str | Path, base: str | None = None) -> Path | None:
+def save_adapter(model: nn.Module, path: str | Path, base: str | None = None,
+                 info: ExportInfo = WEIGHTS_ONLY) -> Path | None:
     """Write the adapters of `model` in peft's layout to directory `path` (collective under FSDP; rank 0 writes).
-    `base`: recorded as base_model_name_or_path. Returns the directory on rank 0."""
+    `base`: recorded as base_model_name_or_path; `info`: the tokenizer written beside them. Returns the directory
+    on rank 0."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                  ignore_frozen_params=True))
     if rank() != 0:
@@ -120,6 +122,7 @@ def save_adapter(model: nn.Module, path: str | Path, base: str | None = None) ->
     with written_directory(path) as tmp:  # whole or not at all, with a manifest.json
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        info.write_tokenizer(tmp, info.model_config(model.config).context_length)
     return path
 
 

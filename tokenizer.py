@@ -1,5 +1,6 @@
 """Tokenizers: the project's SentencePiece BPE (train, save, load, encode, decode), and a released model's Hugging
-Face `tokenizer.json` (`HFTokenizer`, read with the optional `tokenizers` library); `load_tokenizer` picks by file.
+Face `tokenizer.json` (`HFTokenizer`, read with the optional `tokenizers` library); `load_tokenizer` picks by file
+or directory, and `save` writes either into a directory that transformers' `AutoTokenizer` reads.
 
 SentencePiece BPE with byte fallback:
 
@@ -13,6 +14,15 @@ surrogates). Three settings make that true:
 Ids: 0 `<unk>`, 1 `<s>` (bos), 2 `</s>` (eos, also the end-of-document token `eod_id` that `data.py` puts after
 every document), 3 `<pad>`, 4 the newline symbol, then the 256 byte pieces, then learned merges.
 
+Saved for Hugging Face tools (`Tokenizer.save`), the same tokenizer is also a `tokenizer.json`: a BPE over the same
+pieces whose merges are ranked by the id of the piece they make (SentencePiece merges the highest-scoring piece
+first, and its ids are in score order), a normalizer that writes " " as U+2581, SentencePiece's split into words (a
+run of U+2581 starts a word), byte fallback, and special tokens never parsed from text (`split_special_tokens`). It
+encodes every text as `encode` does except a literal U+2581, which it reads as a space; it decodes every id
+sequence as `decode` does (with `skip_special_tokens=True`). The model sees a document after the end-of-document id,
+never after `<s>`, so the saved tokenizer has no bos token (as Qwen3's), and tools that start a text with "the bos
+token" start it with eos.
+
 Reference: https://github.com/google/sentencepiece (options in doc/options.md).
 """
 
@@ -22,12 +32,17 @@ import hashlib
 import io
 import json
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import sentencepiece as spm
 
 SPACE_MARK = "\u2581"  # SentencePiece's internal spelling of " "
+SPM_FILE, HF_FILE, HF_CONFIG = "tokenizer.model", "tokenizer.json", "tokenizer_config.json"
+# A Hugging Face tokenizer's files besides tokenizer.json, copied with it (those its directory has).
+HF_COMPANIONS = (HF_CONFIG, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                 "chat_template.json", "vocab.json", "merges.txt")
 NUM_RESERVED = 4 + 1 + 256  # unk/bos/eos/pad + newline + byte pieces: the smallest vocabulary that encodes anything
 SPM_OPTIONS = dict(  # SentencePieceTrainer options besides the input, output, vocab_size and threads
     model_type="bpe",
@@ -159,6 +174,49 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
+    def to_hf(self) -> object:
+        """This tokenizer as a `tokenizers.Tokenizer` (see the module docstring for what it encodes alike)."""
+        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+        from tokenizers import Tokenizer as _Tokenizer
+
+        sp, n = self.sp, self.sp.vocab_size()
+        vocab = {sp.id_to_piece(i): i for i in range(n)}
+        special = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
+        merges = []  # (rank: the id of the piece made, left id, right id, left, right)
+        for piece, i in vocab.items():
+            if len(piece) > 1 and not sp.is_byte(i) and i not in special and piece != "\n":
+                merges += [(i, vocab[piece[:k]], vocab[piece[k:]], piece[:k], piece[k:]) for k in range(1, len(piece))
+                           if piece[:k] in vocab and piece[k:] in vocab]
+        merges.sort()
+        hf = _Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in merges],
+                                   unk_token=sp.id_to_piece(sp.unk_id()), byte_fallback=True, fuse_unk=True))
+        hf.normalizer = normalizers.Replace(" ", SPACE_MARK)
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(f"{SPACE_MARK}+[^{SPACE_MARK}]*|[^{SPACE_MARK}]+"), "isolated")
+        hf.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+        hf.add_special_tokens([AddedToken(sp.id_to_piece(i), special=True, normalized=False) for i in special])
+        hf.add_tokens([AddedToken("\n", special=False, normalized=False)])
+        hf.encode_special_tokens = True
+        return hf
+
+    def save(self, directory: Path, model_max_length: int | None = None) -> None:
+        """Write this tokenizer into `directory`: the `.model` file as tokenizer.model, and for Hugging Face tools
+        tokenizer.json (`to_hf`), tokenizer_config.json and special_tokens_map.json."""
+        shutil.copyfile(self.path, directory / SPM_FILE)
+        self.to_hf().save(str(directory / HF_FILE))
+        sp = self.sp
+        tokens = {"eos_token": sp.id_to_piece(self.eos_id), "unk_token": sp.id_to_piece(sp.unk_id()),
+                  "pad_token": sp.id_to_piece(self.pad_id)}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, **tokens,
+                  "add_bos_token": False, "add_eos_token": False, "split_special_tokens": True,
+                  "clean_up_tokenization_spaces": False, "model_max_length": model_max_length or 10**30}
+        (directory / HF_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        (directory / "special_tokens_map.json").write_text(json.dumps(tokens, indent=1) + "\n")
+
+    def record(self) -> dict:
+        """What a checkpoint or export says of the tokenizer it holds: file, sha256, vocab_size, special ids."""
+        return {"file": SPM_FILE, "sha256": self.sha256, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "bos_id": self.bos_id, "pad_id": self.pad_id}
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (a released model's tokenizer, e.g. Qwen3's or Llama's), with the attributes
@@ -212,10 +270,61 @@ class HFTokenizer:
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
+    def save(self, directory: Path, model_max_length: int | None = None) -> None:
+        """Write this tokenizer into `directory`: tokenizer.json and the files beside it (HF_COMPANIONS), or a
+        tokenizer_config.json naming its eos token when it came alone."""
+        shutil.copyfile(self.path, directory / HF_FILE)
+        for name in HF_COMPANIONS:
+            if (self.path.parent / name).is_file():
+                shutil.copyfile(self.path.parent / name, directory / name)
+        if not (directory / HF_CONFIG).is_file():
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+                      "eos_token": self.tk.id_to_token(self.eos_id), "model_max_length": model_max_length or 10**30}
+            (directory / HF_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+
+    def record(self) -> dict:
+        """What a checkpoint or export says of the tokenizer it holds: file, sha256, vocab_size, special ids."""
+        return {"file": HF_FILE, "sha256": self.sha256, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                "bos_id": self.bos_id, "pad_id": self.pad_id}
+
+
+def tokenizer_file(directory: Path) -> Path | None:
+    """The tokenizer a directory holds (a run's output, a released model): its SentencePiece tokenizer.model when it
+    has one (the project's own tokenizer, of which a tokenizer.json beside it is a copy for other tools), else its
+    tokenizer.json; None when it has neither."""
+    for name in (SPM_FILE, HF_FILE):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer | HFTokenizer:
-    """The tokenizer in file `path`: a Hugging Face tokenizer.json (by its .json suffix) or a SentencePiece .model."""
-    return HFTokenizer(path) if Path(path).suffix == ".json" else Tokenizer(path)
+    """The tokenizer at `path`: a Hugging Face tokenizer.json (by its .json suffix), a SentencePiece .model, or a
+    directory that holds one (`tokenizer_file`). FileNotFoundError naming --tokenizer when there is none."""
+    path = Path(path)
+    if path.is_dir():
+        if (found := tokenizer_file(path)) is None:
+            raise FileNotFoundError(f"{path} holds no tokenizer ({SPM_FILE} or {HF_FILE}): pass --tokenizer FILE, "
+                                    "the tokenizer it was trained with")
+        path = found
+    return HFTokenizer(path) if path.suffix == ".json" else Tokenizer(path)
+
+
+def model_tokenizer(model: str | os.PathLike, given: str | os.PathLike | None = None,
+                    fallbacks: Iterable[str | os.PathLike | None] = ()) -> Tokenizer | HFTokenizer:
+    """The tokenizer of the model stored at `model` (any layout weights.load_model reads): `given` (--tokenizer),
+    else the one stored with it (its directory, or that of its .safetensors file), else the first of `fallbacks`
+    that exists (e.g. a run's, its data's). FileNotFoundError naming --tokenizer when there is none."""
+    if given:
+        if not Path(given).exists():
+            raise FileNotFoundError(f"--tokenizer {given} does not exist")
+        return load_tokenizer(given)
+    home = Path(model) if Path(model).is_dir() else Path(model).parent
+    for candidate in (tokenizer_file(home), *fallbacks):
+        if candidate and Path(candidate).exists():
+            return load_tokenizer(candidate)
+    raise FileNotFoundError(f"no tokenizer found for {model}: pass --tokenizer (a .model, a tokenizer.json or a "
+                            "directory holding one)")
 
 
 def check_vocab(tokenizer: Tokenizer | HFTokenizer, model_vocab_size: int) -> None:

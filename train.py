@@ -52,7 +52,7 @@ from config import ComputeConfig, GiB, ModelConfig
 from data import INDEX_NAME, TokenLoader, check_tokenizer, iter_documents, prepare, stdlib_files
 from eval import validation_loss, validation_windows
 from finetune import FinetuneMode, cast_frozen_base, finetune_mode
-from hf import export_refusal
+from hf import ExportInfo, export_refusal
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from monitor import (
@@ -76,7 +76,7 @@ from nsa.convert import FRESH, nsa_state_from_dense
 from parallel import apply_fsdp, init_sharded_weights
 from rundir import RunLock, check_run_directory, exit_with_launcher, start_timeline
 from synthetic import SyntheticMix
-from tokenizer import Tokenizer, check_vocab, load_tokenizer
+from tokenizer import HFTokenizer, Tokenizer, check_vocab, load_tokenizer, tokenizer_file
 from train_config import (
     DEFAULT_DATA_DIR,
     TOKENIZER_VOCAB,
@@ -130,13 +130,42 @@ def tokenizer_path(cfg: TrainConfig) -> Path:
     return beside
 
 
-def resolve_tokenizer(cfg: TrainConfig) -> TrainConfig:
-    """With --init_from a directory holding tokenizer.json and no --tokenizer: that tokenizer. A tokenizer given
-    with the default data directory gets a default data directory of its own (DEFAULT_DATA_DIR-<sha256[:12]>)."""
-    if cfg.init_from and not cfg.tokenizer and (Path(cfg.init_from) / "tokenizer.json").is_file():
-        cfg = dataclasses.replace(cfg, tokenizer=str(Path(cfg.init_from) / "tokenizer.json"))
-    if cfg.tokenizer and cfg.data_dir == DEFAULT_DATA_DIR:
-        cfg = dataclasses.replace(cfg, data_dir=f"{DEFAULT_DATA_DIR}-{load_tokenizer(cfg.tokenizer).sha256[:12]}")
+def recorded_tokenizer(cfg: TrainConfig, resume_from: Path | None) -> Tokenizer | HFTokenizer | None:
+    """The tokenizer stored with the weights this run continues: the checkpoint it resumes, else --init_from (its
+    directory, or that of its .safetensors file); None for a fresh run or an older checkpoint without one. A
+    --init_from that holds none needs --tokenizer: a run never falls back to another tokenizer silently."""
+    if resume_from is not None and tokenizer_file(resume_from):
+        return load_tokenizer(resume_from)
+    if cfg.init_from:
+        home = Path(cfg.init_from) if Path(cfg.init_from).is_dir() else Path(cfg.init_from).parent
+        if tokenizer_file(home):
+            return load_tokenizer(home)
+        if not cfg.tokenizer:
+            raise ValueError(f"--init_from {cfg.init_from} holds no tokenizer: pass --tokenizer FILE, the tokenizer "
+                             "its weights were trained with")
+    return None
+
+
+def resolve_tokenizer(cfg: TrainConfig, resume_from: Path | None, stored: ModelConfig | None) -> TrainConfig:
+    """cfg with the run's tokenizer: --tokenizer, which must agree with the recorded one (`recorded_tokenizer`:
+    vocabulary size and end-of-document id); else the recorded one; else DATA_DIR's. Checked against the stored
+    model's vocabulary before any data is prepared. A tokenizer other than the default corpus's gets a default data
+    directory of its own (DEFAULT_DATA_DIR-<sha256[:12]>)."""
+    recorded = recorded_tokenizer(cfg, resume_from)
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else recorded
+    if cfg.tokenizer and recorded and (tokenizer.vocab_size, tokenizer.eod_id) != (recorded.vocab_size,
+                                                                                   recorded.eod_id):
+        raise ValueError(f"--tokenizer {cfg.tokenizer} ({tokenizer.vocab_size} tokens, end of document "
+                         f"{tokenizer.eod_id}) is not {recorded.path} ({recorded.vocab_size} tokens, end of document "
+                         f"{recorded.eod_id}), the tokenizer the weights were trained with: leave --tokenizer out")
+    if stored is not None and tokenizer is not None:
+        check_vocab(tokenizer, stored.vocab_size)
+    default = Path(DEFAULT_DATA_DIR) / "tokenizer.model"
+    if tokenizer is None or default.is_file() and load_tokenizer(default).sha256 == tokenizer.sha256:
+        return cfg
+    cfg = dataclasses.replace(cfg, tokenizer=str(tokenizer.path))
+    if cfg.data_dir == DEFAULT_DATA_DIR:
+        cfg = dataclasses.replace(cfg, data_dir=f"{DEFAULT_DATA_DIR}-{tokenizer.sha256[:12]}")
     return cfg
 
 
@@ -240,7 +269,7 @@ class Run:
     rt: Runtime
     task: Task
     mode: FinetuneMode
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | HFTokenizer
     loader: TokenLoader | SyntheticMix
     model: Transformer
     optimizer: torch.optim.Optimizer
@@ -249,6 +278,7 @@ class Run:
     resume_from: Path | None
     task_state: dict
     val_windows: list[Tensor] | None
+    export: ExportInfo  # what the exports carry besides the weights (the tokenizer, the base's metadata)
     base: dict | None = None  # a frozen base: {"path", "checksum"} of --init_from (checkpoints hold no base)
     step: int = 0
     bad_steps: int = 0
@@ -273,8 +303,10 @@ class Run:
         train_state = {"step": self.step, "bad_steps": self.bad_steps, "scheduler": self.scheduler.state_dict(),
                        "loader": self.loader.state_dict(), "config": dataclasses.asdict(self.cfg),
                        "model_config": self.model.config.to_dict(), "compute": self.model.compute.to_dict(),
-                       "world_size": self.rt.world_size, "base": self.base, **self.task_state}
-        path = save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, train_state)
+                       "world_size": self.rt.world_size, "base": self.base, "tokenizer": self.tokenizer.record(),
+                       **self.task_state}
+        path = save_checkpoint(self.out_dir, self.step, self.model, self.optimizer, train_state,
+                               partial(self.tokenizer.save, model_max_length=self.cfg.context_length))
         prune_checkpoints(self.out_dir, self.cfg.keep_checkpoints, self.resume_from)
         return path
 
@@ -282,7 +314,7 @@ class Run:
 def export_and_sample(run: Run) -> None:
     """The end of a language-modelling run: what the fine-tuning mode exports (the model; LoRA adapters; NP
     parameters), then a sample."""
-    written = run.mode.export(run.model, run.out_dir)
+    written = run.mode.export(run.model, run.out_dir, run.export)
     if run.rt.rank == 0:
         print(f"exported {', '.join(str(p) for p in written)}")
         if (refusal := export_refusal(run.model.config)) and run.mode.name == "full":
@@ -355,9 +387,10 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     """Everything a run needs, in this order (NothingToTrain when the checkpoint to resume has reached --max_steps):
     1. (resolved options, the run directory locked: `resolve_run`, `run_directory_lock`) the fine-tuning mode
        checked, the run directory checked (before anything is written or allocated);
-    2. tokenizer and data (`prepare_data`): the vocabulary sizes the model;
-    3. the architecture (preset or --init_from) and the checkpoint to resume (`resume_point`), verified before
+    2. the architecture stored at --init_from and the checkpoint to resume (`resume_point`), verified before
        anything is built;
+    3. tokenizer and data (`prepare_data`): the tokenizer recorded with those weights, and the vocabulary sizes
+       the model;
     4. the model, built and prepared by the mode (adapters exist before FSDP shards them), and the optimizer over
        what trains (the mode froze the rest);
     5. the base weights from --init_from (`load_base`; a frozen base always: checkpoints do not hold it), before
@@ -367,12 +400,12 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     mode = finetune_mode(cfg)
     mode.check(rt.world_size)
     check_run_directory(Path(cfg.out_dir), cfg.resume)
-    cfg, tokenizer, loader = prepare_data(cfg, rt)
+    stored = stored_config(cfg.init_from) if cfg.init_from else None
+    resume_from = resume_point(cfg, rt)
+    cfg, tokenizer, loader = prepare_data(cfg, rt, resume_from, stored)
 
     device_memory = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
-    stored = stored_config(cfg.init_from) if cfg.init_from else None
     model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size, stored)
-    resume_from = resume_point(cfg, rt)
 
     model = task.build(model_config, compute, cfg, rt)
     check_vocab(tokenizer, model.config.vocab_size)
@@ -381,7 +414,7 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     mode.initialise(model, cfg.seed)
     run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
               torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
-              else contextlib.nullcontext(), resume_from, {}, None)
+              else contextlib.nullcontext(), resume_from, {}, None, export_info(cfg, tokenizer, stored))
     if mode.frozen_base and cfg.init_from:
         run.base = {"path": str(Path(cfg.init_from).resolve()), "checksum": weights_fingerprint(cfg.init_from)}
     changed = resume(run) if resume_from else {}
@@ -397,14 +430,26 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     return run
 
 
-def prepare_data(cfg: TrainConfig, rt: Runtime) -> tuple[TrainConfig, Tokenizer, TokenLoader | SyntheticMix]:
-    """(cfg with its tokenizer resolved, the tokenizer, this rank's loader): the default corpus prepared when it is
-    missing, the tokenizer checked against the data's, the sample checked against the context, the synthetic mix."""
-    cfg = resolve_tokenizer(cfg)
+def export_info(cfg: TrainConfig, tokenizer: Tokenizer | HFTokenizer, stored: ModelConfig | None) -> ExportInfo:
+    """What this run's exports carry: its tokenizer; from --init_from, the base's special ids and generation
+    config, and its context unless this run trained a longer one (a context extension); --export_dtype."""
+    base = None if not cfg.init_from else Path(cfg.init_from) if Path(cfg.init_from).is_dir() else \
+        Path(cfg.init_from).parent
+    context = max(cfg.context_length, stored.context_length if stored else 0)
+    return ExportInfo(tokenizer, base, context, getattr(torch, cfg.export_dtype))
+
+
+def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, stored: ModelConfig | None
+                 ) -> tuple[TrainConfig, Tokenizer | HFTokenizer, TokenLoader | SyntheticMix]:
+    """(cfg with its tokenizer file named, the tokenizer, this rank's loader): the tokenizer chosen and checked
+    (`resolve_tokenizer`), the default corpus prepared when it is missing, the tokenizer checked against the
+    data's, the sample checked against the context, the synthetic mix."""
+    cfg = resolve_tokenizer(cfg, resume_from, stored)
     ensure_default_data(cfg, rt)
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     check_tokenizer(loader.index, tokenizer)
+    cfg = dataclasses.replace(cfg, tokenizer=str(tokenizer.path))  # config.json names the tokenizer used
     prompt = len(tokenizer.encode(cfg.sample_prompt))
     if cfg.sample_tokens and prompt + cfg.sample_tokens > cfg.context_length:
         raise ValueError(f"--sample_tokens {cfg.sample_tokens} after the --sample_prompt's {prompt} tokens exceed "

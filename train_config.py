@@ -109,13 +109,17 @@ class TrainConfig:
     seed: int = option(0, "seed of the initialisation, the data order and the sample")
     # data
     data_dir: str = option(DEFAULT_DATA_DIR, f"prepared data (data.py); {DEFAULT_DATA_DIR} is created if missing")
-    tokenizer: str | None = option(None, "tokenizer .model file (default: DATA_DIR/tokenizer.model)")
+    tokenizer: str | None = option(None, "tokenizer: a SentencePiece .model, a tokenizer.json or a directory "
+                                         "holding one (default: the one stored with the checkpoint resumed or "
+                                         "the --init_from weights, else DATA_DIR's)")
     synthetic_mix: float = option(0.0, "share of training rows replaced by synthetic retrieval documents of "
                                      "--synthetic_task (synthetic.py); deterministic and resumable")
     synthetic_task: str = option("passkey", "'passkey' (a passkey or multi-key needle prompt and its answer), 'mqar' "
                                             "(dense multi-query associative recall over random token ids) or "
                                             "'mqar_text' (the same in sentences)")
     answer_loss: bool = option(False, "synthetic rows: loss on their answers only (labels -100 elsewhere)")
+    export_dtype: str = option("auto", "dtype of the exported weights: 'float32', 'bfloat16', or 'auto' = --dtype's "
+                                       "(bf16 training exports bf16)")
     # run
     out_dir: str = option("auto", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/; 'auto' = "
                                   "runs/<model>-<attention>-<T>[-<finetune>], or the next free -2, -3, ... when that "
@@ -143,7 +147,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"model_size": [*PRESETS, "auto"], "attention_type": ["auto", *ATTENTION_TYPES],
-                   "dtype": ["auto", "float32", "bfloat16"], "finetune": list(FINETUNE_MODES),
+                   "dtype": ["auto", "float32", "bfloat16"], "export_dtype": ["auto", "float32", "bfloat16"],
+                   "finetune": list(FINETUNE_MODES),
                    "npt_residual_mode": ["modulate", "additive"], "loss": ["auto", "standard", "chunked"],
                    "quantize_base": [None, *QUANTIZED], "synthetic_task": list(SYNTHETIC_TASKS)}
         for name, allowed in choices.items():
@@ -318,6 +323,8 @@ def resolve_config(cfg: TrainConfig, device: torch.device, log: typing.Callable[
         "attention_type": "nsa" if long else "full",
         "dtype": "bfloat16" if cuda else "float32",
     }
+    if cfg.export_dtype == "auto":
+        auto["export_dtype"] = cfg.dtype if cfg.dtype != "auto" else auto["dtype"]
     if cfg.init_from:  # the architecture is the stored model's (build_model_config)
         del auto["model_size"], auto["attention_type"]
     values = {k: v for k, v in auto.items() if getattr(cfg, k) == "auto"}

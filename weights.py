@@ -39,7 +39,16 @@ from checkpoint import (
     written_directory,
 )
 from config import ComputeConfig, ModelConfig
-from hf import CONFIG_NAME, check_hf_checkpoint, export_hf_checkpoint, export_refusal, load_hf_checkpoint
+from hf import (
+    CONFIG_NAME,
+    WEIGHTS_ONLY,
+    ExportInfo,
+    check_hf_checkpoint,
+    export_hf_checkpoint,
+    export_refusal,
+    json_object,
+    load_hf_checkpoint,
+)
 from model import Transformer
 
 WEIGHTS_NAME = "model.safetensors"
@@ -64,27 +73,32 @@ def base_parameter_names(config: ModelConfig) -> set[str]:
         return set(Transformer(config).state_dict())
 
 
-def export_model(model: Transformer, out_dir: str | Path, base_only: bool = False) -> list[Path]:
+def export_model(model: Transformer, out_dir: str | Path, base_only: bool = False,
+                 info: ExportInfo = WEIGHTS_ONLY) -> list[Path]:
     """Write the final weights of `model` (collective under FSDP: every rank calls it): `out_dir/model/`
     (model.safetensors + config.json, the project's layout, any attention type) and `out_dir/hf/` (the Hugging Face
     layout) when the architecture has an equivalent there (`hf.export_refusal`). Each directory is written whole
-    or not at all, with a manifest.json that `load_model` checks (checkpoint.written_directory). Returns the
-    directories written on rank 0, [] elsewhere. `base_only`: see `gather_model`."""
+    or not at all, with a manifest.json that `load_model` checks (checkpoint.written_directory), and holds what
+    `info` adds (hf.ExportInfo: the tokenizer, named in model/config.json; the declared context; the dtype).
+    Returns the directories written on rank 0, [] elsewhere. `base_only`: see `gather_model`."""
     plain = gather_model(model, base_only)
     if plain is None:
         return []
     out_dir = Path(out_dir)
-    state = {k: v.contiguous() for k, v in plain.state_dict().items()}
+    config = info.model_config(plain.config)
+    state = info.cast({k: v.contiguous() for k, v in plain.state_dict().items()})
     if plain.config.tie_embeddings:
         del state["lm_head.weight"]  # safetensors refuses shared storage; it is embed_tokens.weight
     with written_directory(out_dir / "model") as tmp:
-        save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt",
-                                                       "model_config": json.dumps(plain.config.to_dict())})
-        described = {"format": FORMAT, "model": plain.config.to_dict(), "compute": plain.compute.to_dict()}
+        save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt", "model_config": json.dumps(config.to_dict())})
+        described = {"format": FORMAT, "model": config.to_dict(), "compute": plain.compute.to_dict()}
+        if info.tokenizer is not None:
+            described["tokenizer"] = info.tokenizer.record()
         (tmp / CONFIG_NAME).write_text(json.dumps(described, indent=1) + "\n")
+        info.write_tokenizer(tmp, config.context_length)
     written = [out_dir / "model"]
     if export_refusal(plain.config) is None:
-        export_hf_checkpoint(plain, out_dir / "hf", overwrite=True)
+        export_hf_checkpoint(plain, out_dir / "hf", overwrite=True, info=info)
         written.append(out_dir / "hf")
     return written
 
@@ -145,7 +159,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
             return Transformer.from_weights(ModelConfig.from_dict(config), state, compute)
         except ValueError as e:
             raise ValueError(f"{weights} does not match its config: {e}") from None
-    if path.is_dir() and "model_type" in _json_object(path / CONFIG_NAME):
+    if path.is_dir() and "model_type" in json_object(path / CONFIG_NAME):
         return load_hf_checkpoint(path, device=device, dtype=dtype, compute=compute)
     hint = f"; did you mean {path / 'model'} (a run's export)?" if (path / "model" / WEIGHTS_NAME).is_file() else ""
     raise ValueError(f"{path} is not a model: expected a training checkpoint step-N/ ({STATE_NAME} + .metadata), "
@@ -186,7 +200,7 @@ def stored_config(path: str | Path) -> ModelConfig:
         config = ModelConfig.from_dict(config)
         _check_export_shapes(path if path.suffix == ".safetensors" else path / WEIGHTS_NAME, config)
         return config
-    if path.is_dir() and "model_type" in _json_object(path / CONFIG_NAME):
+    if path.is_dir() and "model_type" in json_object(path / CONFIG_NAME):
         return check_hf_checkpoint(path)
     load_model(path)  # raises the error that names every layout
     raise AssertionError("unreachable")
@@ -231,10 +245,3 @@ def load_initial_weights(model: Transformer, path: str | Path,
                                                                 strict=False))  # adapters, `fresh`: not stored
 
 
-def _json_object(path: Path) -> dict:
-    """The JSON object in file `path`; {} when the file is absent, unreadable or not an object."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}

@@ -2,7 +2,7 @@
 values of the three branches, layer by layer. The tool researchers reach for when NSA misses a needle: was the
 needle's block ever selected, and does one branch's gate dominate?
 
-    python -m nsa.inspection runs/experiment/nsa/model --tokenizer data/stdlib/tokenizer.model --text @prompt.txt
+    python -m nsa.inspection runs/experiment/nsa/model --text @prompt.txt
     python -m nsa.inspection CHECKPOINT --tokenizer TOK.model --text "..." --positions -1 --find 12345
 
 Selection scores are recomputed explicitly from the layer's own queries and compressed keys (Eqs. 8-10, as in
@@ -92,19 +92,20 @@ def report(found: list[dict[str, Tensor]], positions: list[int], select_block_si
 
 
 def main(argv: list[str] | None = None) -> str:
-    from tokenizer import check_vocab, load_tokenizer
+    from tokenizer import check_vocab, model_tokenizer
     from weights import load_model, stored_config
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
-    p.add_argument("--tokenizer", required=True, help="SentencePiece .model or tokenizer.json")
+    p.add_argument("--tokenizer", help="a SentencePiece .model, a tokenizer.json or a directory holding one "
+                                       "(default: the one stored with the checkpoint)")
     p.add_argument("--text", required=True, help="the prompt (or @FILE to read it from a file)")
     p.add_argument("--positions", type=int, nargs="+", default=[-1], help="query positions to show (-1: the last)")
     p.add_argument("--find", help="text whose selection blocks are marked with * (e.g. the needle's number)")
     args = p.parse_args(argv)
     try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
         text = Path(args.text[1:]).read_text() if args.text.startswith("@") else args.text
-        config, tokenizer = stored_config(args.checkpoint), load_tokenizer(args.tokenizer)
+        config, tokenizer = stored_config(args.checkpoint), model_tokenizer(args.checkpoint, args.tokenizer)
         check_vocab(tokenizer, config.vocab_size)
         ids = tokenizer.encode(text)
         if not 1 <= len(ids) <= config.context_length:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf import ExportInfo
 from layers import RMSNorm
 from model import Transformer
 from train_config import TrainConfig
@@ -37,5 +38,5 @@ class NormsOnly:
     def initialise(self, model: Transformer, seed: int) -> None:
         pass  # the gains start as the base's
 
-    def export(self, model: Transformer, out_dir: Path) -> list[Path]:
-        return export_model(model, out_dir)
+    def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
+        return export_model(model, out_dir, info=info)
