@@ -16,6 +16,9 @@ Tasks (each prints a table and writes a PNG; results go to OUT_DIR/eval.json, re
   the per-token accuracy of the answer's tokens and their mean log-probability.
 - mqar, mqar_text: dense multi-query associative recall documents (synthetic.py) of each length, every answer
   scored under teacher forcing; accuracy and mean log-probability by key-query distance in log-spaced buckets.
+- documents: the log-likelihood of each document of --documents (.jsonl with a "text" field, or text files), each
+  read after the end-of-document id as training shows them, and bits per byte over all. lm-evaluation-harness's
+  `loglikelihood_rolling` computes the same numbers on the Hugging Face export (`lm_eval --model hf`).
 Default lengths follow what each task needs and the context (the run's); a length a task cannot hold is skipped with
 one line. Filler, keys and values come from a seeded generator (nothing is downloaded); prompts are built from
 separately encoded text pieces, so any tokenizer works.
@@ -40,13 +43,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from config import ComputeConfig
-from data import TokenLoader, validation_dir
+from data import TokenLoader, find_input_files, iter_documents, validation_dir
 from model import Transformer
 from synthetic import PromptBuilder, SyntheticDocuments
-from tokenizer import check_vocab, model_tokenizer
+from tokenizer import HFTokenizer, Tokenizer, check_vocab, model_tokenizer
 from weights import load_model, stored_config
 
-TASKS = ("loss", "passkey", "needle", "mqar", "mqar_text")
+TASKS = ("loss", "passkey", "needle", "mqar", "mqar_text", "documents")
 GRID_TASKS = ("passkey", "needle")
 RECALL_TASKS = ("mqar", "mqar_text")
 LOSS_CHUNK = 512  # positions whose logits exist at a time when scoring windows
@@ -238,6 +241,35 @@ def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: li
             "buckets": distance_buckets(distances, right, log_probs)}
 
 
+def document_loglikelihoods(model: Transformer, tokenizer: Tokenizer | HFTokenizer, texts: list[str]) -> dict:
+    """Each text's log-likelihood (natural log): the sum over its tokens of log p(token | the end-of-document id
+    and the text's earlier tokens), one forward per document. {"documents": [{"tokens", "bytes",
+    "loglikelihood"}], "loglikelihood", "bits_per_byte"} (the totals over all documents)."""
+    device = model.embed_tokens.weight.device
+    documents = []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([[tokenizer.eod_id, *tokenizer.encode(text)]], device=device)  # (1, T + 1)
+            logits = model.logits(model.hidden_states(ids[:, :-1]))  # (1, T, V)
+            log_probs = logits.double().log_softmax(-1).gather(-1, ids[:, 1:, None])  # (1, T, 1)
+            documents.append({"tokens": ids.shape[1] - 1, "bytes": len(text.encode("utf-8")),
+                              "loglikelihood": log_probs.sum().item()})
+    total = sum(d["loglikelihood"] for d in documents)
+    return {"documents": documents, "loglikelihood": total,
+            "bits_per_byte": -total / math.log(2) / max(1, sum(d["bytes"] for d in documents))}
+
+
+def read_documents(path: str, tokenizer: Tokenizer | HFTokenizer, context: int) -> list[str]:
+    """The non-empty documents of `path` (data.find_input_files); ValueError for one whose tokens and the
+    end-of-document id before them exceed `context`."""
+    texts = list(iter_documents(find_input_files([path])))
+    for i, text in enumerate(texts):
+        if (n := len(tokenizer.encode(text))) + 1 > context:
+            raise ValueError(f"--documents {path}: document {i} has {n} tokens, more than the context of {context} "
+                             "holds after the end-of-document id; shorten it or raise --context_length")
+    return texts
+
+
 # ---- reporting ----------------------------------------------------------------------------------------------------
 
 
@@ -245,6 +277,13 @@ def format_loss(result: dict) -> str:
     lines = [f"validation loss {result['loss']:.4f} (perplexity {result['perplexity']:.2f}) over {result['tokens']:,} "
              f"predicted tokens", f"{'positions':>17} {'mean loss':>10}"]
     lines += [f"{b['start']:>8}-{b['end'] - 1:<8} {b['loss']:>10.4f}" for b in result["buckets"]]
+    return "\n".join(lines)
+
+
+def format_documents(result: dict) -> str:
+    lines = [f"documents: {len(result['documents'])}, log-likelihood {result['loglikelihood']:.4f}, "
+             f"{result['bits_per_byte']:.4f} bits per byte", f"{'document':>8} {'tokens':>7} {'log-likelihood':>15}"]
+    lines += [f"{i:>8} {d['tokens']:>7} {d['loglikelihood']:>15.4f}" for i, d in enumerate(result["documents"])]
     return "\n".join(lines)
 
 
@@ -351,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(default: the one stored with the checkpoint, the run's, "
                                        "DATA_DIR/tokenizer.model)")
     p.add_argument("--data_dir", help="prepared data with a validation split (default: the run's)")
+    p.add_argument("--documents", help="the documents task's input: a .jsonl with a \"text\" field, a text file or a "
+                                       "directory of them")
     p.add_argument("--context_length", type=int, help="tokens per loss window and longest prompt (default: the "
                                                        "run's, else 1024, at most the model's)")
     p.add_argument("--eval_tokens", type=int, default=65536, help="validation tokens scored by the loss task")
@@ -400,7 +441,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     the model is loaded, and eval.json is rewritten after each task."""
     checkpoint, tokenizer, data_dir, context, out_dir = check_inputs(args)
     builder = PromptBuilder(tokenizer)
-    plans = {task: plan_lengths(task, args.lengths, context, builder) for task in args.tasks if task != "loss"}
+    plans = {task: plan_lengths(task, args.lengths, context, builder) for task in args.tasks
+             if task not in ("loss", "documents")}
+    texts = read_documents(args.documents, tokenizer, context) if "documents" in args.tasks else []
     out_dir.mkdir(parents=True, exist_ok=True)
 
     model = load_model(checkpoint, device=args.device, compute=ComputeConfig()).eval()
@@ -415,6 +458,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         windows = validation_windows(data_dir, context, args.eval_tokens, args.seed)
         results["loss"] = loss_by_position(model, windows, args.batch_size)
         print(format_loss(results["loss"]))
+        write()
+    if "documents" in args.tasks:
+        results["documents"] = document_loglikelihoods(model, tokenizer, texts) | {"file": args.documents}
+        print(format_documents(results["documents"]))
         write()
     for task, lengths in plans.items():
         if not lengths:
@@ -450,6 +497,8 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
                                                              data_dir and Path(data_dir) / "tokenizer.model"))
     if "loss" in args.tasks and not data_dir:
         raise ValueError("the loss task needs --data_dir (prepared data with a validation split)")
+    if "documents" in args.tasks and not args.documents:
+        raise ValueError("the documents task needs --documents FILE (.jsonl with a \"text\" field, or text files)")
     if not 0 <= min(args.depths) <= max(args.depths) <= 1:
         raise ValueError(f"--depths must lie in [0, 1], got {args.depths}")
     for name in ("samples", "batch_size", "eval_tokens", "context_length"):

@@ -77,6 +77,7 @@ from parallel import apply_fsdp, init_sharded_weights
 from rundir import RunLock, check_run_directory, exit_with_launcher, start_timeline
 from synthetic import SyntheticMix
 from tokenizer import HFTokenizer, Tokenizer, check_vocab, load_tokenizer, tokenizer_file
+from tracking import check_tracker, tracking
 from train_config import (
     DEFAULT_DATA_DIR,
     TOKENIZER_VOCAB,
@@ -399,6 +400,7 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position."""
     mode = finetune_mode(cfg)
     mode.check(rt.world_size)
+    check_tracker(cfg.tracker)
     check_run_directory(Path(cfg.out_dir), cfg.resume)
     stored = stored_config(cfg.init_from) if cfg.init_from else None
     resume_from = resume_point(cfg, rt)
@@ -644,7 +646,8 @@ def loop(run: Run) -> dict:
     leaks, last_save, stop, clock = LeakWatch(), time.monotonic(), False, Clock(run.step, cfg.max_steps)
     heartbeat = (Heartbeat(run.model.layers, cfg.heartbeat_seconds, A, cfg.gradient_checkpointing)
                  if main_rank and cfg.heartbeat_seconds else None)
-    with stop_on_signals() as signals:
+    tracker = cfg.tracker if main_rank else None
+    with stop_on_signals() as signals, tracking(tracker, run.out_dir, cfg, run.step) as track:
         def requests() -> list[bool]:  # read after each backward: a stop signal; a time-based save due
             minutes = (time.monotonic() - last_save) / 60
             return [signals["stop"], bool(cfg.checkpoint_minutes) and minutes >= cfg.checkpoint_minutes]
@@ -660,6 +663,7 @@ def loop(run: Run) -> dict:
                        **clock.update(run.step)}
             if main_rank:
                 log_step(metrics, cfg, run.out_dir / "metrics.jsonl", bar)
+                track(metrics)
             check_limits(run, metrics)
             if stop or save_due or run.save_scheduled():
                 path = run.save()

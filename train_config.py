@@ -24,6 +24,7 @@ from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_o
 from finetune import FINETUNE_MODES, finetune_mode
 from quantize import QUANTIZED
 from synthetic import SYNTHETIC_TASKS
+from tracking import TRACKERS
 
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
 BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per micro-batch
@@ -118,6 +119,8 @@ class TrainConfig:
                                             "(dense multi-query associative recall over random token ids) or "
                                             "'mqar_text' (the same in sentences)")
     answer_loss: bool = option(False, "synthetic rows: loss on their answers only (labels -100 elsewhere)")
+    tracker: str | None = option(None, "also send the metrics to 'tensorboard' (OUT_DIR/tensorboard) or 'wandb' "
+                                       "(WANDB_MODE=offline works without an account)")
     export_dtype: str = option("auto", "dtype of the exported weights: 'float32', 'bfloat16', or 'auto' = --dtype's "
                                        "(bf16 training exports bf16)")
     # run
@@ -150,7 +153,8 @@ class TrainConfig:
                    "dtype": ["auto", "float32", "bfloat16"], "export_dtype": ["auto", "float32", "bfloat16"],
                    "finetune": list(FINETUNE_MODES),
                    "npt_residual_mode": ["modulate", "additive"], "loss": ["auto", "standard", "chunked"],
-                   "quantize_base": [None, *QUANTIZED], "synthetic_task": list(SYNTHETIC_TASKS)}
+                   "quantize_base": [None, *QUANTIZED], "synthetic_task": list(SYNTHETIC_TASKS),
+                   "tracker": [None, *TRACKERS]}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -17,6 +17,7 @@ import eval as evaluation
 import train
 from model import ModelConfig, Transformer
 from tokenizer import Tokenizer
+from weights import load_model
 
 
 def test_scorer_reads_the_first_number():
@@ -161,6 +162,24 @@ def test_eval_json_is_written_after_each_task(demo_run, monkeypatch, tmp_path):
         evaluation.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "128", "--samples", "1",
                          "--depths", "0", "--out_dir", str(tmp_path)])
     assert "passkey" in json.loads((tmp_path / "eval.json").read_text())  # the finished task is kept
+
+
+def test_document_loglikelihoods_are_the_model_loss_after_the_end_of_document_id(demo_run, data_dir, tmp_path):
+    documents = tmp_path / "documents.jsonl"
+    texts = ["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())"]
+    documents.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    result = evaluation.main([str(demo_run / "model"), "--tasks", "documents", "--documents", str(documents),
+                              "--out_dir", str(tmp_path / "eval")])["documents"]
+    model, tokenizer = load_model(demo_run / "model", dtype=torch.float64), Tokenizer(data_dir / "tokenizer.model")
+    for text, document in zip(texts, result["documents"], strict=True):
+        ids = torch.tensor([[tokenizer.eod_id, *tokenizer.encode(text)]])
+        mean_loss = F.cross_entropy(model(ids[:, :-1]).logits[0], ids[0, 1:]).item()
+        assert document["loglikelihood"] == pytest.approx(-mean_loss * (ids.shape[1] - 1), rel=1e-5)
+        assert (document["tokens"], document["bytes"]) == (ids.shape[1] - 1, len(text.encode()))
+    long = tmp_path / "long.txt"
+    long.write_text("x = 1\n" * 400)
+    with pytest.raises(SystemExit):
+        evaluation.main([str(demo_run / "model"), "--tasks", "documents", "--documents", str(long)])
 
 
 @pytest.mark.parametrize("args, message", [

@@ -38,6 +38,8 @@ SKIPPED = {  # what a CPU test cannot run, and why
     "python3 -m venv": "installs",
     "pytest": "the test suite itself",
     "benchmarks/": "a benchmark (minutes; its --help is tested)",
+    "lm_eval ": "downloads its task's data (tests/test_lm_eval.py runs a local task)",
+    "--documents docs.jsonl": "the reader's own documents (tests/test_eval.py scores some)",
 }
 SCALED = {"--context_length 131072": "--context_length 256", "--context_length 32768": "--context_length 256",
           "--model_size 4B": "--model_size tiny", "~/corpus": "CORPUS"}  # CPU-test scale; CORPUS: a stdlib package
