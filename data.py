@@ -23,24 +23,29 @@ Without --input, the corpus is the running interpreter's standard library source
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sysconfig
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from tokenizer import Tokenizer, load_tokenizer
+from loss import IGNORE_INDEX
+from tokenizer import HFTokenizer, Tokenizer, chat_turn, load_tokenizer
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = 1
 VALIDATION_DIR = "validation"
 DEFAULT_VALIDATION_FRACTION = 0.01  # held-out documents: 1 in 100, at least one
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # files picked up when walking a directory, besides .jsonl
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # files picked up when walking a directory, besides records:
+RECORD_SUFFIXES = (".jsonl", ".parquet")  # one document per line / row
+NUL = b"\0"  # in a file that should be text: a binary file
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per uint16 shard
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -59,47 +64,118 @@ def stdlib_files() -> list[Path]:
 
 
 def find_input_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Expand `paths` into files: a file is kept as given; a directory is walked (sorted) for `.jsonl` and
-    `TEXT_SUFFIXES` files. Raises FileNotFoundError for a missing path, ValueError if nothing is found."""
+    """Expand `paths` into files: a file is kept as given; a directory is walked (sorted) for `.jsonl`, `.parquet`
+    and `TEXT_SUFFIXES` files. Raises FileNotFoundError for a missing path, ValueError if nothing is found."""
     files: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", *TEXT_SUFFIXES))
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*RECORD_SUFFIXES,
+                                                                                         *TEXT_SUFFIXES))
         elif path.is_file():
             files.append(path)
         else:
             raise FileNotFoundError(f"input {path} does not exist")
     if not files:
-        raise ValueError(f"no input files found in {[str(p) for p in paths]} (looked for .jsonl and "
+        raise ValueError(f"no input files found in {[str(p) for p in paths]} (looked for .jsonl, .parquet and "
                          f"{', '.join(TEXT_SUFFIXES)})")
     return files
 
 
-def _documents_with_sizes(files: Sequence[Path], text_field: str) -> Iterator[tuple[str, int]]:
-    """Yield (document text, input bytes consumed). A `.jsonl` file gives one document per line (the string in
-    `text_field`); any other file is one document. Invalid UTF-8 becomes U+FFFD."""
+@dataclass(frozen=True)
+class Document:
+    """A document of the corpus: `text`, every token of which is predicted, after `prompt`, whose tokens are only
+    context (a prompt/response record; "" for any other document)."""
+
+    text: str
+    prompt: str = ""
+
+
+class Decoder:
+    """Bytes of the input files -> text. errors="strict": a file that is not UTF-8 text (invalid UTF-8, or NUL
+    bytes: binary) is a ValueError naming it; "replace": invalid bytes become U+FFFD and are counted per file
+    (`replaced`)."""
+
+    def __init__(self, errors: str = "strict") -> None:
+        if errors not in ("strict", "replace"):
+            raise ValueError(f"errors must be 'strict' or 'replace', got {errors!r}")
+        self.errors, self.replaced = errors, {}
+
+    def __call__(self, data: bytes, path: Path, where: str = "") -> str:
+        if self.errors == "replace":
+            text = data.decode("utf-8", errors="replace")
+            if n := text.count("\ufffd") - data.count("\ufffd".encode()):
+                self.replaced[str(path)] = self.replaced.get(str(path), 0) + n
+            return text
+        try:
+            if NUL in data:
+                raise ValueError(f"a NUL byte at offset {data.index(NUL)}: a binary file")
+            return data.decode("utf-8")
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{path}{where} is not UTF-8 text ({e}); pass --errors replace to read it anyway "
+                             "(invalid bytes become U+FFFD and are counted), or leave the file out") from None
+
+
+def _record_documents(record: object, text_field: str, where: str) -> Document:
+    """The Document of a JSONL or parquet record: prompt/response fields, or the text field."""
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        return Document(record["response"], record["prompt"])
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise ValueError(f"{where}: expected a JSON object with a string field {text_field!r} (or \"prompt\" and "
+                         "\"response\")")
+    return Document(record[text_field])
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[Document, int]]:
+    """The documents of a parquet file (its `text_field` column, or "prompt" and "response"), read in batches."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid: not a parquet file
+        raise ValueError(f"{path} is not a readable parquet file ({e})") from None
+    names = set(table.schema_arrow.names)
+    columns = ["prompt", "response"] if {"prompt", "response"} <= names else [text_field]
+    if not set(columns) <= names:
+        raise ValueError(f"{path} has no column {text_field!r} (columns: {sorted(names)}); pass --text_field")
+    rows, size = table.metadata.num_rows, path.stat().st_size
+    for i, row in enumerate(r for batch in table.iter_batches(columns=columns) for r in batch.to_pylist()):
+        share = size * (i + 1) // rows - size * i // rows  # the file's bytes, spread over its rows
+        yield _record_documents(row, text_field, f"{path} row {i}"), share
+
+
+def _documents_with_sizes(files: Sequence[Path], text_field: str, decode: Decoder | None = None
+                          ) -> Iterator[tuple[Document, int]]:
+    """Yield (document, input bytes consumed). A `.jsonl` file gives one document per line (the string in
+    `text_field`, or a "prompt"/"response" pair), a `.parquet` file one per row likewise; any other file is one
+    document. Bytes become text through `decode` (default: strict UTF-8)."""
+    decode = decode or Decoder()
     for path in files:
+        if path.suffix == ".parquet":
+            yield from _parquet_documents(path, text_field)
+            continue
         if path.suffix != ".jsonl":
             data = path.read_bytes()
-            yield data.decode("utf-8", errors="replace"), len(data)
+            yield Document(decode(data, path)), len(data)
             continue
         with path.open("rb") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
-                    yield "", len(line)
+                    yield Document(""), len(line)
                     continue
                 try:
-                    record = json.loads(line)
+                    record = json.loads(decode(line, path, f":{lineno}"))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field {text_field!r}")
-                yield record[text_field], len(line)
+                yield _record_documents(record, text_field, f"{path}:{lineno}"), len(line)
 
 
-def iter_documents(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
-    """Document texts of `files` (see `find_input_files`), in order; e.g. to train a tokenizer."""
-    return (text for text, _ in _documents_with_sizes(files, text_field) if text)
+def iter_documents(files: Sequence[Path], text_field: str = "text", errors: str = "strict") -> Iterator[str]:
+    """Document texts of `files` (see `find_input_files`; a prompt/response pair as its two texts joined), in
+    order; e.g. to train a tokenizer."""
+    return (d.prompt + d.text for d, _ in _documents_with_sizes(files, text_field, Decoder(errors))
+            if d.prompt or d.text)
 
 
 # ---------------------------------------------------------------- shards on disk
@@ -126,7 +202,8 @@ class ShardWriter:
     The index is written last, so a directory whose write was interrupted has no index and is never loaded.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, vocab_size: int, shard_tokens: int = DEFAULT_SHARD_TOKENS):
+    def __init__(self, out_dir: str | os.PathLike, vocab_size: int, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                 masked: bool = False):
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
         self.out_dir = Path(out_dir)
@@ -135,13 +212,20 @@ class ShardWriter:
         self.dtype = token_dtype(vocab_size)
         self.shards: list[dict] = []
         self._buf = np.empty(shard_tokens, dtype=self.dtype)  # pages are only touched as they fill
+        self._mask = np.empty(shard_tokens, dtype=np.uint8) if masked else None  # 1: the token is a target
         self._fill = 0
 
-    def write(self, ids: np.ndarray) -> None:
-        """Append `ids` (1-D integer array, values in [0, vocab_size)) to the stream."""
+    def write(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append `ids` (1-D integer array, values in [0, vocab_size)) to the stream; for a masked writer also
+        `mask` (1-D, as long: 1 where the token is a target of the loss, 0 where it is only context; default 1)."""
+        if self._mask is not None and mask is None:
+            mask = np.ones(len(ids), dtype=np.uint8)
         while len(ids):
             n = min(len(ids), len(self._buf) - self._fill)
             self._buf[self._fill : self._fill + n] = ids[:n]
+            if self._mask is not None:
+                self._mask[self._fill : self._fill + n] = mask[:n]
+                mask = mask[n:]
             self._fill += n
             ids = ids[n:]
             if self._fill == len(self._buf):
@@ -151,6 +235,9 @@ class ShardWriter:
         name = f"shard_{len(self.shards):05d}.bin"
         _write_atomic(self.out_dir / name, self._buf[: self._fill])
         self.shards.append({"file": name, "num_tokens": self._fill})
+        if self._mask is not None:
+            self.shards[-1]["mask"] = name.replace("shard_", "mask_")
+            _write_atomic(self.out_dir / self.shards[-1]["mask"], self._mask[: self._fill])
         self._fill = 0
 
     def finish(self, **metadata) -> dict:
@@ -169,13 +256,14 @@ class ShardWriter:
         return index
 
 
-def _batches(docs: Iterator[tuple[str, int]], max_bytes: int = 4_000_000) -> Iterator[tuple[list[str], int]]:
-    """Group (text, input bytes) pairs into (non-empty texts, input bytes) batches of about `max_bytes`: large
-    enough to keep SentencePiece's encoding threads busy."""
-    texts: list[str] = []
+def _batches(docs: Iterator[tuple[Document, int]], max_bytes: int = 4_000_000
+             ) -> Iterator[tuple[list[Document], int]]:
+    """Group (document, input bytes) pairs into (non-empty documents, input bytes) batches of about `max_bytes`:
+    large enough to keep SentencePiece's encoding threads busy."""
+    texts: list[Document] = []
     nbytes = 0
     for text, size in docs:
-        if text:
+        if text.text or text.prompt:
             texts.append(text)
         nbytes += size
         if nbytes >= max_bytes:
@@ -194,18 +282,25 @@ def prepare(
     overwrite: bool = False,
     progress: bool = True,
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
+    errors: str = "strict",
 ) -> dict:
     """Tokenize a corpus into shards under `out_dir`; return the index (which includes the summary counts).
 
     Args:
         inputs: files/directories (see `find_input_files`); None = `stdlib_files()`.
         tokenizer: every document is `tokenizer.encode(text) + [tokenizer.eod_id]`; empty documents are skipped.
+            A prompt/response record is its prompt and response through the tokenizer's chat template
+            (tokenizer.chat_turn), and the corpus then gets a loss mask (mask_XXXXX.bin beside each shard: 1 for
+            the response's tokens and the end-of-document id, 0 for the prompt's; 1 for other documents), which
+            the loader applies to the labels.
         out_dir: created if needed. An existing index is replaced only with `overwrite=True`.
         shard_tokens: ids per shard file (the last one is shorter).
         text_field: the field holding the text in `.jsonl` records.
         progress: show a progress bar over input bytes.
         validation_fraction: share of the documents held out in `out_dir/validation/` (documents 0, k, 2k, ...,
             k = round(1 / fraction), so at least one; 0 for none). Training never sees them.
+        errors: "strict" (a file that is not UTF-8 text is a ValueError naming it) or "replace" (invalid bytes
+            become U+FFFD; the index's "replaced" counts them per file).
     """
     if not 0 <= validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
@@ -218,21 +313,24 @@ def prepare(
         (out_dir / INDEX_NAME).unlink()  # first, so an interrupted rewrite leaves no loadable index
         for old in [*out_dir.glob("shard_*.bin"), *out_dir.glob(f"{VALIDATION_DIR}/*")]:
             old.unlink()
-    writer = ShardWriter(out_dir, tokenizer.vocab_size, shard_tokens)
+    masked = any(_has_pairs(f, text_field) for f in files)
+    writer = ShardWriter(out_dir, tokenizer.vocab_size, shard_tokens, masked)
     every = round(1 / validation_fraction) if validation_fraction else 0
-    held_out = ShardWriter(out_dir / VALIDATION_DIR, tokenizer.vocab_size, shard_tokens) if every else None
+    held_out = ShardWriter(out_dir / VALIDATION_DIR, tokenizer.vocab_size, shard_tokens, masked) if every else None
     num_documents = num_validation = 0
+    decode = Decoder(errors)
     with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="tokenizing",
               disable=not progress) as bar:
-        for texts, nbytes in _batches(_documents_with_sizes(files, text_field)):
-            for ids in tokenizer.encode_batch(texts):
+        for docs, nbytes in _batches(_documents_with_sizes(files, text_field, decode)):
+            for ids, mask in _encode(docs, tokenizer, writer.dtype):
                 validation = held_out is not None and num_documents % every == 0
-                (held_out if validation else writer).write(np.array([*ids, tokenizer.eod_id], dtype=writer.dtype))
+                (held_out if validation else writer).write(ids, mask)
                 num_documents += 1
                 num_validation += validation
             bar.update(nbytes)
     tok_info = {"path": str(tokenizer.path.resolve()), "vocab_size": tokenizer.vocab_size, "sha256": tokenizer.sha256}
-    metadata = {"eod_id": tokenizer.eod_id, "tokenizer": tok_info}
+    metadata = {"eod_id": tokenizer.eod_id, "tokenizer": tok_info, **({"replaced": decode.replaced} if
+                                                                      decode.replaced else {})}
     if held_out is not None and num_documents - num_validation == 0:
         raise ValueError(f"{num_documents} document(s) leave nothing to train on after the validation split; "
                          "pass validation_fraction=0 (--validation_fraction 0) or add documents")
@@ -241,6 +339,33 @@ def prepare(
         metadata["validation"] = {"dir": VALIDATION_DIR, "every": every, "num_documents": num_validation,
                                   "num_tokens": split["num_tokens"]}
     return writer.finish(num_documents=num_documents - num_validation, **metadata)
+
+
+def _has_pairs(path: Path, text_field: str) -> bool:
+    """Whether a record file holds prompt/response pairs: its first JSONL record or its parquet columns."""
+    if path.suffix == ".parquet":
+        return next(_parquet_documents(path, text_field), (Document(""), 0))[0].prompt != ""
+    if path.suffix == ".jsonl":
+        with path.open("rb") as f:
+            line = next((ln for ln in f if ln.strip()), b"")
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            return isinstance(record, dict) and {"prompt", "response"} <= set(record)
+    return False
+
+
+def _encode(docs: list[Document], tokenizer: Tokenizer | HFTokenizer, dtype: np.dtype
+            ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """(ids, loss mask or None) of each document: its tokens and the end-of-document id; for a prompt/response
+    pair the prompt's tokens (through the chat template) are masked out."""
+    pairs = [chat_turn(tokenizer, d.prompt, d.text) if d.prompt else ("", d.text) for d in docs]
+    contexts = tokenizer.encode_batch([context for context, _ in pairs])
+    targets = tokenizer.encode_batch([target for _, target in pairs])
+    for context, target in zip(contexts, targets, strict=True):
+        ids = np.array([*context, *target, tokenizer.eod_id], dtype=dtype)
+        mask = np.ones(len(ids), dtype=np.uint8)
+        mask[:len(context)] = 0
+        yield ids, mask if context else None
 
 
 def load_index(data_dir: str | os.PathLike) -> dict:
@@ -279,6 +404,13 @@ def load_index(data_dir: str | os.PathLike) -> dict:
         if file.stat().st_size != expected:
             raise ValueError(f"shard {file} has {file.stat().st_size} bytes but {path} says {shard['num_tokens']} "
                              f"{dtype} tokens ({expected} bytes); the directory is corrupt, re-run prepare")
+        mask = data_dir / str(shard.get("mask", ""))
+        if "mask" in shard and ("/" in shard["mask"] or not mask.is_file() or mask.stat().st_size != shard[
+                "num_tokens"]):
+            raise ValueError(f"the loss mask of shard {file} is missing or not {shard['num_tokens']} bytes; the "
+                             "directory is corrupt, re-run prepare")
+    if len({"mask" in shard for shard in index["shards"]}) > 1:
+        raise ValueError(f"{path} gives a loss mask to some shards only; re-run prepare")
     return index
 
 
@@ -359,6 +491,8 @@ class TokenLoader:
         dtype = np.dtype(self.index["dtype"])
         shards = [s for s in self.index["shards"] if s["num_tokens"] > 0]
         self._shards = [np.memmap(data_dir / s["file"], dtype=dtype, mode="r") for s in shards]
+        self._masks = [np.memmap(data_dir / s["mask"], dtype=np.uint8, mode="r") for s in shards
+                       if "mask" in s] or None  # prompt/response data: 1 where the token is a target
         self._shard_starts = np.cumsum([0] + [s["num_tokens"] for s in shards])  # (num_shards + 1,)
         self.num_tokens: int = int(self._shard_starts[-1])
         self.num_windows = max(self.num_tokens - 1, 0) // (seq_len - 1)
@@ -377,13 +511,15 @@ class TokenLoader:
             self._order_epoch = self.epoch
         return self._order
 
-    def _read(self, start: int, out: np.ndarray) -> None:
-        """Copy `stream[start : start + len(out)]` into `out`, across shard boundaries if needed."""
+    def _read(self, start: int, out: np.ndarray, shards: list[np.memmap] | None = None) -> None:
+        """Copy `stream[start : start + len(out)]` into `out`, across shard boundaries if needed (of the loss
+        masks' stream when `shards` is self._masks)."""
+        shards = shards or self._shards
         pos, n = start, 0
         while n < len(out):
             s = int(np.searchsorted(self._shard_starts, pos, side="right")) - 1
             local = pos - int(self._shard_starts[s])
-            piece = self._shards[s][local : local + len(out) - n]
+            piece = shards[s][local : local + len(out) - n]
             out[n : n + len(piece)] = piece
             n += len(piece)
             pos += len(piece)
@@ -401,7 +537,12 @@ class TokenLoader:
             self._read(int(w) * (self.seq_len - 1), tokens[row])
         self.step += 1
         input_ids = torch.from_numpy(tokens)  # (B, T)
-        return input_ids, input_ids.clone()
+        if self._masks is None:
+            return input_ids, input_ids.clone()
+        mask = np.empty((self.batch_size, self.seq_len), dtype=np.uint8)  # (B, T)
+        for row, w in enumerate(windows):
+            self._read(int(w) * (self.seq_len - 1), mask[row], self._masks)
+        return input_ids, input_ids.masked_fill(torch.from_numpy(mask) == 0, IGNORE_INDEX)
 
     def state_dict(self) -> dict:
         """Position after the last batch returned, plus what identifies the window order. Plain ints (JSON-able)."""
@@ -433,7 +574,10 @@ class TokenLoader:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    inputs_help = "files or directories (.jsonl, text files); default: the Python standard library source"
+    inputs_help = ("files or directories (.jsonl and .parquet records: a text field, or prompt and response; text "
+                   "files); default: the Python standard library source")
+    errors_help = ("a file that is not UTF-8 text: 'strict' stops with its name, 'replace' reads invalid bytes as "
+                   "U+FFFD and reports how many")
 
     tok = commands.add_parser("train-tokenizer", help="train a SentencePiece BPE tokenizer")
     tok.add_argument("--input", nargs="+", help=inputs_help)
@@ -441,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok.add_argument("--model_prefix", required=True, help="writes MODEL_PREFIX.model")
     tok.add_argument("--max_train_mb", type=float, default=8.0, help="training sample size (first N MB of lines)")
     tok.add_argument("--text_field", default="text", help="text field of .jsonl records")
+    tok.add_argument("--errors", choices=["strict", "replace"], default="strict", help=errors_help)
 
     prep = commands.add_parser("prepare", help="tokenize a corpus into shards")
     prep.add_argument("--input", nargs="+", help=inputs_help)
@@ -448,22 +593,32 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="a SentencePiece .model file, or a Hugging Face tokenizer.json (pip install tokenizers)")
     prep.add_argument("--out_dir", required=True)
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    prep.add_argument("--text_field", default="text", help="text field of .jsonl records")
+    prep.add_argument("--text_field", default="text", help="text field of .jsonl and .parquet records")
+    prep.add_argument("--errors", choices=["strict", "replace"], default="strict", help=errors_help)
     prep.add_argument("--overwrite", action="store_true", help="replace existing prepared data in out_dir")
     prep.add_argument("--validation_fraction", type=float, default=DEFAULT_VALIDATION_FRACTION,
                       help="share of documents held out in OUT_DIR/validation (every k-th; 0: none)")
     args = parser.parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
+        parser.error(str(e))
 
+
+def run(args: argparse.Namespace) -> None:
+    """data.py's work for parsed arguments."""
     t0 = time.perf_counter()
     if args.command == "train-tokenizer":
         files = stdlib_files() if args.input is None else find_input_files(args.input)
-        tokenizer = Tokenizer.train(iter_documents(files, args.text_field), args.vocab_size, args.model_prefix,
-                                    max_train_bytes=int(args.max_train_mb * 1e6))
+        tokenizer = Tokenizer.train(iter_documents(files, args.text_field, args.errors), args.vocab_size,
+                                    args.model_prefix, max_train_bytes=int(args.max_train_mb * 1e6))
         print(f"wrote {tokenizer.path} (vocab_size {tokenizer.vocab_size}) in {time.perf_counter() - t0:.1f} s")
         return
     index = prepare(args.input, load_tokenizer(args.tokenizer), args.out_dir, shard_tokens=args.shard_tokens,
                     text_field=args.text_field, overwrite=args.overwrite,
-                    validation_fraction=args.validation_fraction)
+                    validation_fraction=args.validation_fraction, errors=args.errors)
+    for file, count in index.get("replaced", {}).items():
+        print(f"{file}: {count} invalid UTF-8 sequences read as U+FFFD")
     n_docs, n_tokens = index["num_documents"], index["num_tokens"]
     held_out = index.get("validation", {"num_documents": 0, "num_tokens": 0})
     print(f"wrote {args.out_dir}: {n_docs} documents, {n_tokens} tokens ({n_tokens / max(n_docs, 1):.0f} per "

@@ -245,6 +245,16 @@ class HFTokenizer:
         self.eod_id = self.eos_id = self._eod_id()
         self.bos_id = self.pad_id = -1
 
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template beside the tokenizer (chat_template.jinja, or tokenizer_config.json's
+        "chat_template"), or None."""
+        if (file := self.path.parent / "chat_template.jinja").is_file():
+            return file.read_text()
+        config_file = self.path.parent / HF_CONFIG
+        template = json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
+        return template if isinstance(template, str) else None
+
     def _eod_id(self) -> int:
         config_file = self.path.parent / "tokenizer_config.json"
         names = list(self.EOD_FALLBACKS)
@@ -286,6 +296,31 @@ class HFTokenizer:
         """What a checkpoint or export says of the tokenizer it holds: file, sha256, vocab_size, special ids."""
         return {"file": HF_FILE, "sha256": self.sha256, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "bos_id": self.bos_id, "pad_id": self.pad_id}
+
+
+def chat_turn(tokenizer: Tokenizer | HFTokenizer, prompt: str, response: str) -> tuple[str, str]:
+    """(context, target) texts of a prompt/response pair: through the tokenizer's chat template when it has one (a
+    user turn with the generation prompt, then the assistant turn's remaining text, its end marker included, as
+    transformers' `apply_chat_template` renders them), else the two texts as they are."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        return prompt, response
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"{tokenizer.path}'s chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    render = env.from_string(template).render
+    user = [{"role": "user", "content": prompt}]
+    context = render(messages=user, add_generation_prompt=True)
+    whole = render(messages=[*user, {"role": "assistant", "content": response}], add_generation_prompt=False)
+    if not whole.startswith(context):
+        raise ValueError(f"{tokenizer.path}'s chat template renders the reply's turn with a prompt other than the "
+                         "generation prompt: prompt/response data cannot be split with it")
+    return context, whole[len(context):]
 
 
 def tokenizer_file(directory: Path) -> Path | None:

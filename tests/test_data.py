@@ -12,6 +12,7 @@ import torch
 
 from data import (
     INDEX_NAME,
+    Document,
     ShardWriter,
     TokenLoader,
     _batches,
@@ -22,7 +23,7 @@ from data import (
     stdlib_files,
     validation_dir,
 )
-from tokenizer import SPACE_MARK, Tokenizer, check_vocab
+from tokenizer import SPACE_MARK, HFTokenizer, Tokenizer, chat_turn, check_vocab
 
 # ---------------------------------------------------------------- fixtures
 
@@ -176,9 +177,88 @@ def test_prepare_cli(tok, small_corpus, tmp_path, capsys):
 
 
 def test_prepare_batches_keep_order_and_byte_counts():
-    docs = [("a", 5), ("", 3), ("b", 4), ("c", 1), ("", 2)]
+    docs = [(Document(text), size) for text, size in [("a", 5), ("", 3), ("b", 4), ("c", 1), ("", 2)]]
     batches = list(_batches(iter(docs), max_bytes=8))
-    assert batches == [(["a"], 8), (["b", "c"], 7)]  # empty texts dropped, their bytes still counted
+    assert batches == [([Document("a")], 8), ([Document("b"), Document("c")], 7)]  # empty: dropped, bytes counted
+
+
+def test_prepare_parquet_reads_its_rows_as_the_jsonl_records(tok, small_corpus, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    _, docs = small_corpus
+    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), tmp_path / "docs.parquet",
+                   row_group_size=2)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    for name in ("docs.parquet", "docs.jsonl"):
+        prepare([tmp_path / name], tok, tmp_path / name.replace(".", "_"), progress=False, validation_fraction=0)
+    np.testing.assert_array_equal(read_stream(tmp_path / "docs_parquet"), read_stream(tmp_path / "docs_jsonl"))
+    with pytest.raises(ValueError, match="has no column 'body'"):
+        prepare([tmp_path / "docs.parquet"], tok, tmp_path / "other", text_field="body", progress=False)
+
+
+def test_a_binary_or_non_utf8_file_is_refused_unless_replaced(tok, tmp_path, capsys):
+    (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    (tmp_path / "binary.txt").write_bytes(b"PAR1\x00\x15\x04 data")
+    for name in ("latin1.txt", "binary.txt"):
+        with pytest.raises(ValueError, match=f"{name} is not UTF-8 text .*--errors replace"):
+            prepare([tmp_path / name], tok, tmp_path / "out", progress=False)
+    index = prepare([tmp_path / "latin1.txt"], tok, tmp_path / "out", progress=False, validation_fraction=0,
+                    errors="replace")
+    assert index["replaced"] == {str(tmp_path / "latin1.txt"): 1}
+    assert tok.decode(read_stream(tmp_path / "out")[:-1]) == "caf\ufffd au lait\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prepare", "--input", str(tmp_path / "binary.txt"), "--tokenizer", str(tok.path), "--out_dir",
+              str(tmp_path / "cli")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "binary.txt is not UTF-8 text" in err and "Traceback" not in err
+    main(["prepare", "--input", str(tmp_path / "latin1.txt"), "--tokenizer", str(tok.path), "--out_dir",
+          str(tmp_path / "cli"), "--errors", "replace", "--validation_fraction", "0"])
+    assert "latin1.txt: 1 invalid UTF-8 sequences read as U+FFFD" in capsys.readouterr().out
+
+
+def test_prompt_response_records_train_on_the_responses_only(tok, tmp_path):
+    pairs = [("What is 2 + 2?", " 4"), ("Name a colour.", " Blue, like the sky."), ("Say hi.", " hi")]
+    records = [{"prompt": p, "response": r} for p, r in pairs] + [{"prompt": "", "response": "no prompt"}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    index = prepare([tmp_path / "chat.jsonl"], tok, tmp_path / "out", progress=False, validation_fraction=0)
+    out = tmp_path / "out"
+    ids = read_stream(out)
+    mask = np.concatenate([np.fromfile(out / s["mask"], dtype=np.uint8) for s in index["shards"]])
+    expected_ids, expected_mask = [], []
+    for prompt, response in [*pairs, ("", "no prompt")]:
+        context, target = tok.encode(prompt), [*tok.encode(response), tok.eod_id]
+        expected_ids += context + target
+        expected_mask += [0] * len(context) + [1] * len(target)
+    np.testing.assert_array_equal(ids, expected_ids)
+    np.testing.assert_array_equal(mask, expected_mask)
+    T = 8
+    loader = TokenLoader(out, T, 2)
+    for _ in range(loader.steps_per_epoch):
+        input_ids, labels = next(loader)
+        for row_ids, row_labels in zip(input_ids, labels, strict=True):
+            start = next(w for w in range(len(ids)) if np.array_equal(ids[w * (T - 1):w * (T - 1) + T], row_ids))
+            window_mask = torch.from_numpy(mask[start * (T - 1):start * (T - 1) + T].astype(bool))
+            assert torch.equal(row_labels, row_ids.masked_fill(~window_mask, -100))
+
+
+def test_a_chat_template_frames_prompt_and_response_as_transformers_does(qwen3, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes((qwen3[0] / "tokenizer.json").read_bytes())
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                 "chat_template": chatml}))
+    hf = HFTokenizer(directory / "tokenizer.json")
+    context, target = chat_turn(hf, "What is 2 + 2?", "4")
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert context == reference.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert context + target == reference.apply_chat_template([*user, {"role": "assistant", "content": "4"}],
+                                                             tokenize=False)
+    assert chat_turn(Tokenizer.__new__(Tokenizer), "a", "b") == ("a", "b")  # no template: the texts as they are
 
 
 def test_prepare_bad_inputs(tok, tmp_path):
