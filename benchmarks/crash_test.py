@@ -116,6 +116,9 @@ def end_cycle(proc: subprocess.Popen, scenario: str, out_dir: Path, counts: dict
         else:
             counts["finished early"] += 1
             counts["failures"] += proc.returncode != 0
+            if proc.returncode != 0:  # what went wrong, for the report
+                print(f"a resumed run exited {proc.returncode}:\n{message.decode(errors='replace')[-3000:]}",
+                      file=sys.stderr)
         return
     if scenario == "launcher":
         counts["orphans"] += kill_launcher(proc)
