@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from config import ComputeConfig
-from data import TokenLoader, find_input_files, iter_documents, validation_dir
+from corpus import find_input_files, iter_documents
+from data import TokenLoader, validation_dir
 from model import Transformer
 from synthetic import PromptBuilder, SyntheticDocuments
 from tokenizer import HFTokenizer, Tokenizer, check_vocab, model_tokenizer

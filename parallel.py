@@ -1,4 +1,5 @@
-"""Parallelism, applied in one visible place: FSDP2 (`fully_shard`) on every block and on the root.
+"""Parallelism, applied in one visible place: the process layout (`init_runtime`), and FSDP2 (`fully_shard`) on
+every block and on the root.
 
 The model code knows nothing about parallelism; `apply_fsdp` is the only function that changes how it runs, and
 `init_sharded_weights` materialises a model that `apply_fsdp` sharded on the meta device.
@@ -6,12 +7,44 @@ The model code knows nothing about parallelism; `apply_fsdp` is the only functio
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from model import Transformer
+from rundir import exit_with_launcher
+
+
+@dataclass
+class Runtime:
+    """Where a process of a run stands: its rank, the number of processes, its device, and the mesh FSDP shards
+    over (None: one process, no FSDP)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh | None
+
+
+def init_runtime() -> Runtime:
+    """One process per device; under torchrun (WORLD_SIZE > 1) a process group (NCCL on GPU, gloo on CPU)."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    mesh = None
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        mesh = init_device_mesh(device.type, (world_size,))
+    exit_with_launcher()  # a worker whose torchrun dies stops (saving first) instead of training on
+    return Runtime(rank, world_size, device, mesh)
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,

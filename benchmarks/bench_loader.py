@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from data import TokenLoader, prepare, stdlib_files  # noqa: E402
+from corpus import stdlib_files  # noqa: E402
+from data import TokenLoader, prepare  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 

@@ -32,7 +32,8 @@ from model import Transformer
 from npt.adapters import ADAPTERS_NAME, save_adapters
 from npt.convert import np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
-from train import Run, Runtime, Task, build_model, init_runtime, train
+from parallel import Runtime, init_runtime
+from train import Run, Task, build_model, train
 from train_config import TrainConfig, build_parser, field_help, option
 
 

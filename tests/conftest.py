@@ -22,7 +22,8 @@ def _seed_and_restore_dtype():
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 512-token tokenizer (the tiny preset's vocabulary) and ~30 standard-library files of tokens."""
-    from data import iter_documents, prepare, stdlib_files
+    from corpus import iter_documents, stdlib_files
+    from data import prepare
     from tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("data")
@@ -38,7 +39,8 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tokenizer.json of 400 tokens, <|endoftext|> its end of document; data tokenized with that tokenizer)."""
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    from data import prepare, stdlib_files
+    from corpus import stdlib_files
+    from data import prepare
     from tokenizer import HFTokenizer, check_vocab
 
     root = tmp_path_factory.mktemp("qwen3")

@@ -1,4 +1,5 @@
-"""Tokenizer, corpus preparation and the batch loader (tokenizer.py, data.py). Runs in a few seconds on CPU.
+"""Tokenizer, corpus reading and preparation, the batch loader (tokenizer.py, corpus.py, data.py). A few seconds
+on CPU.
 
 Loader tests use a synthetic stream whose token at stream position p is p itself (uint32 shards), so every
 yielded id tells exactly where in the stream it came from.
@@ -10,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from corpus import Document, stdlib_files
 from data import (
     INDEX_NAME,
-    Document,
     ShardWriter,
     TokenLoader,
     _batches,
@@ -20,7 +21,6 @@ from data import (
     load_index,
     main,
     prepare,
-    stdlib_files,
     validation_dir,
 )
 from tokenizer import SPACE_MARK, HFTokenizer, Tokenizer, chat_turn, check_vocab

@@ -11,7 +11,7 @@ import pytest
 
 import eval as evaluation
 import train
-from data import iter_documents, stdlib_files
+from corpus import iter_documents, stdlib_files
 
 pytestmark = pytest.mark.slow
 lm_eval = pytest.importorskip("lm_eval")

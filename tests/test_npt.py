@@ -342,7 +342,8 @@ def test_memory_full_size_llama8b_like():
 def test_tiny_equivalence_run_lowers_loss(tmp_path):
     """The entry point end to end on CPU: a tiny corpus, a model whose attention matters (init_std 0.1), the upper
     layer converted in "modulate" mode; the equivalence loss falls, adapters are written and load back."""
-    from data import prepare, stdlib_files
+    from corpus import stdlib_files
+    from data import prepare
     from npt.train_equivalence import ADAPTERS_NAME, main
     from tokenizer import Tokenizer
 

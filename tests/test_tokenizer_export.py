@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 import train
 from config import ModelConfig
-from data import iter_documents, stdlib_files
+from corpus import iter_documents, stdlib_files
 from hf import ExportInfo, export_hf_checkpoint
 from model import Transformer
 from tokenizer import HFTokenizer, Tokenizer, load_tokenizer

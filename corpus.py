@@ -1,0 +1,158 @@
+"""The corpus: input files -> documents. Text files are one document each; `.jsonl` lines and `.parquet` rows are
+one document each (a text field, or a prompt/response pair whose prompt is context only); bytes become text as
+strict UTF-8 (a binary or non-UTF-8 file is an error naming it) or with replacements counted. Without inputs, the
+corpus is the running interpreter's standard library source (`stdlib_files`), which needs no download.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # files picked up when walking a directory, besides records:
+RECORD_SUFFIXES = (".jsonl", ".parquet")  # one document per line / row
+NUL = b"\0"  # in a file that should be text: a binary file
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def stdlib_files() -> list[Path]:
+    """The default corpus: the running interpreter's standard-library `*.py` files, sorted, one document each.
+
+    site-packages and test directories are skipped. Needs no download; about 12 MB of code and docstrings on
+    CPython 3.11, with files up to 750 kB (real long-context documents).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP & set(p.relative_to(root).parts[:-1]))
+
+
+def find_input_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Expand `paths` into files: a file is kept as given; a directory is walked (sorted) for `.jsonl`, `.parquet`
+    and `TEXT_SUFFIXES` files. Raises FileNotFoundError for a missing path, ValueError if nothing is found."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*RECORD_SUFFIXES,
+                                                                                         *TEXT_SUFFIXES))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {path} does not exist")
+    if not files:
+        raise ValueError(f"no input files found in {[str(p) for p in paths]} (looked for .jsonl, .parquet and "
+                         f"{', '.join(TEXT_SUFFIXES)})")
+    return files
+
+
+@dataclass(frozen=True)
+class Document:
+    """A document of the corpus: `text`, every token of which is predicted, after `prompt`, whose tokens are only
+    context (a prompt/response record; "" for any other document)."""
+
+    text: str
+    prompt: str = ""
+
+
+class Decoder:
+    """Bytes of the input files -> text. errors="strict": a file that is not UTF-8 text (invalid UTF-8, or NUL
+    bytes: binary) is a ValueError naming it; "replace": invalid bytes become U+FFFD and are counted per file
+    (`replaced`)."""
+
+    def __init__(self, errors: str = "strict") -> None:
+        if errors not in ("strict", "replace"):
+            raise ValueError(f"errors must be 'strict' or 'replace', got {errors!r}")
+        self.errors, self.replaced = errors, {}
+
+    def __call__(self, data: bytes, path: Path, where: str = "") -> str:
+        if self.errors == "replace":
+            text = data.decode("utf-8", errors="replace")
+            if n := text.count("\ufffd") - data.count("\ufffd".encode()):
+                self.replaced[str(path)] = self.replaced.get(str(path), 0) + n
+            return text
+        try:
+            if NUL in data:
+                raise ValueError(f"a NUL byte at offset {data.index(NUL)}: a binary file")
+            return data.decode("utf-8")
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{path}{where} is not UTF-8 text ({e}); pass --errors replace to read it anyway "
+                             "(invalid bytes become U+FFFD and are counted), or leave the file out") from None
+
+
+def _record_documents(record: object, text_field: str, where: str) -> Document:
+    """The Document of a JSONL or parquet record: prompt/response fields, or the text field."""
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        return Document(record["response"], record["prompt"])
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise ValueError(f"{where}: expected a JSON object with a string field {text_field!r} (or \"prompt\" and "
+                         "\"response\")")
+    return Document(record[text_field])
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[Document, int]]:
+    """The documents of a parquet file (its `text_field` column, or "prompt" and "response"), read in batches."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid: not a parquet file
+        raise ValueError(f"{path} is not a readable parquet file ({e})") from None
+    names = set(table.schema_arrow.names)
+    columns = ["prompt", "response"] if {"prompt", "response"} <= names else [text_field]
+    if not set(columns) <= names:
+        raise ValueError(f"{path} has no column {text_field!r} (columns: {sorted(names)}); pass --text_field")
+    rows, size = table.metadata.num_rows, path.stat().st_size
+    for i, row in enumerate(r for batch in table.iter_batches(columns=columns) for r in batch.to_pylist()):
+        share = size * (i + 1) // rows - size * i // rows  # the file's bytes, spread over its rows
+        yield _record_documents(row, text_field, f"{path} row {i}"), share
+
+
+def documents_with_sizes(files: Sequence[Path], text_field: str, decode: Decoder | None = None
+                          ) -> Iterator[tuple[Document, int]]:
+    """Yield (document, input bytes consumed). A `.jsonl` file gives one document per line (the string in
+    `text_field`, or a "prompt"/"response" pair), a `.parquet` file one per row likewise; any other file is one
+    document. Bytes become text through `decode` (default: strict UTF-8)."""
+    decode = decode or Decoder()
+    for path in files:
+        if path.suffix == ".parquet":
+            yield from _parquet_documents(path, text_field)
+            continue
+        if path.suffix != ".jsonl":
+            data = path.read_bytes()
+            yield Document(decode(data, path)), len(data)
+            continue
+        with path.open("rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    yield Document(""), len(line)
+                    continue
+                try:
+                    record = json.loads(decode(line, path, f":{lineno}"))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+                yield _record_documents(record, text_field, f"{path}:{lineno}"), len(line)
+
+
+def iter_documents(files: Sequence[Path], text_field: str = "text", errors: str = "strict") -> Iterator[str]:
+    """Document texts of `files` (see `find_input_files`; a prompt/response pair as its two texts joined), in
+    order; e.g. to train a tokenizer."""
+    return (d.prompt + d.text for d, _ in documents_with_sizes(files, text_field, Decoder(errors))
+            if d.prompt or d.text)
+
+
+def has_pairs(path: Path, text_field: str) -> bool:
+    """Whether a record file holds prompt/response pairs: its first JSONL record or its parquet columns."""
+    if path.suffix == ".parquet":
+        return next(_parquet_documents(path, text_field), (Document(""), 0))[0].prompt != ""
+    if path.suffix == ".jsonl":
+        with path.open("rb") as f:
+            line = next((ln for ln in f if ln.strip()), b"")
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            return isinstance(record, dict) and {"prompt", "response"} <= set(record)
+    return False
