@@ -58,6 +58,11 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
+def newest_checkpoint(out_dir: Path) -> int:
+    """The step of the newest complete checkpoint in `out_dir` (0: none)."""
+    return max((int(p.name.split("-")[1]) for p in out_dir.glob("step-*") if p.suffix != ".tmp"), default=0)
+
+
 def descendants(pid: int) -> list[int]:
     """`pid` and every process below it (torchrun starts its workers in sessions of their own)."""
     children: dict[int, list[int]] = {}
@@ -128,7 +133,7 @@ def end_cycle(proc: subprocess.Popen, scenario: str, out_dir: Path, counts: dict
     counts["kills"] += 1
     counts["mid-write"] += any(out_dir.glob("step-*.tmp"))
     logged = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
-    saved = max((int(p.name.split("-")[1]) for p in out_dir.glob("step-*") if p.suffix != ".tmp"), default=0)
+    saved = newest_checkpoint(out_dir)
     counts["lost"] += max(0, logged - saved)
 
 
@@ -140,7 +145,7 @@ def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random
     out_dir = work / f"crashed-{procs}-{scenario}"
     counts = dict.fromkeys(("kills", "mid-write", "failures", "lost", "finished early", "orphans", "refused"), 0)
     for _ in range(cycles):
-        before = max(losses(out_dir), default=0) if (out_dir / "metrics.jsonl").exists() else 0
+        saved = newest_checkpoint(out_dir)
         started = [start(command(procs, out_dir, steps, data_dir)) for _ in range(2 if scenario == "twice" else 1)]
         deadline = time.monotonic() + 60
         while scenario == "twice" and all(p.poll() is None for p in started) and time.monotonic() < deadline:
@@ -148,8 +153,8 @@ def crash_cycles(procs: int, cycles: int, steps: int, data_dir: str, rng: random
         time.sleep(rng.uniform(2, 8))
         for proc in started:
             end_cycle(proc, scenario, out_dir, counts)
-        if (out_dir / "metrics.jsonl").exists() and before > max(losses(out_dir), default=0):
-            counts["failures"] += 1  # progress went backwards further than the last checkpoint
+        if (out_dir / "metrics.jsonl").exists() and saved > max(losses(out_dir), default=0):
+            counts["failures"] += 1  # progress went back behind the newest checkpoint before the cycle
         if counts["finished early"] and (out_dir / "model").exists():
             break
     run_to_end(command(procs, out_dir, steps, data_dir))
