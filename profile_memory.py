@@ -62,6 +62,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import parallel
 import train
 from config import ComputeConfig, GiB, ModelConfig, attention_class
 from finetune import finetune_mode
@@ -246,7 +247,7 @@ def build(config: StepConfig, device: str, mesh: DeviceMesh | None) -> tuple[Tra
     weights, summed float32 gradient reduction) and materialised on `device`; without, fp32 on `device` (forward
     then runs under autocast, see `_autocast`)."""
     cfg = config.train
-    rt = train.Runtime(rank=0, world_size=config.world_size, device=torch.device(device), mesh=mesh)
+    rt = parallel.Runtime(rank=0, world_size=config.world_size, device=torch.device(device), mesh=mesh)
     model = train.build_model(*config.configs(), cfg, rt)
     finetune_mode(cfg).initialise(model, cfg.seed)
     return model, train.build_optimizer(model, cfg)[0]

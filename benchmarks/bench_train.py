@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import parallel  # noqa: E402
 import train  # noqa: E402
 import train_config  # noqa: E402
 
 
-def make_step(cfg: train_config.TrainConfig, rt: train.Runtime, vocab: int):
+def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int):
     """A closure running one optimizer step of `cfg` on random tokens."""
     model = train.build_model(*train_config.build_model_config(cfg, vocab), cfg, rt)
     optimizer, _ = train.build_optimizer(model, cfg)
@@ -55,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rt = train.Runtime(0, 1, torch.device("cpu"), None)
+    rt = parallel.Runtime(0, 1, torch.device("cpu"), None)
     base = train_config.TrainConfig(model_size=args.model_size, context_length=args.context_length,
                                     batch_size=args.batch_size)
     base = train_config.resolve_config(base, rt.device)

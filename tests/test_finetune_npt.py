@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from test_init_from import T
 from torch.distributed.checkpoint import FileSystemReader
 
+import parallel
 import train
 from npt.adapters import ADAPTERS_NAME
 from train_config import TrainConfig, parse_config
@@ -70,7 +71,7 @@ def test_a_frozen_base_is_stored_in_bf16(qwen3, tmp_path: Path, finetune: str):
         return built["model"]
 
     losses = {dtype: train.train(parse_config([*run, "--dtype", dtype, "--out_dir", str(tmp_path / dtype)]),
-                                 train.init_runtime(), train.Task(build=build))["loss"]
+                                 parallel.init_runtime(), train.Task(build=build))["loss"]
               for dtype in ("float32", "bfloat16")}
     dtypes = {p.dtype for p in built["model"].parameters() if not p.requires_grad}
     assert dtypes == {torch.bfloat16}

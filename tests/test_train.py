@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
 import monitor
+import parallel
 import train
 import train_config
 from checkpoint import latest_checkpoint
@@ -137,12 +138,12 @@ def _gradient_parity(data_dir: str) -> None:
     """In each of 2 ranks: FSDP gradients of one step equal a single-process model's on the whole global batch,
     with the standard and with the chunked loss; the bf16 mixed-precision variant keeps float32 RoPE tables and a
     close loss."""
-    rt = train.init_runtime()
+    rt = parallel.init_runtime()
     cfg = train_config.TrainConfig(model_size="tiny", context_length=32, batch_size=2)
     cfg = train_config.resolve_config(cfg, rt.device)
     config, compute = train_config.build_model_config(cfg, 512)
     sharded = train.build_model(config, compute, cfg, rt)
-    reference = train.build_model(config, compute, cfg, train.Runtime(0, 1, rt.device, None))
+    reference = train.build_model(config, compute, cfg, parallel.Runtime(0, 1, rt.device, None))
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q), f"{name}: the sharded initialisation differs"
     local = next(TokenLoader(data_dir, 32, 2, rt.rank, 2))  # this rank's (input_ids, labels), (2, 32) each
