@@ -4,8 +4,11 @@ Data directory layout (written by `prepare`, read by `TokenLoader`):
     index.json        {"format": 1, "dtype": "uint16", "vocab_size": V, "num_tokens": N,
                        "shards": [{"file": "shard_00000.bin", "num_tokens": n0}, ...],
                        "num_documents": D, "eod_id": e, "tokenizer": {"path": ..., "vocab_size": V, "sha256": ...},
+                       "replaced": {file: invalid UTF-8 sequences read as U+FFFD} (with errors="replace"),
                        "validation": {"dir": "validation", "every": k, "num_documents": Dv, "num_tokens": Nv}}
     shard_00000.bin   raw native-endian token ids (np.memmap-able); uint16 when V < 65536, else uint32
+    mask_00000.bin    prompt/response data only (a shard entry's "mask"): one uint8 per token, 1 where it is a
+                      target of the loss, 0 where it is only context (a prompt)
     validation/       the held-out split, a data directory of the same layout: every k-th document (documents
                       0, k, 2k, ... in corpus order; k = round(1 / validation_fraction)), never in the stream above
 The shards, concatenated in index order, form one token stream: every document followed by the
@@ -93,6 +96,10 @@ class ShardWriter:
     def write(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         """Append `ids` (1-D integer array, values in [0, vocab_size)) to the stream; for a masked writer also
         `mask` (1-D, as long: 1 where the token is a target of the loss, 0 where it is only context; default 1)."""
+        if self._mask is None and mask is not None:
+            raise ValueError("a prompt/response record follows text records in a file whose first record is text: "
+                             "the first record of each file decides whether the corpus gets a loss mask; give each "
+                             "kind of record its own file")
         if self._mask is not None and mask is None:
             mask = np.ones(len(ids), dtype=np.uint8)
         while len(ids):
@@ -170,7 +177,7 @@ def prepare(
             the loader applies to the labels.
         out_dir: created if needed. An existing index is replaced only with `overwrite=True`.
         shard_tokens: ids per shard file (the last one is shorter).
-        text_field: the field holding the text in `.jsonl` records.
+        text_field: the field holding the text in `.jsonl` and `.parquet` records.
         progress: show a progress bar over input bytes.
         validation_fraction: share of the documents held out in `out_dir/validation/` (documents 0, k, 2k, ...,
             k = round(1 / fraction), so at least one; 0 for none). Training never sees them.
@@ -186,7 +193,7 @@ def prepare(
             raise FileExistsError(f"{out_dir} already holds prepared data ({INDEX_NAME}); pass overwrite=True "
                                   "(--overwrite) to replace it")
         (out_dir / INDEX_NAME).unlink()  # first, so an interrupted rewrite leaves no loadable index
-        for old in [*out_dir.glob("shard_*.bin"), *out_dir.glob(f"{VALIDATION_DIR}/*")]:
+        for old in [*out_dir.glob("shard_*.bin"), *out_dir.glob("mask_*.bin"), *out_dir.glob(f"{VALIDATION_DIR}/*")]:
             old.unlink()
     masked = any(has_pairs(f, text_field) for f in files)
     writer = ShardWriter(out_dir, tokenizer.vocab_size, shard_tokens, masked)
@@ -307,7 +314,8 @@ class TokenLoader:
     shifts labels internally (position t predicts labels[t+1]), so a window predicts its tokens 1..T-1, and over
     an epoch every token of the stream (except the first, and a tail shorter than T-1) is predicted exactly once;
     no window's last position is lost to the next window. `input_ids` and `labels` hold the same ids (separate
-    tensors), int64, shape (B, T), on the CPU. Windows cross document and shard boundaries (documents are packed,
+    tensors), int64, shape (B, T), on the CPU, except that labels are -100 where the data's loss mask is 0 (the
+    prompts of prompt/response records). Windows cross document and shard boundaries (documents are packed,
     separated by the end-of-document id).
 
     Order: epoch e visits the windows in the order `np.random.default_rng((seed, e)).permutation(num_windows)`;

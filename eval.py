@@ -18,7 +18,8 @@ Tasks (each prints a table and writes a PNG; results go to OUT_DIR/eval.json, re
   scored under teacher forcing; accuracy and mean log-probability by key-query distance in log-spaced buckets.
 - documents: the log-likelihood of each document of --documents (.jsonl with a "text" field, or text files), each
   read after the end-of-document id as training shows them, and bits per byte over all. lm-evaluation-harness's
-  `loglikelihood_rolling` computes the same numbers on the Hugging Face export (`lm_eval --model hf`).
+  `loglikelihood_rolling` computes the same numbers on the Hugging Face export (`lm_eval --model hf`), whose
+  tokenizer has no bos token (lm_eval then starts a document with eos, as here).
 Default lengths follow what each task needs and the context (the run's); a length a task cannot hold is skipped with
 one line. Filler, keys and values come from a seeded generator (nothing is downloaded); prompts are built from
 separately encoded text pieces, so any tokenizer works.
@@ -45,6 +46,7 @@ from tqdm import tqdm
 from config import ComputeConfig
 from corpus import find_input_files, iter_documents
 from data import TokenLoader, validation_dir
+from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
 from synthetic import PromptBuilder, SyntheticDocuments
 from tokenizer import HFTokenizer, Tokenizer, check_vocab, model_tokenizer
@@ -86,32 +88,36 @@ def loss_by_position(model: Transformer, windows: torch.Tensor, batch_size: int 
 
 
 def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int, seed: int = 0, rank: int = 0,
-                       world_size: int = 1) -> torch.Tensor:
-    """This rank's share (N, T) of about `max_tokens` tokens of whole windows of seq_len tokens of `data_dir`'s
-    held-out split, in the loader's seeded order: the same windows every call, as many on every rank (collectives
-    under FSDP stay in step), at least one."""
+                       world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share (input ids, labels), each (N, T), of about `max_tokens` tokens of whole windows of seq_len
+    tokens of `data_dir`'s held-out split, in the loader's seeded order: the same windows every call, as many on
+    every rank (collectives under FSDP stay in step), at least one. Labels are the ids but where the data's loss
+    mask leaves a token out (-100: the prompts of prompt/response data)."""
     loader = TokenLoader(validation_dir(data_dir), seq_len, 1, seed=seed)
     per_rank = min(max(1, max_tokens // seq_len // world_size), loader.num_windows // world_size)
     if per_rank == 0:
         raise ValueError(f"the validation split of {data_dir} holds {loader.num_windows} windows of {seq_len} "
                          "tokens, fewer than one per rank; use shorter windows or prepare the data with a larger "
                          "--validation_fraction")
-    windows = torch.cat([next(loader)[0] for _ in range(per_rank * world_size)])  # (N * W, T)
-    return windows[rank::world_size]
+    batches = [next(loader) for _ in range(per_rank * world_size)]
+    ids, labels = (torch.cat(parts)[rank::world_size] for parts in zip(*batches, strict=True))  # (N, T) each
+    return ids, labels
 
 
-def validation_loss(model: Transformer, windows: torch.Tensor, autocast: AbstractContextManager) -> float:
-    """Mean next-token loss over every rank's validation windows (N, T), through the model's own loss path (chunked
-    at long T). Reads neither the torch RNG nor a training loader, so evaluating during training changes nothing."""
+def validation_loss(model: Transformer, windows: tuple[torch.Tensor, torch.Tensor],
+                    autocast: AbstractContextManager) -> float:
+    """Mean next-token loss over the predicted tokens of every rank's validation windows (input ids, labels), each
+    (N, T), through the model's own loss path (chunked at long T). Reads neither the torch RNG nor a training
+    loader, so evaluating during training changes nothing."""
     device = model.embed_tokens.weight.device
-    total = torch.zeros((), device=device)
+    stats = torch.zeros(2, device=device)  # summed token loss, predicted tokens
     with torch.no_grad(), autocast:
-        for row in windows.to(device):
-            total += model(row[None], row[None]).loss.float()  # each window's mean token loss
-    stats = torch.stack([total, torch.tensor(float(len(windows)), device=device)])
+        for row, labels in zip(*(w.to(device) for w in windows), strict=True):
+            stats[0] += model(row[None], labels[None], loss_normalizer=1.0).loss.float()
+            stats[1] += (shift_labels(labels[None]) != IGNORE_INDEX).sum()
     if dist.is_initialized():
         dist.all_reduce(stats)
-    return (stats[0] / stats[1]).item()
+    return (stats[0] / stats[1].clamp(min=1)).item()
 
 
 # ---- retrieval: exact match and graded scores --------------------------------------------------------------------
@@ -244,17 +250,22 @@ def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: li
 
 def document_loglikelihoods(model: Transformer, tokenizer: Tokenizer | HFTokenizer, texts: list[str]) -> dict:
     """Each text's log-likelihood (natural log): the sum over its tokens of log p(token | the end-of-document id
-    and the text's earlier tokens), one forward per document. {"documents": [{"tokens", "bytes",
-    "loglikelihood"}], "loglikelihood", "bits_per_byte"} (the totals over all documents)."""
+    and the text's earlier tokens), one forward per document, logits for LOSS_CHUNK positions at a time.
+    {"documents": [{"tokens", "bytes", "loglikelihood"}], "loglikelihood", "bits_per_byte"} (the totals over all
+    documents)."""
     device = model.embed_tokens.weight.device
     documents = []
     with torch.no_grad():
         for text in texts:
-            ids = torch.tensor([[tokenizer.eod_id, *tokenizer.encode(text)]], device=device)  # (1, T + 1)
-            logits = model.logits(model.hidden_states(ids[:, :-1]))  # (1, T, V)
-            log_probs = logits.double().log_softmax(-1).gather(-1, ids[:, 1:, None])  # (1, T, 1)
-            documents.append({"tokens": ids.shape[1] - 1, "bytes": len(text.encode("utf-8")),
-                              "loglikelihood": log_probs.sum().item()})
+            ids = torch.tensor([tokenizer.eod_id, *tokenizer.encode(text)], device=device)  # (T + 1,)
+            hidden = model.hidden_states(ids[None, :-1])[0]  # (T, C)
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for p0 in range(0, len(hidden), LOSS_CHUNK):  # logits for LOSS_CHUNK positions at a time
+                logits = model.logits(hidden[p0:p0 + LOSS_CHUNK])  # (P, V)
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                total -= F.cross_entropy(logits, ids[p0 + 1:p0 + 1 + LOSS_CHUNK], reduction="sum").double()
+            documents.append({"tokens": len(ids) - 1, "bytes": len(text.encode("utf-8")),
+                              "loglikelihood": total.item()})
     total = sum(d["loglikelihood"] for d in documents)
     return {"documents": documents, "loglikelihood": total,
             "bits_per_byte": -total / math.log(2) / max(1, sum(d["bytes"] for d in documents))}
@@ -456,7 +467,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         (out_dir / "eval.json").write_text(json.dumps(results, indent=1))
 
     if "loss" in args.tasks:
-        windows = validation_windows(data_dir, context, args.eval_tokens, args.seed)
+        windows, _ = validation_windows(data_dir, context, args.eval_tokens, args.seed)  # every token, prompts too
         results["loss"] = loss_by_position(model, windows, args.batch_size)
         print(format_loss(results["loss"]))
         write()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch.distributed as dist
@@ -17,7 +18,15 @@ from corpus import iter_documents, stdlib_files
 from data import INDEX_NAME, TokenLoader, check_tokenizer, prepare
 from parallel import Runtime
 from synthetic import SyntheticMix
-from tokenizer import HFTokenizer, Tokenizer, check_vocab, load_tokenizer, tokenizer_file
+from tokenizer import (
+    SPM_FILE,
+    HFTokenizer,
+    Tokenizer,
+    check_vocab,
+    load_tokenizer,
+    same_vocabulary,
+    tokenizer_file,
+)
 from train_config import DEFAULT_DATA_DIR, TOKENIZER_VOCAB, TrainConfig
 
 
@@ -41,70 +50,85 @@ def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, stored
     return cfg, tokenizer, loader
 
 
-def tokenizer_path(cfg: TrainConfig) -> Path:
-    """--tokenizer; else DATA_DIR/tokenizer.model, or the tokenizer the data was prepared with (its index.json)."""
-    if cfg.tokenizer:
-        return Path(cfg.tokenizer)
-    beside, index = Path(cfg.data_dir) / "tokenizer.model", Path(cfg.data_dir) / INDEX_NAME
-    if not beside.is_file() and index.is_file():
-        recorded = json.loads(index.read_text()).get("tokenizer", {}).get("path")
+def data_tokenizer(data_dir: str | Path) -> Path:
+    """The tokenizer of prepared data: the one DATA_DIR holds (tokenizer_file), else the one its index.json names;
+    DATA_DIR/tokenizer.model when there is neither (where the default corpus's tokenizer is trained)."""
+    data_dir = Path(data_dir)
+    if found := tokenizer_file(data_dir):
+        return found
+    if (data_dir / INDEX_NAME).is_file():
+        recorded = json.loads((data_dir / INDEX_NAME).read_text()).get("tokenizer", {}).get("path")
         if recorded and Path(recorded).is_file():
             return Path(recorded)
-    return beside
+    return data_dir / SPM_FILE
+
+
+def tokenizer_path(cfg: TrainConfig) -> Path:
+    """--tokenizer (as resolve_tokenizer set it), else the data's (`data_tokenizer`)."""
+    return Path(cfg.tokenizer) if cfg.tokenizer else data_tokenizer(cfg.data_dir)
 
 
 def recorded_tokenizer(cfg: TrainConfig, resume_from: Path | None) -> Tokenizer | HFTokenizer | None:
     """The tokenizer stored with the weights this run continues: the checkpoint it resumes, else --init_from (its
-    directory, or that of its .safetensors file); None for a fresh run or an older checkpoint without one. A
-    --init_from that holds none needs --tokenizer: a run never falls back to another tokenizer silently."""
+    directory, or that of its .safetensors file); None for a fresh run, or a resume of a checkpoint written before
+    checkpoints held one. A fresh run from a --init_from that holds none needs --tokenizer: a run never falls back
+    to another tokenizer silently."""
     if resume_from is not None and tokenizer_file(resume_from):
         return load_tokenizer(resume_from)
     if cfg.init_from:
         home = Path(cfg.init_from) if Path(cfg.init_from).is_dir() else Path(cfg.init_from).parent
         if tokenizer_file(home):
             return load_tokenizer(home)
-        if not cfg.tokenizer:
+        if not cfg.tokenizer and resume_from is None:
             raise ValueError(f"--init_from {cfg.init_from} holds no tokenizer: pass --tokenizer FILE, the tokenizer "
                              "its weights were trained with")
     return None
 
 
 def resolve_tokenizer(cfg: TrainConfig, resume_from: Path | None, stored: ModelConfig | None) -> TrainConfig:
-    """cfg with the run's tokenizer: --tokenizer, which must agree with the recorded one (`recorded_tokenizer`:
-    vocabulary size and end-of-document id); else the recorded one; else DATA_DIR's. Checked against the stored
-    model's vocabulary before any data is prepared. A tokenizer other than the default corpus's gets a default data
-    directory of its own (DEFAULT_DATA_DIR-<sha256[:12]>)."""
+    """cfg with the run's tokenizer named: --tokenizer, which must have the recorded one's vocabulary
+    (`recorded_tokenizer`, `same_vocabulary`); else the recorded one; else the data's. Checked against the stored
+    model's vocabulary before any data is prepared. The data's own copy is named when it is the same file; a
+    tokenizer other than the default corpus's gets a default data directory of its own
+    (DEFAULT_DATA_DIR-<sha256[:12]>)."""
     recorded = recorded_tokenizer(cfg, resume_from)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else recorded
-    if cfg.tokenizer and recorded and (tokenizer.vocab_size, tokenizer.eod_id) != (recorded.vocab_size,
-                                                                                   recorded.eod_id):
+    if cfg.tokenizer and recorded and not same_vocabulary(tokenizer, recorded):
         raise ValueError(f"--tokenizer {cfg.tokenizer} ({tokenizer.vocab_size} tokens, end of document "
                          f"{tokenizer.eod_id}) is not {recorded.path} ({recorded.vocab_size} tokens, end of document "
                          f"{recorded.eod_id}), the tokenizer the weights were trained with: leave --tokenizer out")
     if stored is not None and tokenizer is not None:
         check_vocab(tokenizer, stored.vocab_size)
-    default = Path(DEFAULT_DATA_DIR) / "tokenizer.model"
-    if tokenizer is None or default.is_file() and load_tokenizer(default).sha256 == tokenizer.sha256:
+    if tokenizer is None:
         return cfg
-    cfg = dataclasses.replace(cfg, tokenizer=str(tokenizer.path))
-    if cfg.data_dir == DEFAULT_DATA_DIR:
+    if cfg.data_dir == DEFAULT_DATA_DIR and not same_file(data_tokenizer(cfg.data_dir), tokenizer):
         cfg = dataclasses.replace(cfg, data_dir=f"{DEFAULT_DATA_DIR}-{tokenizer.sha256[:12]}")
-    return cfg
+    own = data_tokenizer(cfg.data_dir)  # the data's copy when it is the same file: a path that stays
+    return dataclasses.replace(cfg, tokenizer=str(own if same_file(own, tokenizer) else tokenizer.path))
+
+
+def same_file(path: Path, tokenizer: Tokenizer | HFTokenizer) -> bool:
+    """Whether `path` is a tokenizer file with the same contents as `tokenizer`'s."""
+    return path.is_file() and load_tokenizer(path).sha256 == tokenizer.sha256
 
 
 def ensure_default_data(cfg: TrainConfig, rt: Runtime) -> None:
     """Make `python train.py` work out of the box: if the default data directory (DEFAULT_DATA_DIR, or its
     per-tokenizer variant) is selected and empty, tokenize this interpreter's standard library into it (~20 s), with
-    the tokenizer given or one trained for it. Rank 0 works while the others wait."""
+    the run's tokenizer (copied into it) or one trained for it there. Rank 0 works while the others wait."""
     data_dir = Path(cfg.data_dir)
     if rt.rank == 0 and cfg.data_dir.startswith(DEFAULT_DATA_DIR) and not (data_dir / INDEX_NAME).exists():
         files = stdlib_files()
         tok_file = tokenizer_path(cfg)
-        if tok_file.exists():
-            tokenizer = load_tokenizer(tok_file)
-        else:  # the tokenizer trains on a sample of lines: shuffle the sorted files so it sees all packages
+        if not tok_file.exists():  # the tokenizer trains on a sample of lines: shuffle the files to show it all
             shuffled = random.Random(0).sample(files, len(files))
-            tokenizer = Tokenizer.train(iter_documents(shuffled), TOKENIZER_VOCAB, tok_file.with_suffix(""))
-        prepare(files, tokenizer, data_dir)
+            Tokenizer.train(iter_documents(shuffled), TOKENIZER_VOCAB, tok_file.with_suffix(""))
+        elif tok_file.parent.resolve() != data_dir.resolve():  # a copy goes with the data (checkpoints get pruned)
+            data_dir.mkdir(parents=True, exist_ok=True)
+            if tok_file.suffix == ".json":
+                HFTokenizer(tok_file).save(data_dir)
+            else:
+                shutil.copyfile(tok_file, data_dir / SPM_FILE)
+        prepare(files, load_tokenizer(data_tokenizer(data_dir)), data_dir)
     if dist.is_initialized():
         dist.barrier()

@@ -1,5 +1,5 @@
 """Tokenizers: the project's SentencePiece BPE (train, save, load, encode, decode), and a released model's Hugging
-Face `tokenizer.json` (`HFTokenizer`, read with the optional `tokenizers` library); `load_tokenizer` picks by file
+Face `tokenizer.json` (`HFTokenizer`, read with the `tokenizers` library); `load_tokenizer` picks by file
 or directory, and `save` writes either into a directory that transformers' `AutoTokenizer` reads.
 
 SentencePiece BPE with byte fallback:
@@ -28,15 +28,19 @@ Reference: https://github.com/google/sentencepiece (options in doc/options.md).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import io
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import sentencepiece as spm
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFJson
 
 SPACE_MARK = "\u2581"  # SentencePiece's internal spelling of " "
 SPM_FILE, HF_FILE, HF_CONFIG = "tokenizer.model", "tokenizer.json", "tokenizer_config.json"
@@ -174,11 +178,8 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
-    def to_hf(self) -> object:
+    def to_hf(self) -> HFJson:
         """This tokenizer as a `tokenizers.Tokenizer` (see the module docstring for what it encodes alike)."""
-        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
-        from tokenizers import Tokenizer as _Tokenizer
-
         sp, n = self.sp, self.sp.vocab_size()
         vocab = {sp.id_to_piece(i): i for i in range(n)}
         special = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
@@ -188,7 +189,7 @@ class Tokenizer:
                 merges += [(i, vocab[piece[:k]], vocab[piece[k:]], piece[:k], piece[k:]) for k in range(1, len(piece))
                            if piece[:k] in vocab and piece[k:] in vocab]
         merges.sort()
-        hf = _Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in merges],
+        hf = HFJson(models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in merges],
                                    unk_token=sp.id_to_piece(sp.unk_id()), byte_fallback=True, fuse_unk=True))
         hf.normalizer = normalizers.Replace(" ", SPACE_MARK)
         hf.pre_tokenizer = pre_tokenizers.Split(Regex(f"{SPACE_MARK}+[^{SPACE_MARK}]*|[^{SPACE_MARK}]+"), "isolated")
@@ -205,12 +206,22 @@ class Tokenizer:
         self.to_hf().save(str(directory / HF_FILE))
         sp = self.sp
         tokens = {"eos_token": sp.id_to_piece(self.eos_id), "unk_token": sp.id_to_piece(sp.unk_id()),
-                  "pad_token": sp.id_to_piece(self.pad_id)}
+                  **({"pad_token": sp.id_to_piece(self.pad_id)} if self.pad_id >= 0 else {})}
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, **tokens,
                   "add_bos_token": False, "add_eos_token": False, "split_special_tokens": True,
                   "clean_up_tokenization_spaces": False, "model_max_length": model_max_length or 10**30}
         (directory / HF_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         (directory / "special_tokens_map.json").write_text(json.dumps(tokens, indent=1) + "\n")
+
+    @property
+    def is_own(self) -> bool:
+        """Whether this is a tokenizer `train` made (ids 0-3 unk/bos/eos/pad, 4 the newline), not a released
+        model's SentencePiece file (whose normalisation `to_hf` does not reproduce)."""
+        return self.pad_id == 3 and self.sp.id_to_piece(4) == "\n"
+
+    def pieces(self) -> list[str]:
+        """The vocabulary: the piece of every id."""
+        return [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
 
     def record(self) -> dict:
         """What a checkpoint or export says of the tokenizer it holds: file, sha256, vocab_size, special ids."""
@@ -227,17 +238,12 @@ class HFTokenizer:
     EOD_FALLBACKS = ("<|endoftext|>", "</s>", "<|end_of_text|>")
 
     def __init__(self, path: str | os.PathLike):
-        try:
-            from tokenizers import Tokenizer as _Tokenizer
-        except ImportError as e:
-            raise ImportError("reading a Hugging Face tokenizer.json needs the tokenizers library: pip install "
-                              "tokenizers") from e
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer file {self.path} does not exist")
         data = self.path.read_bytes()
         try:
-            self.tk = _Tokenizer.from_str(data.decode("utf-8"))
+            self.tk = HFJson.from_str(data.decode("utf-8"))
         except Exception as e:
             raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json ({e})") from None
         self.sha256 = hashlib.sha256(data).hexdigest()
@@ -245,15 +251,28 @@ class HFTokenizer:
         self.eod_id = self.eos_id = self._eod_id()
         self.bos_id = self.pad_id = -1
 
-    @property
+    @functools.cached_property
     def chat_template(self) -> str | None:
-        """The Jinja chat template beside the tokenizer (chat_template.jinja, or tokenizer_config.json's
-        "chat_template"), or None."""
+        """The Jinja chat template beside the tokenizer (chat_template.jinja, chat_template.json, or
+        tokenizer_config.json's "chat_template"; of a list of named templates, "default"), or None."""
         if (file := self.path.parent / "chat_template.jinja").is_file():
             return file.read_text()
-        config_file = self.path.parent / HF_CONFIG
-        template = json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
+        template = None
+        for name in ("chat_template.json", HF_CONFIG):
+            if template is None and (self.path.parent / name).is_file():
+                template = json.loads((self.path.parent / name).read_text()).get("chat_template")
+        if isinstance(template, list):
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         return template if isinstance(template, str) else None
+
+    @functools.cached_property
+    def special_tokens(self) -> dict[str, str]:
+        """The special-token strings of tokenizer_config.json (bos_token, eos_token, ...), for chat templates."""
+        config_file = self.path.parent / HF_CONFIG
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        found = {key: value.get("content") if isinstance(value, dict) else value for key, value in config.items()
+                 if key.endswith("_token")}
+        return {key: value for key, value in found.items() if isinstance(value, str)}
 
     def _eod_id(self) -> int:
         config_file = self.path.parent / "tokenizer_config.json"
@@ -292,31 +311,43 @@ class HFTokenizer:
                       "eos_token": self.tk.id_to_token(self.eos_id), "model_max_length": model_max_length or 10**30}
             (directory / HF_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
 
+    def pieces(self) -> list[str]:
+        """The vocabulary: the token of every id."""
+        return [self.tk.id_to_token(i) for i in range(self.vocab_size)]
+
     def record(self) -> dict:
         """What a checkpoint or export says of the tokenizer it holds: file, sha256, vocab_size, special ids."""
         return {"file": HF_FILE, "sha256": self.sha256, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "bos_id": self.bos_id, "pad_id": self.pad_id}
 
 
-def chat_turn(tokenizer: Tokenizer | HFTokenizer, prompt: str, response: str) -> tuple[str, str]:
-    """(context, target) texts of a prompt/response pair: through the tokenizer's chat template when it has one (a
-    user turn with the generation prompt, then the assistant turn's remaining text, its end marker included, as
-    transformers' `apply_chat_template` renders them), else the two texts as they are."""
-    template = getattr(tokenizer, "chat_template", None)
-    if template is None:
-        return prompt, response
+@functools.lru_cache(maxsize=4)
+def _compiled(template: str) -> Callable[..., str]:
+    """The render function of a chat template, in the sandboxed Jinja environment transformers uses."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
-        raise ValueError(f"{tokenizer.path}'s chat template: {message}")
+        raise ValueError(f"a chat template stopped: {message}")
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals["raise_exception"] = raise_exception
-    render = env.from_string(template).render
+    return env.from_string(template).render
+
+
+def chat_turn(tokenizer: Tokenizer | HFTokenizer, prompt: str, response: str) -> tuple[str, str]:
+    """(context, target) texts of a prompt/response pair: through the tokenizer's chat template when it has one (a
+    user turn with the generation prompt, then the assistant turn's remaining text, its end marker included, as
+    transformers' `apply_chat_template` renders them, with the tokenizer's special-token strings), else the two texts
+    as they are."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        return prompt, response
+    render, tokens = _compiled(template), tokenizer.special_tokens
     user = [{"role": "user", "content": prompt}]
-    context = render(messages=user, add_generation_prompt=True)
-    whole = render(messages=[*user, {"role": "assistant", "content": response}], add_generation_prompt=False)
+    context = render(messages=user, add_generation_prompt=True, **tokens)
+    whole = render(messages=[*user, {"role": "assistant", "content": response}], add_generation_prompt=False,
+                   **tokens)
     if not whole.startswith(context):
         raise ValueError(f"{tokenizer.path}'s chat template renders the reply's turn with a prompt other than the "
                          "generation prompt: prompt/response data cannot be split with it")
@@ -324,13 +355,22 @@ def chat_turn(tokenizer: Tokenizer | HFTokenizer, prompt: str, response: str) ->
 
 
 def tokenizer_file(directory: Path) -> Path | None:
-    """The tokenizer a directory holds (a run's output, a released model): its SentencePiece tokenizer.model when it
-    has one (the project's own tokenizer, of which a tokenizer.json beside it is a copy for other tools), else its
-    tokenizer.json; None when it has neither."""
-    for name in (SPM_FILE, HF_FILE):
-        if (directory / name).is_file():
-            return directory / name
-    return None
+    """The tokenizer a directory holds (a run's output, a released model): a tokenizer.model that this project
+    trained (`Tokenizer.is_own`: a tokenizer.json beside it is a copy for other tools); else tokenizer.json (a
+    released model's, even beside its own SentencePiece file); else a tokenizer.model; None when it has neither."""
+    spm_file, hf_file = directory / SPM_FILE, directory / HF_FILE
+    if spm_file.is_file() and not hf_file.is_file():
+        return spm_file
+    with contextlib.suppress(ValueError):  # a tokenizer.model that is not SentencePiece's (tiktoken's)
+        if spm_file.is_file() and Tokenizer(spm_file).is_own:
+            return spm_file
+    return hf_file if hf_file.is_file() else None
+
+
+def same_vocabulary(a: Tokenizer | HFTokenizer, b: Tokenizer | HFTokenizer) -> bool:
+    """Whether two tokenizers give every id the same piece and have the same end-of-document id (the same file,
+    or the project's SentencePiece model and the tokenizer.json made from it)."""
+    return a.sha256 == b.sha256 or (a.eod_id == b.eod_id and a.pieces() == b.pieces())
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer | HFTokenizer:

@@ -5,7 +5,8 @@ rank 0 at the step they belong to.
     WANDB_MODE=offline python train.py --tracker wandb   # OUT_DIR/wandb/; `wandb sync` uploads it later
 
 A resumed run continues the same record: TensorBoard drops the events of the steps after the checkpoint (as
-metrics.jsonl does), and W&B resumes the run id kept in OUT_DIR/wandb_id.
+metrics.jsonl does); W&B resumes the run id kept in OUT_DIR/wandb_id, and keeps its first values of steps a resume
+redoes (it ignores a step it has already logged).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Tracker(Protocol):
     def log(self, metrics: dict) -> None:
         """Record the numbers of one metrics.jsonl line (its "step" is the x axis)."""
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None:
+        """End the record (`failed`: the run stopped on an error)."""
 
 
 def scalars(metrics: dict) -> dict[str, float]:
@@ -53,7 +55,7 @@ class TensorBoard:
             self.writer.add_scalar(name, value, metrics["step"])
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -66,14 +68,17 @@ class WandB:
         id_file = out_dir / "wandb_id"
         if not id_file.is_file():
             id_file.write_text(uuid.uuid4().hex[:16] + "\n")
-        self.run = wandb.init(project="longctx", name=out_dir.name, dir=str(out_dir), id=id_file.read_text().strip(),
-                              resume="allow", config=dataclasses.asdict(cfg))
+        try:
+            self.run = wandb.init(project="longctx", name=out_dir.name, dir=str(out_dir),
+                                  id=id_file.read_text().strip(), resume="allow", config=dataclasses.asdict(cfg))
+        except Exception as e:  # wandb's UsageError (not logged in), CommError (no network)
+            raise ValueError(f"--tracker wandb: {e} (WANDB_MODE=offline runs without an account)") from None
 
     def log(self, metrics: dict) -> None:
         self.run.log(scalars(metrics), step=metrics["step"])
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=int(failed))
 
 
 TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB}
@@ -95,5 +100,7 @@ def tracking(name: str | None, out_dir: Path, cfg: TrainConfig, step: int) -> It
     tracker = TRACKERS[name](out_dir, cfg, step)
     try:
         yield tracker.log
-    finally:
-        tracker.close()
+    except BaseException:
+        tracker.close(failed=True)
+        raise
+    tracker.close()

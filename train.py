@@ -181,7 +181,7 @@ class Run:
     autocast: contextlib.AbstractContextManager
     resume_from: Path | None
     task_state: dict
-    val_windows: list[Tensor] | None
+    val_windows: tuple[Tensor, Tensor] | None  # (input ids, labels) of the validation windows
     export: ExportInfo  # what the exports carry besides the weights (the tokenizer, the base's metadata)
     base: dict | None = None  # a frozen base: {"path", "checksum"} of --init_from (checkpoints hold no base)
     step: int = 0

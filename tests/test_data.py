@@ -242,20 +242,35 @@ def test_prompt_response_records_train_on_the_responses_only(tok, tmp_path):
             assert torch.equal(row_labels, row_ids.masked_fill(~window_mask, -100))
 
 
+def test_masks_reach_the_validation_labels_and_mixed_files_are_refused(tok, tmp_path):
+    from eval import validation_windows
+
+    pairs = [{"prompt": f"Question {i}: what is {i} + {i}?", "response": f" {2 * i}"} for i in range(40)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    prepare([tmp_path / "chat.jsonl"], tok, tmp_path / "out", progress=False, validation_fraction=0.25)
+    ids, labels = validation_windows(tmp_path / "out", 16, 64)
+    assert ((labels == -100) | (labels == ids)).all() and (labels == -100).any() and (labels != -100).any()
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"text": "plain"}) + "\n" + json.dumps(pairs[0]) + "\n")
+    with pytest.raises(ValueError, match="give each kind of record its own file"):
+        prepare([tmp_path / "mixed.jsonl"], tok, tmp_path / "mixed", progress=False)
+
+
 def test_a_chat_template_frames_prompt_and_response_as_transformers_does(qwen3, tmp_path):
     transformers = pytest.importorskip("transformers")
-    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chatml = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     directory = tmp_path / "tok"
     directory.mkdir()
     (directory / "tokenizer.json").write_bytes((qwen3[0] / "tokenizer.json").read_bytes())
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                 "bos_token": "<|endoftext|>",
                                                                  "chat_template": chatml}))
     hf = HFTokenizer(directory / "tokenizer.json")
     context, target = chat_turn(hf, "What is 2 + 2?", "4")
     reference = transformers.AutoTokenizer.from_pretrained(directory)
     user = [{"role": "user", "content": "What is 2 + 2?"}]
     assert context == reference.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert context.startswith("<|endoftext|><|im_start|>user")
     assert context + target == reference.apply_chat_template([*user, {"role": "assistant", "content": "4"}],
                                                              tokenize=False)
     assert chat_turn(Tokenizer.__new__(Tokenizer), "a", "b") == ("a", "b")  # no template: the texts as they are

@@ -25,7 +25,7 @@ from config import ModelConfig
 from corpus import iter_documents, stdlib_files
 from hf import ExportInfo, export_hf_checkpoint
 from model import Transformer
-from tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from tokenizer import HFTokenizer, Tokenizer, load_tokenizer, tokenizer_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,7 +98,7 @@ def test_init_from_takes_the_recorded_tokenizer_and_refuses_another(qwen3: tuple
         assert exported(text)["input_ids"] == original(text)["input_ids"]
     train.main(["--init_from", str(export), "--out_dir", str(tmp_path / "second"), *common])
     recorded = json.loads((tmp_path / "second" / "config.json").read_text())["train"]["tokenizer"]
-    assert Path(recorded) == export / "tokenizer.json"  # not DATA_DIR's, not the default SentencePiece
+    assert load_tokenizer(recorded).sha256 == HFTokenizer(export / "tokenizer.json").sha256  # not the default one
 
     missing = tmp_path / "not-prepared"  # the tokenizer is refused before data is looked for
     with pytest.raises(ValueError, match=r"is not .*tokenizer.json \(400 tokens.*the weights were trained with"):
@@ -111,12 +111,33 @@ def test_init_from_takes_the_recorded_tokenizer_and_refuses_another(qwen3: tuple
     assert not missing.exists()
 
 
-def test_resume_refuses_another_tokenizer(qwen3: tuple[Path, Path], data_dir: Path, tmp_path: Path):
+def test_resume_refuses_another_tokenizer_of_the_same_size(data_dir: Path, tmp_path: Path):
     tiny_run(data_dir, tmp_path / "run", "--max_steps", "1")
-    qwen_tokenizer = qwen3[0] / "tokenizer.json"
+    other = Tokenizer.train(iter_documents(stdlib_files()[200:230]), 512, tmp_path / "other")  # 512 ids, others'
     with pytest.raises(ValueError, match="the tokenizer the weights were trained with"):
-        tiny_run(data_dir, tmp_path / "run", "--resume", "--tokenizer", str(qwen_tokenizer))
+        tiny_run(data_dir, tmp_path / "run", "--resume", "--tokenizer", str(other.path))
+    (tmp_path / "copy").mkdir()
+    Tokenizer(data_dir / "tokenizer.model").save(tmp_path / "copy")
+    equivalent = tmp_path / "copy" / "tokenizer.json"  # the same vocabulary in the other format: accepted
+    with pytest.raises(ValueError, match="data was tokenized with"):  # ... and then refused by the data's check
+        tiny_run(data_dir, tmp_path / "run", "--resume", "--tokenizer", str(equivalent))
     assert tiny_run(data_dir, tmp_path / "run", "--resume")["step"] == 2  # the recorded one: the same as DATA_DIR's
+
+
+def test_a_released_models_own_sentencepiece_file_is_not_taken_for_the_projects(qwen3: tuple[Path, Path],
+                                                                                 tmp_path: Path):
+    import sentencepiece as spm
+
+    text = "\n".join(iter_documents(stdlib_files()[:20]))
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.splitlines()), model_prefix=str(tmp_path / "llama"),
+                                   vocab_size=300, minloglevel=2)  # SentencePiece's defaults: no pad, dummy prefix
+    released = tmp_path / "released"
+    released.mkdir()
+    shutil.copyfile(tmp_path / "llama.model", released / "tokenizer.model")
+    assert tokenizer_file(released) == released / "tokenizer.model"  # alone, it is the tokenizer
+    Tokenizer(released / "tokenizer.model").save(tmp_path)  # no pad token: saved without one
+    shutil.copyfile(qwen3[0] / "tokenizer.json", released / "tokenizer.json")
+    assert tokenizer_file(released) == released / "tokenizer.json"  # the released tokenizer.json wins
 
 
 def with_metadata(model_dir: Path, out: Path) -> Path:

@@ -58,7 +58,7 @@ class FakeWandb:
     def log(self, values: dict, step: int) -> None:
         self.logged.append((step, values))
 
-    def finish(self) -> None:
+    def finish(self, exit_code: int = 0) -> None:
         self.finished += 1
 
 
