@@ -33,6 +33,7 @@ class Runtime:
 
 def init_runtime() -> Runtime:
     """One process per device; under torchrun (WORLD_SIZE > 1) a process group (NCCL on GPU, gloo on CPU)."""
+    exit_with_launcher()  # first: a worker whose torchrun dies stops (saving first once it trains), even mid-rendezvous
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -43,7 +44,6 @@ def init_runtime() -> Runtime:
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = init_device_mesh(device.type, (world_size,))
-    exit_with_launcher()  # a worker whose torchrun dies stops (saving first) instead of training on
     return Runtime(rank, world_size, device, mesh)
 
 
