@@ -120,5 +120,5 @@ def exit_with_launcher() -> None:
         return  # not glibc Linux: the launcher must be stopped with a signal it forwards
     parent = os.getppid()
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the launcher died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    if os.getppid() != parent or parent == 1:  # the launcher died before the request took effect (while this
+        os.kill(os.getpid(), signal.SIGTERM)  # worker imported torch, say): a worker's parent is never init
