@@ -275,12 +275,8 @@ class HFTokenizer:
         return {key: value for key, value in found.items() if isinstance(value, str)}
 
     def _eod_id(self) -> int:
-        config_file = self.path.parent / "tokenizer_config.json"
-        names = list(self.EOD_FALLBACKS)
-        if config_file.is_file():
-            eos = json.loads(config_file.read_text()).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            names = [eos] if isinstance(eos, str) else names
+        eos = self.special_tokens.get("eos_token")
+        names = [eos] if eos is not None else list(self.EOD_FALLBACKS)
         for name in names:
             if (token := self.tk.token_to_id(name)) is not None:
                 return token
