@@ -17,11 +17,16 @@ caching allocator never returns memory. `--default-malloc` measures with glibc's
     python benchmarks/bench_nsa.py                       # T = 2k, 8k, 16k, 32k
     python benchmarks/bench_nsa.py --seq-lens 2048 8192  # a subset
     python benchmarks/bench_nsa.py --impls sdpa nsa --repeats 3
+    python benchmarks/bench_nsa.py --impls sdpa nsa --load   # beside another job busy on every core
+
+`--load` starts, for the whole run, a second process that multiplies 1024 x 1024 float32 matrices in a loop with
+PyTorch's default threads (one per core), as another training job on a shared machine would.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -99,9 +104,42 @@ def _run_child(cmd: list[str], timeout: float, env: dict[str, str]) -> dict | st
     return f"failed: {lines[-1][:60]}"
 
 
+LOAD = "import torch\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a"
+
+
+@contextlib.contextmanager
+def busy_machine(enabled: bool):
+    """While the block runs, a second process keeps every core busy with matrix products (`--load`)."""
+    if not enabled:
+        yield
+        return
+    load = subprocess.Popen([sys.executable, "-c", LOAD])
+    try:
+        time.sleep(2.0)  # imported and multiplying
+        yield
+    finally:
+        load.kill()
+        load.wait()
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _measure_all(args: argparse.Namespace, base_cmd: list[str], env: dict[str, str],
+                 results: dict[tuple[str, int], dict | str]) -> None:
+    """Every (implementation, T) cell, `--repeats` times interleaved, keeping each cell's fastest run."""
+    for T in args.seq_lens:
+        for _ in range(args.repeats):
+            for impl in args.impls:
+                if isinstance(results.get((impl, T)), str):
+                    continue  # failed once: do not retry
+                result = _run_child(base_cmd + ["--child", impl, str(T)], args.timeout, env)
+                best = results.get((impl, T))
+                if best is None or (isinstance(result, dict) and result["seconds"] < best["seconds"]):
+                    results[impl, T] = result
+                print(f"  T={T} {impl}: {result}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -116,6 +154,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per cell; the fastest is kept")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
     parser.add_argument("--default-malloc", action="store_true", help="glibc's default allocator settings")
+    parser.add_argument("--load", action="store_true", help="measure beside a process busy on every core")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -127,21 +166,14 @@ def main() -> None:
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
           f"float32, CPU threads={torch.get_num_threads()}; NSA l=32 d=16 l'=64 n=16 w=512, "
           f"query chunk {args.query_chunk}, fastest of {args.repeats} run(s) per cell, "
-          f"{'default glibc malloc' if args.default_malloc else 'glibc malloc keeping freed memory'}")
+          f"{'default glibc malloc' if args.default_malloc else 'glibc malloc keeping freed memory'}"
+          f"{', beside a process busy on every core' if args.load else ''}")
     env = dict(os.environ) if args.default_malloc else {**os.environ, **KEEP_FREED_MEMORY}
     base_cmd = [sys.executable, __file__, "--dim", str(args.dim), "--heads", str(args.heads), "--kv-heads",
                 str(args.kv_heads), "--head-dim", str(args.head_dim), "--query-chunk", str(args.query_chunk)]
     results: dict[tuple[str, int], dict | str] = {}
-    for T in args.seq_lens:
-        for _ in range(args.repeats):
-            for impl in args.impls:
-                if isinstance(results.get((impl, T)), str):
-                    continue  # failed once: do not retry
-                result = _run_child(base_cmd + ["--child", impl, str(T)], args.timeout, env)
-                best = results.get((impl, T))
-                if best is None or (isinstance(result, dict) and result["seconds"] < best["seconds"]):
-                    results[impl, T] = result
-                print(f"  T={T} {impl}: {result}", file=sys.stderr, flush=True)
+    with busy_machine(args.load):
+        _measure_all(args, base_cmd, env, results)
 
     header = "| T | " + " | ".join(f"{i} fwd+bwd s | {i} peak MiB" for i in args.impls)
     header += " | SDPA time / NSA time |" if {"sdpa", "nsa"} <= set(args.impls) else " |"

@@ -2,14 +2,16 @@
 
     python benchmarks/bench_train.py [--model_size demo] [--context_length 256] [--batch_size 16] [--rounds 5]
                                      [--threads N]
+    python benchmarks/bench_train.py --attention_type full nsa --variants default --context_length 2048 --batch_size 2
+    python benchmarks/bench_train.py --attention_type full nsa --variants default compile --memory
 
-    python benchmarks/bench_train.py --attention_type nsa --context_length 1024 --batch_size 4 --compile
-
-Variants (same tokens per step): the default step; gradient checkpointing; 2 accumulation micro-steps of half the
-batch; bf16 autocast; with --compile, torch.compile of each block (train.py --compile). Random token ids (the data
-pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load changes on the machine
-hit all of them alike; the table reports the median step time per variant, tokens/s, the time ratio to the default
-step, and the first step's time (for --compile: the compilation).
+Variants (same tokens per step), for each `--attention_type`: the default step; gradient checkpointing; 2
+accumulation micro-steps of half the batch; bf16 autocast; torch.compile of each block (train.py --compile). Random
+token ids (the data pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load
+changes on the machine hit all of them alike; the table reports the median step time per variant, tokens/s, the
+time ratio to the first variant, and the first step's time (for compile: the compilation). With --memory, each
+variant also runs alone in a fresh process: the growth of its peak RSS, over two steps, above its RSS before the
+model was built (weights, optimizer state and activations; for compile also the compiler's own memory).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +53,24 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int):
     return step
 
 
+VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile")
+
+
+def variant_config(base: train_config.TrainConfig, variant: str) -> train_config.TrainConfig:
+    """`base` changed as `variant` says (one of VARIANTS)."""
+    changes = {"default": {}, "checkpointing": {"gradient_checkpointing": True},
+               "microsteps": {"batch_size": base.batch_size // 2, "gradient_accumulation_steps": 2},
+               "bf16": {"dtype": "bfloat16"}, "compile": {"compile": True}}[variant]
+    return dataclasses.replace(base, **changes)
+
+
+def peak_rss_growth(argv: list[str], attention: str, variant: str) -> int:
+    """Bytes by which a fresh process's peak RSS grows over two steps of one variant (`--child`)."""
+    cmd = [sys.executable, __file__, *argv, "--child", attention, variant]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_growth"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_size", default="demo")
@@ -56,24 +79,31 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--attention_type", default="full", help="full or nsa")
-    parser.add_argument("--compile", action="store_true", help="add the torch.compile variant")
-    args = parser.parse_args()
+    parser.add_argument("--attention_type", nargs="+", default=["full"], help="one or more of full, nsa")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:4]))
+    parser.add_argument("--memory", action="store_true", help="add each variant's peak RSS growth (fresh process)")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args, argv = parser.parse_args(), sys.argv[1:]
     if args.threads:
         torch.set_num_threads(args.threads)
     rt = parallel.Runtime(0, 1, torch.device("cpu"), None)
-    base = train_config.TrainConfig(model_size=args.model_size, context_length=args.context_length,
-                                    batch_size=args.batch_size, attention_type=args.attention_type)
-    base = train_config.resolve_config(base, rt.device)
-    variants = {
-        "default (fp32)": base,
-        "gradient checkpointing": dataclasses.replace(base, gradient_checkpointing=True),
-        f"2 micro-steps x {args.batch_size // 2}": dataclasses.replace(base, batch_size=args.batch_size // 2,
-                                                                        gradient_accumulation_steps=2),
-        "bf16 autocast": dataclasses.replace(base, dtype="bfloat16"),
-        **({"torch.compile (per block)": dataclasses.replace(base, compile=True)} if args.compile else {}),
-    }
-    steps = {name: make_step(cfg, rt, args.vocab) for name, cfg in variants.items()}
+
+    def config(attention: str, variant: str) -> train_config.TrainConfig:
+        base = train_config.TrainConfig(model_size=args.model_size, context_length=args.context_length,
+                                        batch_size=args.batch_size, attention_type=attention)
+        return variant_config(train_config.resolve_config(base, rt.device), variant)
+
+    if args.child:
+        with open("/proc/self/statm") as f:
+            rss_before = int(f.read().split()[1]) * resource.getpagesize()
+        step = make_step(config(*args.child), rt, args.vocab)
+        step()
+        step()
+        growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+        print(json.dumps({"peak_growth": growth}))
+        return
+    names = {(a, v): f"{a}: {v}" for a in args.attention_type for v in args.variants}
+    steps = {name: make_step(config(*key), rt, args.vocab) for key, name in names.items()}
     first: dict[str, float] = {}
     for name, step in steps.items():  # warm-up: allocator, optimizer state, compilation
         t0 = time.perf_counter()
@@ -85,14 +115,18 @@ def main() -> None:
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
+    memory = {name: peak_rss_growth(argv, *key) for key, name in names.items()} if args.memory else {}
     tokens = args.batch_size * args.context_length
-    ref = statistics.median(times["default (fp32)"])
-    print(f"model {args.model_size}, {args.attention_type} attention, T={args.context_length}, {tokens} tokens per "
-          f"step, {torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds")
-    print("| variant | step time (s) | tokens/s | time ratio | first step (s) |\n|---|---|---|---|---|")
+    ref = statistics.median(next(iter(times.values())))
+    print(f"model {args.model_size}, T={args.context_length}, {tokens} tokens per step, {torch.get_num_threads()} "
+          f"threads, median of {args.rounds} interleaved rounds")
+    print("| variant | step time (s) | tokens/s | time ratio | first step (s) |" + (" peak RSS growth (MiB) |"
+                                                                                  if memory else ""))
+    print("|---|---|---|---|---|" + ("---|" if memory else ""))
     for name, ts in times.items():
         t = statistics.median(ts)
-        print(f"| {name} | {t:.3f} | {tokens / t:,.0f} | {t / ref:.2f} | {first[name]:.1f} |")
+        mib = f" {memory[name] / 2**20:.0f} |" if memory else ""
+        print(f"| {name} | {t:.3f} | {tokens / t:,.0f} | {t / ref:.2f} | {first[name]:.1f} |{mib}")
 
 
 if __name__ == "__main__":

@@ -44,19 +44,20 @@ TYPES = {
 
 
 def stage_run(kind: str, seed: int, length: int, steps: int, previous: Path | None, out: Path,
-              data_dir: str) -> tuple[Path, float]:
-    """Train one stage (skipped when its export exists); returns (its run directory, seconds)."""
+              data_dir: str, overrides: dict, lr: float) -> tuple[Path, float]:
+    """Train one stage (skipped when its export exists); returns (its run directory, seconds). `overrides`: model
+    fields set on top of the type's own (first stage only; later stages inherit the architecture)."""
     run_dir = out / f"{kind}-seed{seed}" / f"T{length}"
     if (run_dir / "model" / "model.safetensors").is_file():
         return run_dir, json.loads((run_dir / "stage.json").read_text())["seconds"]
     args = ["--context_length", str(length), "--max_steps", str(steps), "--synthetic_mix", "1.0",
-            "--synthetic_task", "mqar", "--answer_loss", "--lr", "3e-3", "--warmup_steps", str(min(30, steps // 10)),
+            "--synthetic_task", "mqar", "--answer_loss", "--lr", str(lr), "--warmup_steps", str(min(30, steps // 10)),
             "--checkpoint_interval", "0", "--sample_tokens", "0", "--log_interval", "50", "--seed", str(seed),
             "--data_dir", data_dir, "--out_dir", str(run_dir)]
     if previous is None:
         spec = TYPES[kind]
         args += ["--model_size", "demo", "--attention_type", spec["attention_type"], "--model_overrides",
-                 json.dumps(spec["model_overrides"])]
+                 json.dumps({**spec["model_overrides"], **overrides})]
     else:
         args += ["--init_from", str(previous / "model")]
     start = time.perf_counter()
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="LENGTH:STEPS of each curriculum stage")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--samples", type=int, default=8, help="documents scored per stage")
+    p.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
+                   help='model fields for every type, e.g. \'{"qk_norm": false}\'')
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every stage")
     args = p.parse_args(argv)
     stages = [tuple(int(x) for x in stage.split(":")) for stage in args.stages]
     out = Path(args.out_dir)
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds:
             previous, rows = None, []
             for length, steps in stages:
-                run_dir, seconds = stage_run(kind, seed, length, steps, previous, out, args.data_dir)
+                run_dir, seconds = stage_run(kind, seed, length, steps, previous, out, args.data_dir,
+                                             args.model_overrides, args.lr)
                 results = evaluation.main([str(run_dir / "model"), "--tasks", "mqar", "--lengths", str(length),
                                            "--samples", str(args.samples), "--batch_size", "2", "--seed", "1000"])
                 metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

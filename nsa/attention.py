@@ -9,14 +9,23 @@ blocks, and backward needs no recomputation of the forward: `attend_backward` gi
 attention yields this part's share of its gradients (the flash-attention backward identity
 dS = P * (dO V^T - rowsum(dO * O))).
 
-- Compression: queries (G*Q rows per KV head) against the compressed keys with a visibility mask; the same logits,
-  under no_grad, give the probabilities that score the selection blocks (paper Eqs. 8-10).
+- Compression: queries (G*Q rows per KV head) against the compressed keys with a visibility mask. Its forward is
+  explicit: one logits matrix gives the branch's output and the probabilities that score the selection blocks
+  (paper Eqs. 8-10); its backward is the fused kernel's.
 - Selection: the query's own block is attended densely, block by block, with a causal (l'*G, l') mask; the other
   selected (past, fully visible) blocks are grouped by block into tiles of R queries (`tile_plan`), each tile one
   unmasked attention of its R*G query rows over one l'-key block. The partial results merge through their lse.
+  A chunk whose queries have at most n blocks each (q_start + Q <= n*l') selects them all: there the branch is one
+  causal attention over the prefix, with no scores and no top-n.
 - Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
 - On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa/kernels.py's
   kernels, which keep no logits and gather no tiles (`_Chunk`).
+
+Threads. On CPU tensors the chunks run on one Python thread per PyTorch intra-op thread, each chunk on a single
+intra-op thread (`_for_each_chunk`): a chunk is hundreds of small operators, and with several threads each of them
+ends at a barrier that, on a machine shared with another job, waits a scheduler time slice for the thread that
+lost its core. So W workers hold W chunks' temporaries and W sets of the key/value gradient sums at once; the
+bound below is for one (as under fake tensors, a memory tracker or a single intra-op thread).
 
 Memory and time. Queries are processed in chunks of Q = `ComputeConfig.attention_query_chunk` tokens. Forward keeps
 its inputs plus,
@@ -46,7 +55,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -54,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from config import ComputeConfig
 from nsa.blocks import num_compressed_blocks, pairs_by_block, pool_to_selection_blocks, select_blocks
@@ -409,8 +420,9 @@ class _Chunk:
         # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
         self.n_empty = min(Q, max(0, l - 1 - q_start))
         self.triton = _triton_ready(q, compute)
-        if self.triton:  # each query's compressed blocks and window keys are one contiguous range
+        if self.triton:
             from nsa.kernels import RangeAttention
+        if self.triton:  # each query's compressed blocks and window keys are one contiguous range
 
             self.n_visible = ((q_pos - (l - 1)).div(d, rounding_mode="floor") + 1).clamp(min=0)  # (Q,) blocks seen
             shown = self.n_visible.clamp(min=1)  # block 0 shown to the first l - 1 positions
@@ -419,11 +431,21 @@ class _Chunk:
             self.window = RangeAttention(self.q_heads, k_win, v_win, window_lo, q_pos + 1 - win_start, self.scale)
         else:
             block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
-            self.cmp_visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
-            self.n_full = num_compressed_blocks(max(q_start, l - 1) + 1, l, d)  # blocks all queries of the chunk see
-            self.compression = _MaskedAttention(self.q_heads, k_cmp, v_cmp, _additive(self.cmp_visible, q.dtype),
-                                                self.scale)  # mask (G*Q, Nc')
+            visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
+            self.compression = _MaskedAttention(self.q_heads, k_cmp, v_cmp, _additive(visible, q.dtype), self.scale)
             self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G, self.scale)
+        # Until n*l' keys exist every block of every query is selected: the branch is causal attention over the
+        # prefix, one call, and needs neither importance scores nor top-n.
+        self.all_selected = q_start + Q <= config.nsa_num_selected * config.nsa_select_block_size
+        if self.all_selected:
+            S = q_start + Q
+            k_all, v_all = (x.flatten(2, 3)[:, :, :S] for x in (k_blocks, v_blocks))  # (B, KV, S, D)
+            if self.triton:
+                self.prefix = RangeAttention(self.q_heads, k_all, v_all, torch.zeros_like(q_pos), q_pos + 1,
+                                             self.scale)
+            else:
+                causal = torch.arange(S, device=q.device) <= q_pos.repeat(G)[:, None]  # (G*Q, S)
+                self.prefix = _MaskedAttention(self.q_heads, k_all, v_all, _additive(causal, q.dtype), self.scale)
 
     def _heads_to_rows(self, x: Tensor) -> Tensor:
         """(B, KV, G*Q, *E) -> (B, KV, Q, G, *E)."""
@@ -446,45 +468,67 @@ class _Chunk:
             return TritonSelection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
         return _Selection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
 
-    def _importance(self, lse_cmp: Tensor, n_select: int) -> Tensor:
-        """Eqs. 8-10: the compression probabilities of each query (from the branch's lse (B, KV, G*Q)) summed over
-        the group and pooled onto the first n_select selection blocks: (B, KV, Q, n_select); zero for the first
-        l - 1 positions, which see no block. On the Triton path without the probabilities in memory."""
+    def _pooled(self, p: Tensor, n_select: int) -> Tensor:
+        """Eqs. 8-10: compression probabilities p (B, KV, G*Q, Nc'), zero where not visible, summed over the group
+        and pooled onto the first n_select selection blocks: (B, KV, Q, n_select); zero for the first l - 1
+        positions, which see no block."""
         cfg, (B, KV, G, Q, _) = self.config, self.shape
-        geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
-        if self.triton:
-            from nsa.kernels import importance_scores
-
-            return importance_scores(self.q_heads, self.k_cmp, lse_cmp, self.n_visible, geometry, n_select,
-                                     self.scale)
-        p = _probabilities(self.q_heads, self.k_cmp, None, lse_cmp, self.scale)  # (B, KV, G*Q, Nc')
-        p[..., self.n_full:].masked_fill_(~self.cmp_visible[:, self.n_full:], 0.0)  # invisible: exp(...) -> 0
         p_cmp = p.view(B, KV, G, Q, -1).sum(2)  # (B, KV, Q, Nc')
         p_cmp[:, :, : self.n_empty] = 0
-        return pool_to_selection_blocks(p_cmp, *geometry, n_select)
+        return pool_to_selection_blocks(p_cmp, cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size,
+                                        n_select)
+
+    def _compression(self, n_select: int | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The compression branch: (out (B, KV, G*Q, D), lse (B, KV, G*Q), and for n_select the importance scores
+        (B, KV, Q, n_select) of `_pooled`, else None). The fused path computes the logits once, explicitly, and
+        takes the output and the scores from the same probabilities; the Triton kernels recompute the scores from
+        the lse without the probabilities in memory."""
+        cfg, (B, KV, G, Q, D) = self.config, self.shape
+        acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
+        importance = None
+        if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk
+            out, lse = torch.zeros_like(self.q_heads), self.q_heads.new_zeros(B, KV, G * Q, dtype=acc)
+            if n_select is not None:
+                importance = self.q_heads.new_zeros(B, KV, Q, n_select, dtype=acc)
+            return out, lse, importance
+        if n_select is None:
+            out, lse = self.compression.forward()
+        elif self.triton:
+            from nsa.kernels import importance_scores
+
+            out, lse = self.compression.forward()
+            geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
+            importance = importance_scores(self.q_heads, self.k_cmp, lse, self.n_visible, geometry, n_select,
+                                           self.scale)
+        else:
+            logits = _logits(self.q_heads, self.k_cmp, self.compression.mask, self.scale)  # (B, KV, G*Q, Nc')
+            lse = logits.logsumexp(-1)
+            p = logits.sub_(lse[..., None]).exp_()
+            out, importance = p.to(self.v_cmp.dtype) @ self.v_cmp, self._pooled(p, n_select)
+        out.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
+        return out, lse, importance
 
     def forward(self) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (branch outputs (3, B, KV, G*Q, D), their lse (3, B, KV, G*Q), selected blocks (B, KV, Q, n));
         unused slots of the selection hold Nsb."""
-        cfg, (B, KV, G, Q, D) = self.config, self.shape
-        l_sel = cfg.nsa_select_block_size
-        n_blocks, n_select = self.k_blocks.shape[2], (self.q_start + Q - 1) // l_sel + 1
-        acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
-        if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk
-            o_cmp, lse_cmp = torch.zeros_like(self.q_heads), self.q_heads.new_zeros(B, KV, G * Q, dtype=acc)
-            importance = self.q_heads.new_zeros(B, KV, Q, n_select, dtype=acc)
+        cfg, Q = self.config, self.shape[3]
+        l_sel, n = cfg.nsa_select_block_size, cfg.nsa_num_selected
+        n_blocks = self.k_blocks.shape[2]
+        if self.all_selected:
+            o_cmp, lse_cmp, _ = self._compression(None)
+            slot = torch.arange(n, device=self.q_pos.device)  # (n,): slot s holds block s while it exists
+            idx = torch.where(slot <= (self.q_pos // l_sel)[:, None], slot, n_blocks)  # (Q, n)
+            idx = idx.expand(*self.shape[:2], Q, n)
+            o_slc, lse_slc = self.prefix.forward()
         else:
-            o_cmp, lse_cmp = self.compression.forward()
-            with torch.no_grad():
-                importance = self._importance(lse_cmp, n_select)
-            o_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
-        with torch.no_grad():
-            idx, valid = select_blocks(importance, self.q_pos, l_sel, cfg.nsa_num_selected)  # (B, KV, Q, n')
-            idx = F.pad(idx.masked_fill(~valid, n_blocks), (0, cfg.nsa_num_selected - idx.shape[-1]), value=n_blocks)
-        o_slc, lse_slc = self._selection(idx).forward()
+            o_cmp, lse_cmp, importance = self._compression((self.q_start + Q - 1) // l_sel + 1)
+            idx, valid = select_blocks(importance, self.q_pos, l_sel, n)  # (B, KV, Q, n')
+            idx = F.pad(idx.masked_fill(~valid, n_blocks), (0, n - idx.shape[-1]), value=n_blocks)
+            o_slc, lse_slc = self._selection(idx).forward()
+            o_slc, lse_slc = self._rows_to_heads(o_slc), self._rows_to_heads(lse_slc)
         o_win, lse_win = self.window.forward()
-        outs = torch.stack([o_cmp, self._rows_to_heads(o_slc), o_win])  # (3, B, KV, G*Q, D)
-        lses = torch.stack([lse_cmp, self._rows_to_heads(lse_slc), lse_win])  # (3, B, KV, G*Q)
+        outs = torch.stack([o_cmp, o_slc, o_win])  # (3, B, KV, G*Q, D)
+        lses = torch.stack([lse_cmp, lse_slc, lse_win])  # (3, B, KV, G*Q)
         return outs, lses, idx
 
     def backward(self, grad_outs: Tensor, outs: Tensor, lses: Tensor, idx: Tensor, grad_blocks: tuple[Tensor, Tensor]
@@ -499,33 +543,98 @@ class _Chunk:
             grad_cmp = grad_outs[0].clone()
             grad_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0  # those rows' output is the constant 0
             dq, dk_cmp, dv_cmp = self.compression.backward(grad_cmp, outs[0], lses[0])
-        rows = self._heads_to_rows
-        dq_slc = self._selection(idx).backward(rows(grad_outs[1]), rows(outs[1]), rows(lses[1]), *grad_blocks)
+        if self.all_selected:
+            dq_slc, dk, dv = self.prefix.backward(grad_outs[1], outs[1], lses[1])
+            for grad, d in zip(grad_blocks, (dk, dv), strict=True):
+                grad.flatten(2, 3)[:, :, : d.shape[2]] += d
+        else:
+            rows = self._heads_to_rows
+            dq_slc = self._rows_to_heads(self._selection(idx).backward(rows(grad_outs[1]), rows(outs[1]),
+                                                                       rows(lses[1]), *grad_blocks))
         dq_win, dk_win, dv_win = self.window.backward(grad_outs[2], outs[2], lses[2])
-        return dq + self._rows_to_heads(dq_slc) + dq_win, dk_cmp, dv_cmp, dk_win, dv_win
+        return dq + dq_slc + dq_win, dk_cmp, dv_cmp, dk_win, dv_win
 
 
-def _chunks(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
-            v_win: Tensor, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig
-            ) -> Iterator[tuple[slice, int, slice, _Chunk]]:
-    """Per query chunk of q (B, H, T, D): (its queries as a slice of [0, T), the compressed blocks it can see, its
-    window keys as a slice of k_win, the `_Chunk` over those inputs). Arguments as in `_SparseAttention.forward`,
-    with the selection keys/values as blocks (`_as_blocks`)."""
+class _Span(NamedTuple):
+    """One query chunk: its queries as a slice of [0, T), the compressed blocks it can see, its window keys as a
+    slice of k_win, and the positions of its first query and first window key."""
+
+    queries: slice
+    n_cmp: int
+    window: slice
+    q_start: int
+    win_start: int
+
+
+def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig) -> list[_Span]:
+    """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start."""
     l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, compute.attention_query_chunk
-    T = q.shape[2]
+    spans = []
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         t0, t1 = q_start + c0, q_start + c1  # absolute positions of the chunk's queries
         w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
-        qs, n_cmp, ws = slice(c0, c1), num_compressed_blocks(t1, l, d), slice(w0, t1 - win_start)
-        yield qs, n_cmp, ws, _Chunk(q[:, :, qs], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_blocks, v_blocks,
-                                    k_win[:, :, ws], v_win[:, :, ws], t0, win_start + w0, config, compute)
+        spans.append(_Span(slice(c0, c1), num_compressed_blocks(t1, l, d), slice(w0, t1 - win_start), t0,
+                           win_start + w0))
+    return spans
+
+
+def _chunk(span: _Span, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
+           v_win: Tensor, config: ModelConfig, compute: ComputeConfig) -> _Chunk:
+    """The `_Chunk` of one span; arguments as in `_SparseAttention.forward`, the selection keys/values as blocks
+    (`_as_blocks`)."""
+    return _Chunk(q[:, :, span.queries], k_cmp[:, :, : span.n_cmp], v_cmp[:, :, : span.n_cmp], k_blocks, v_blocks,
+                  k_win[:, :, span.window], v_win[:, :, span.window], span.q_start, span.win_start, config, compute)
+
+
+def _workers(q: Tensor, compute: ComputeConfig, n_chunks: int) -> int:
+    """How many threads run the chunks (`_for_each_chunk`): for real CPU tensors on the fused kernels, one per
+    intra-op thread (at most one per chunk); else 1. Under a dispatch mode (fake tensors, a memory tracker) 1, so
+    that the mode sees every operator."""
+    if not _fused(q) or _triton_ready(q, compute) or is_fake(q) or _get_current_dispatch_mode() is not None:
+        return 1
+    return max(1, min(torch.get_num_threads(), n_chunks))
+
+
+def _for_each_chunk(n_chunks: int, workers: int, body: Callable[[int, int], None]) -> None:
+    """body(worker, chunk) for every chunk, each worker's calls in order.
+
+    One worker: here, in chunk order. Several: one thread each, with PyTorch's intra-op threads set to 1 meanwhile,
+    so each chunk runs single-threaded and no operator waits at a barrier for another thread (on a busy machine
+    such a barrier costs a scheduler time slice, per operator). The chunks, the last (which see the most keys)
+    first, are dealt to the workers in a zigzag: a fixed assignment, so gradients sum in the same order on every
+    run, and a balanced one. The caller's grad mode and CPU autocast hold in the workers."""
+    if workers == 1:
+        for c in range(n_chunks):
+            body(0, c)
+        return
+    mine: list[list[int]] = [[] for _ in range(workers)]
+    for i, c in enumerate(reversed(range(n_chunks))):
+        turn, k = divmod(i, workers)
+        mine[k if turn % 2 == 0 else workers - 1 - k].append(c)
+    grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
+    autocast_dtype = torch.get_autocast_dtype("cpu")
+
+    def work(worker: int) -> None:
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", autocast_dtype, enabled=autocast):
+            for c in mine[worker]:
+                body(worker, c)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            for future in [pool.submit(work, w) for w in range(workers)]:
+                future.result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _SparseAttention(torch.autograd.Function):
     """`sparse_attention`: forward chunk by chunk, keeping (when gradients are needed) each branch's output and lse
     and the selected blocks; backward walks the chunks again with `attend_backward` (no recomputation of the
-    forward) and adds each chunk's gradients into the full ones in place."""
+    forward) and adds each chunk's gradients into the full ones in place (one set of accumulators per worker of
+    `_for_each_chunk`, summed at the end)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
@@ -539,13 +648,18 @@ class _SparseAttention(torch.autograd.Function):
         outs = q.new_empty(3, B, H, T, D) if keep else None
         lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
         idx = q.new_empty(B, KV, T, n, dtype=torch.long) if keep else None
-        chunks = _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, q_start, win_start, config, compute)
-        for qs, _, _, chunk in chunks:
+        spans = _spans(T, q_start, win_start, config, compute)
+
+        def run(worker: int, c: int) -> None:
+            qs = spans[c].queries
+            chunk = _chunk(spans[c], q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, config, compute)
             o, lse, chunk_idx = chunk.forward()  # (3, B, KV, G*Q, D), (3, B, KV, G*Q), (B, KV, Q, n)
             o, lse = o.view(3, B, H, -1, D), lse.view(3, B, H, -1)
             out[:, :, qs] = torch.einsum("bhqs,sbhqd->bhqd", gates[:, :, qs], o)
             if keep:
                 outs[:, :, :, qs], lses[:, :, :, qs], idx[:, :, qs] = o, lse, chunk_idx
+
+        _for_each_chunk(len(spans), _workers(q, compute, len(spans)), run)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, outs, lses, idx)
         ctx.config, ctx.compute, ctx.q_start, ctx.win_start = config, compute, q_start, win_start
         return out
@@ -553,17 +667,21 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, outs, lses, idx = ctx.saved_tensors
-        config, l_sel = ctx.config, ctx.config.nsa_select_block_size
+        config, compute, l_sel = ctx.config, ctx.compute, ctx.config.nsa_select_block_size
         B, H, T, D = q.shape
         KV = k_cmp.shape[1]
         k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
         g_q = torch.empty_like(q)  # the chunks' queries are disjoint: each written once
-        g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = (
-            torch.zeros_like(t) for t in (k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win))
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
-        chunks = _chunks(q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, ctx.q_start, ctx.win_start, config,
-                         ctx.compute)
-        for qs, n_cmp, ws, chunk in chunks:
+        spans = _spans(T, ctx.q_start, ctx.win_start, config, compute)
+        workers = _workers(q, compute, len(spans))
+        sums = [[torch.zeros_like(t) for t in (k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win)]
+                for _ in range(workers)]  # per worker: gradients of k_cmp, v_cmp, the blocks, k_win, v_win
+
+        def run(worker: int, c: int) -> None:
+            qs, n_cmp, ws = spans[c].queries, spans[c].n_cmp, spans[c].window
+            g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = sums[worker]
+            chunk = _chunk(spans[c], q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, config, compute)
             g_gates[:, :, qs] = torch.einsum("bhqd,sbhqd->bhqs", grad_out[:, :, qs], outs[:, :, :, qs])
             grad_outs = torch.einsum("bhqs,bhqd->sbhqd", gates[:, :, qs], grad_out[:, :, qs])  # (3, B, H, Q, D)
             dq, dk_cmp, dv_cmp, dk_win, dv_win = chunk.backward(
@@ -575,6 +693,12 @@ class _SparseAttention(torch.autograd.Function):
                 g_vc[:, :, :n_cmp] += dv_cmp
             g_kw[:, :, ws] += dk_win
             g_vw[:, :, ws] += dv_win
+
+        _for_each_chunk(len(spans), workers, run)
+        g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = sums[0]
+        for other in sums[1:]:
+            for total, part in zip(sums[0], other, strict=True):
+                total += part
         S = k_slc.shape[2]
         g_kb, g_vb = (g.flatten(2, 3)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
         return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None

@@ -189,6 +189,46 @@ def test_sparse_attention_matches_naive(H, KV):
     torch.testing.assert_close(sparse_attention(*inputs, config, compute=compute), naive_nsa(*inputs, config), **F64)
 
 
+@pytest.mark.parametrize("chunk", [16, 32, 64, 65])
+def test_all_selected_prefix_chunks_match_naive(chunk):
+    """Chunks that end at or before n * l' = 64 keys select every block and run as one causal attention over the
+    prefix; the chunk that crosses that point (and every later one) selects top-n. Both, gradients included."""
+    config = nsa_config()
+    assert config.nsa_num_selected * config.nsa_select_block_size == 64
+    inputs = [x.requires_grad_() for x in random_inputs(1, 4, 2, 90, 8, config)]
+    out = sparse_attention(*inputs, config, compute=ComputeConfig(attention_query_chunk=chunk))
+    ref = naive_nsa(*inputs, config)
+    torch.testing.assert_close(out, ref, **F64)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad), strict=True):
+        torch.testing.assert_close(got, want, **F64)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_chunk_threads_match_naive_and_repeat_bitwise(threads):
+    """On CPU the chunks run on one thread per intra-op thread, each single-threaded, with a fixed assignment of
+    chunks to threads: the same results as the naive reference, and the same bits on every run."""
+    config = nsa_config()
+    inputs = [x.requires_grad_() for x in random_inputs(2, 4, 2, 100, 8, config)]
+    grad = torch.randn(2, 4, 100, 8, dtype=torch.float64)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert nsa_attention._workers(inputs[0], ComputeConfig(), 7) == threads
+        runs = []
+        for _ in range(2):
+            out = sparse_attention(*inputs, config, compute=ComputeConfig(attention_query_chunk=16))
+            runs.append((out, *torch.autograd.grad(out, inputs, grad)))
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(previous)
+    for first, second in zip(*runs, strict=True):
+        torch.testing.assert_close(first, second, **EXACT)
+    ref = naive_nsa(*inputs, config)
+    for got, want in zip(runs[0], (ref, *torch.autograd.grad(ref, inputs, grad)), strict=True):
+        torch.testing.assert_close(got, want, **F64)
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64, 100])
 def test_chunk_size_does_not_change_results(chunk):
     config = nsa_config()
