@@ -136,7 +136,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     out = torch.empty_like(x)
     half = x.shape[-1] // 2
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    chunks = range(0, min(x.shape[-2], ROPE_CHUNK) if is_fake(x) else x.shape[-2], ROPE_CHUNK)
+    fake = not torch.compiler.is_compiling() and is_fake(x)  # (is_fake would break a compiled graph)
+    chunks = range(0, min(x.shape[-2], ROPE_CHUNK) if fake else x.shape[-2], ROPE_CHUNK)
     for t0 in chunks:
         t1 = t0 + ROPE_CHUNK
         xs = x[..., t0:t1, :].to(compute_dtype)  # (B, H, c, D)

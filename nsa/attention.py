@@ -704,6 +704,7 @@ class _SparseAttention(torch.autograd.Function):
         return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None
 
 
+@torch.compiler.disable  # opaque to torch.compile: the chunk loop and its threads run eagerly between graphs
 def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                      v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int = 0, win_start: int = 0,
                      compute: ComputeConfig | None = None) -> Tensor:
