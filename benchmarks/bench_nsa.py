@@ -129,17 +129,24 @@ def _rss_bytes() -> int:
 
 def _measure_all(args: argparse.Namespace, base_cmd: list[str], env: dict[str, str],
                  results: dict[tuple[str, int], dict | str]) -> None:
-    """Every (implementation, T) cell, `--repeats` times interleaved, keeping each cell's fastest run."""
+    """Every (implementation, T) cell, `--repeats` times interleaved; each cell keeps its fastest run, or with
+    `--statistic median` its median run (by time)."""
     for T in args.seq_lens:
+        runs: dict[str, list[dict]] = {impl: [] for impl in args.impls}
         for _ in range(args.repeats):
             for impl in args.impls:
                 if isinstance(results.get((impl, T)), str):
                     continue  # failed once: do not retry
                 result = _run_child(base_cmd + ["--child", impl, str(T)], args.timeout, env)
-                best = results.get((impl, T))
-                if best is None or (isinstance(result, dict) and result["seconds"] < best["seconds"]):
-                    results[impl, T] = result
                 print(f"  T={T} {impl}: {result}", file=sys.stderr, flush=True)
+                if isinstance(result, str):
+                    results[impl, T] = result
+                else:
+                    runs[impl].append(result)
+        for impl, done in runs.items():
+            if done and not isinstance(results.get((impl, T)), str):
+                done.sort(key=lambda r: r["seconds"])
+                results[impl, T] = done[0] if args.statistic == "min" else done[(len(done) - 1) // 2]
 
 
 def main() -> None:
@@ -152,6 +159,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--query-chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1, help="runs per cell; the fastest is kept")
+    parser.add_argument("--statistic", choices=("min", "median"), default="min",
+                        help="which of a cell's runs the table shows (median: for a loaded machine, whose noise is "
+                             "part of what is measured)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
     parser.add_argument("--default-malloc", action="store_true", help="glibc's default allocator settings")
     parser.add_argument("--load", action="store_true", help="measure beside a process busy on every core")
@@ -165,7 +175,8 @@ def main() -> None:
 
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
           f"float32, CPU threads={torch.get_num_threads()}; NSA l=32 d=16 l'=64 n=16 w=512, "
-          f"query chunk {args.query_chunk}, fastest of {args.repeats} run(s) per cell, "
+          f"query chunk {args.query_chunk}, {'fastest' if args.statistic == 'min' else 'median'} of {args.repeats} "
+          f"run(s) per cell, "
           f"{'default glibc malloc' if args.default_malloc else 'glibc malloc keeping freed memory'}"
           f"{', beside a process busy on every core' if args.load else ''}")
     env = dict(os.environ) if args.default_malloc else {**os.environ, **KEEP_FREED_MEMORY}

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,12 @@ def variant_config(base: train_config.TrainConfig, variant: str) -> train_config
     return dataclasses.replace(base, **changes)
 
 
+def _status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def peak_rss_growth(argv: list[str], attention: str, variant: str) -> int:
     """Bytes by which a fresh process's peak RSS grows over two steps of one variant (`--child`)."""
     cmd = [sys.executable, __file__, *argv, "--child", attention, variant]
@@ -94,12 +99,13 @@ def main() -> None:
         return variant_config(train_config.resolve_config(base, rt.device), variant)
 
     if args.child:
-        with open("/proc/self/statm") as f:
-            rss_before = int(f.read().split()[1]) * resource.getpagesize()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS (VmHWM) restarts from the current RSS: imports do not count
+        rss_before = _status_bytes("VmRSS")
         step = make_step(config(*args.child), rt, args.vocab)
         step()
         step()
-        growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+        growth = _status_bytes("VmHWM") - rss_before
         print(json.dumps({"peak_growth": growth}))
         return
     names = {(a, v): f"{a}: {v}" for a in args.attention_type for v in args.variants}

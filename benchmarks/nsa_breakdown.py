@@ -8,7 +8,10 @@ benchmark layer of bench_nsa.py; (2) the fused CPU flash kernels on selection ti
 (the allocator settings of bench_nsa.py; run on an idle machine)
 
 Rows per call identify the branch for the benchmark geometry (G = 4, query chunk 512, l' = 64, window pieces of
-128): 64 or 128 selection tiles, 256 own blocks, 512 window pieces, 2048 compression.
+128): 64 or 128 selection tiles, 256 own blocks, 512 window pieces, 2048 the compression's backward (its forward is
+explicit, not a kernel call) and, in the chunks before n*l' = 1024 keys, the selection as one causal attention over
+the prefix. The chunks run on one thread per intra-op thread (nsa/attention.py), each kernel call single-threaded:
+kernel seconds are summed over those threads, so they can exceed the wall time of the step.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32768)
     args = parser.parse_args()
     total, seconds = kernel_seconds(args.seq_len)
-    print(f"T={args.seq_len}: forward+backward {total:.2f} s, attention kernels {sum(seconds.values()):.2f} s")
+    print(f"T={args.seq_len}: forward+backward {total:.2f} s (wall), attention kernels {sum(seconds.values()):.2f} s "
+          f"(summed over {torch.get_num_threads()} worker threads)")
     print("| rows per call | forward s | backward s |\n|---|---|---|")
     for rows in sorted({r for _, r in seconds}):
         print(f"| {rows} | {seconds.get(('fwd', rows), 0):.2f} | {seconds.get(('bwd', rows), 0):.2f} |")

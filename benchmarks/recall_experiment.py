@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stages", nargs="+", default=["64:1200", "512:600", "2048:300"],
                    help="LENGTH:STEPS of each curriculum stage")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--samples", type=int, default=8, help="documents scored per stage")
+    p.add_argument("--samples", type=int, default=32, help="documents scored per stage")
     p.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
                    help='model fields for every type, e.g. \'{"qk_norm": false}\'')
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every stage")

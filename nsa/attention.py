@@ -420,9 +420,8 @@ class _Chunk:
         # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
         self.n_empty = min(Q, max(0, l - 1 - q_start))
         self.triton = _triton_ready(q, compute)
-        if self.triton:
-            from nsa.kernels import RangeAttention
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
+            from nsa.kernels import RangeAttention
 
             self.n_visible = ((q_pos - (l - 1)).div(d, rounding_mode="floor") + 1).clamp(min=0)  # (Q,) blocks seen
             shown = self.n_visible.clamp(min=1)  # block 0 shown to the first l - 1 positions
@@ -441,6 +440,8 @@ class _Chunk:
             S = q_start + Q
             k_all, v_all = (x.flatten(2, 3)[:, :, :S] for x in (k_blocks, v_blocks))  # (B, KV, S, D)
             if self.triton:
+                from nsa.kernels import RangeAttention
+
                 self.prefix = RangeAttention(self.q_heads, k_all, v_all, torch.zeros_like(q_pos), q_pos + 1,
                                              self.scale)
             else:
