@@ -22,8 +22,9 @@ def test_reported_selection_is_the_attention_s_own():
     k = torch.randn(B, KV, T, D, dtype=torch.float64)
     blocks = nsa_attention._as_blocks(k, config.nsa_select_block_size)
     with nsa_attention.explicit_attention():
-        (_, _, _, chunk), = nsa_attention._chunks(q, k_cmp, v_cmp, blocks, blocks, k, k, 0, 0, config,
-                                                  ComputeConfig(attention_query_chunk=T))
+        compute = ComputeConfig(attention_query_chunk=T)
+        span, = nsa_attention._spans(T, 0, 0, config, compute)
+        chunk = nsa_attention._chunk(span, q, k_cmp, v_cmp, blocks, blocks, k, k, config, compute)
         _, _, idx = chunk.forward()  # (B, KV, T, n); unused slots hold the number of blocks
     n_blocks = blocks.shape[2]
     want = idx.masked_fill(idx >= n_blocks, -1).sort(-1).values
