@@ -309,7 +309,7 @@ def test_softcap_applies_to_every_logit_the_model_returns():
 
 @pytest.mark.parametrize("attention", ["full", "nsa"])
 def test_compiled_block_graph_breaks_and_matches_eager(attention):
-    """train.py --compile compiles each block: full attention traces as one graph; NSA breaks once, at
+    """train.py --compile compiles each block: full attention traces as one graph; NSA breaks only at
     `sparse_attention`, which runs eagerly (its chunk loop and threads). Compiled (aot_eager: the traced graphs,
     forward and backward) equals eager."""
     torch._dynamo.reset()
