@@ -44,9 +44,8 @@ def pool_to_selection_blocks(p_cmp: Tensor, block_size: int, stride: int, select
     # Pad so that window j starts at compressed index per_sel * j + first and all Ns windows fit.
     right = per_sel * num_select_blocks + width - per_sel - (p_cmp.shape[-1] - first)
     padded = F.pad(p_cmp, (-first, max(right, 0)))[..., : per_sel * (num_select_blocks - 1) + width]
-    kernel = torch.tensor(weights, dtype=p_cmp.dtype, device=p_cmp.device).view(1, 1, width)
-    pooled = F.conv1d(padded.reshape(-1, 1, padded.shape[-1]), kernel, stride=per_sel)  # (prod(...), 1, Ns)
-    return pooled.view(*p_cmp.shape[:-1], num_select_blocks)
+    kernel = torch.tensor(weights, dtype=p_cmp.dtype, device=p_cmp.device)  # (width,)
+    return padded.unfold(-1, width, per_sel) @ kernel  # windows (..., Ns, width) -> (..., Ns)
 
 
 def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_selected: int) -> tuple[Tensor, Tensor]:
