@@ -146,9 +146,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -
     if _fused(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                           scale=scale)
+    out, lse, _ = attend_explicit(q, k, v, mask, scale)
+    return out, lse
+
+
+def attend_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """`attend` computed explicitly on any device, also returning the probabilities: (out, lse, p (N, M, L, S) in at
+    least float32, zero where the mask is -inf)."""
     logits = _logits(q, k, mask, scale)  # (N, M, L, S)
     lse = logits.logsumexp(-1)
-    return logits.sub_(lse[..., None]).exp_().to(v.dtype) @ v, lse
+    p = logits.sub_(lse[..., None]).exp_()
+    return p.to(v.dtype) @ v, lse, p
 
 
 def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -502,10 +511,9 @@ class _Chunk:
             importance = importance_scores(self.q_heads, self.k_cmp, lse, self.n_visible, geometry, n_select,
                                            self.scale)
         else:
-            logits = _logits(self.q_heads, self.k_cmp, self.compression.mask, self.scale)  # (B, KV, G*Q, Nc')
-            lse = logits.logsumexp(-1)
-            p = logits.sub_(lse[..., None]).exp_()
-            out, importance = p.to(self.v_cmp.dtype) @ self.v_cmp, self._pooled(p, n_select)
+            c = self.compression
+            out, lse, p = attend_explicit(c.q, c.k, c.v, c.mask, c.scale)  # p (B, KV, G*Q, Nc')
+            importance = self._pooled(p, n_select)
         out.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
         return out, lse, importance
 
