@@ -4,6 +4,7 @@ on the same documents, then scored by key-query distance (eval.py --tasks mqar).
 
     python benchmarks/recall_experiment.py --out_dir runs/recall                  # the stages and types below
     python benchmarks/recall_experiment.py --types full --stages 64:1200 512:600 --seeds 0 1 2
+    python benchmarks/recall_experiment.py --stages 64:20000 512:10000 --batch_tokens 16384   # on a GPU
 
 Training is a short-to-long curriculum, each stage starting from the previous stage's export: every row an MQAR
 document (--synthetic_mix 1.0), the loss on the answers only (--answer_loss), the demo preset's default learning
@@ -44,7 +45,7 @@ TYPES = {
 
 
 def stage_run(kind: str, seed: int, length: int, steps: int, previous: Path | None, out: Path,
-              data_dir: str, overrides: dict, lr: float) -> tuple[Path, float]:
+              data_dir: str, overrides: dict, lr: float, batch_tokens: int) -> tuple[Path, float]:
     """Train one stage (skipped when its export exists); returns (its run directory, seconds). `overrides`: model
     fields set on top of the type's own (first stage only; later stages inherit the architecture)."""
     run_dir = out / f"{kind}-seed{seed}" / f"T{length}"
@@ -52,7 +53,8 @@ def stage_run(kind: str, seed: int, length: int, steps: int, previous: Path | No
         return run_dir, json.loads((run_dir / "stage.json").read_text())["seconds"]
     args = ["--context_length", str(length), "--max_steps", str(steps), "--synthetic_mix", "1.0",
             "--synthetic_task", "mqar", "--answer_loss", "--lr", str(lr), "--warmup_steps", str(min(30, steps // 10)),
-            "--checkpoint_interval", "0", "--sample_tokens", "0", "--log_interval", "50", "--seed", str(seed),
+            "--batch_size", str(max(1, batch_tokens // length)), "--checkpoint_interval", "0", "--sample_tokens", "0",
+            "--log_interval", "50", "--seed", str(seed),
             "--data_dir", data_dir, "--out_dir", str(run_dir)]
     if previous is None:
         spec = TYPES[kind]
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
                    help='model fields for every type, e.g. \'{"qk_norm": false}\'')
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every stage")
+    p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     args = p.parse_args(argv)
     stages = [tuple(int(x) for x in stage.split(":")) for stage in args.stages]
     out = Path(args.out_dir)
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             previous, rows = None, []
             for length, steps in stages:
                 run_dir, seconds = stage_run(kind, seed, length, steps, previous, out, args.data_dir,
-                                             args.model_overrides, args.lr)
+                                             args.model_overrides, args.lr, args.batch_tokens)
                 results = evaluation.main([str(run_dir / "model"), "--tasks", "mqar", "--lengths", str(length),
                                            "--samples", str(args.samples), "--batch_size", "2", "--seed", "1000"])
                 metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
