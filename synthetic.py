@@ -46,25 +46,32 @@ class PromptBuilder:
 
     def filler(self, n_tokens: int, rng: random.Random) -> list[int]:
         """n_tokens ids of filler sentences in a seeded random order (the last one cut)."""
+        return self._sentences(n_tokens, rng)[0]
+
+    def _sentences(self, n_tokens: int, rng: random.Random) -> tuple[list[int], list[int]]:
+        """(`filler`'s ids, the positions where its sentences start; n_tokens too when the last one is whole)."""
         ids: list[int] = []
+        starts: list[int] = []
         while len(ids) < n_tokens:
+            starts.append(len(ids))
             ids += rng.choice(self._filler)
-        return ids[:n_tokens]
+        return ids[:n_tokens], starts + [n_tokens] * (len(ids) == n_tokens)
 
     def _assemble(self, length: int, head: list[int], needles: list[tuple[float, list[int]]], question: list[int],
                   rng: random.Random) -> tuple[list[int], list[int], int]:
-        """head + filler with each (depth, needle) inserted at that depth of the filler + question, `length` tokens;
+        """head + filler with each (depth, needle) inserted before the filler sentence that starts nearest that
+        depth of the filler (never inside a sentence, nor after the cut last one), + question, `length` tokens;
         returns (ids, start positions of the needles in input order, tokens that are not filler)."""
         n_filler = length - len(head) - len(question) - sum(len(n) for _, n in needles)
         if n_filler < 0:
             raise ValueError(f"a prompt of {length} tokens cannot hold the task's text ({length - n_filler} "
                              "tokens)")
-        filler = self.filler(n_filler, rng)
+        filler, bounds = self._sentences(n_filler, rng)
         order = sorted(range(len(needles)), key=lambda i: needles[i][0])
         ids, starts, cut = list(head), [0] * len(needles), 0
         for i in order:
             depth, needle = needles[i]
-            at = round(depth * n_filler)
+            at = min((b for b in bounds if b >= cut), key=lambda b: abs(b - depth * n_filler), default=cut)
             ids += filler[cut:at]
             starts[i] = len(ids)
             ids += needle

@@ -43,6 +43,8 @@ def test_prompts_have_the_exact_length_and_the_needle_at_its_depth(builder, task
         text_after = builder.tokenizer.decode(a.ids[a.needle_start:])
         assert a.answer in text_after.split("?")[0]  # the queried needle starts at needle_start
         assert a.answer not in builder.tokenizer.decode(a.ids[:a.needle_start])
+        before = builder.tokenizer.decode(a.ids[:a.needle_start])
+        assert before.endswith((".", "it.", "them.")), before[-30:]  # between sentences, never inside a word
     early, middle, late = (make(300, depth, random.Random(2)) for depth in (0.0, 0.5, 1.0))
     assert early.needle_start < 100 < middle.needle_start < 200 < late.needle_start  # filler before and after
     with pytest.raises(ValueError, match="cannot hold the task's text"):
