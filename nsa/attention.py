@@ -448,9 +448,7 @@ class _Chunk:
         if self.all_selected:
             S = q_start + Q
             k_all, v_all = (x.flatten(2, 3)[:, :, :S] for x in (k_blocks, v_blocks))  # (B, KV, S, D)
-            if self.triton:
-                from nsa.kernels import RangeAttention
-
+            if self.triton:  # RangeAttention imported above
                 self.prefix = RangeAttention(self.q_heads, k_all, v_all, torch.zeros_like(q_pos), q_pos + 1,
                                              self.scale)
             else:

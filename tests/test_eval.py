@@ -42,8 +42,8 @@ def test_prompts_have_the_exact_length_and_the_needle_at_its_depth(builder, task
         assert a == b and len(a.ids) == 300  # deterministic from the seed
         text_after = builder.tokenizer.decode(a.ids[a.needle_start:])
         assert a.answer in text_after.split("?")[0]  # the queried needle starts at needle_start
-        assert a.answer not in builder.tokenizer.decode(a.ids[:a.needle_start])
         before = builder.tokenizer.decode(a.ids[:a.needle_start])
+        assert a.answer not in before
         assert before.endswith((".", "it.", "them.")), before[-30:]  # between sentences, never inside a word
     early, middle, late = (make(300, depth, random.Random(2)) for depth in (0.0, 0.5, 1.0))
     assert early.needle_start < 100 < middle.needle_start < 200 < late.needle_start  # filler before and after
