@@ -3,8 +3,9 @@
   the second copy, which an induction head predicts perfectly), then MQAR documents (synthetic.mqar_document, the
   loss on the answers) for the remaining steps;
 - baseline: MQAR documents for every step.
-Then both are scored under teacher forcing on the same fresh MQAR documents, by key-query distance (eval.py's
-scorer). If the warm-up arm ends far ahead, the induction circuit was the bottleneck; if not, the lookup itself is.
+Then both are scored under teacher forcing on the same fresh MQAR documents, by key-query distance
+(eval.recall_scores). If the warm-up arm ends far ahead, the induction circuit was the bottleneck; if not, the lookup
+itself is.
 
     python benchmarks/induction_warmup.py                                  # demo shape, T = 64, 300 + 600 steps
     python benchmarks/induction_warmup.py --steps 1500 --copy_steps 300 --model_overrides '{"qk_norm": true}'
@@ -26,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from config import ModelConfig  # noqa: E402
-from eval import distance_buckets, score_answers  # noqa: E402
+from eval import recall_scores  # noqa: E402
 from loss import IGNORE_INDEX  # noqa: E402
 from model import Transformer  # noqa: E402
-from synthetic import RecallVocabulary, mqar_document  # noqa: E402
+from synthetic import RecallDocument, RecallVocabulary, mqar_document  # noqa: E402
 
 
 def copy_batch(B: int, T: int, vocab_size: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,9 +43,22 @@ def copy_batch(B: int, T: int, vocab_size: int, rng: random.Random) -> tuple[tor
     return ids, labels
 
 
-def mqar_batch(B: int, T: int, vocab: RecallVocabulary, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+class MqarDocuments:
+    """Token-level MQAR documents from the vocabulary size alone, with what eval.recall_scores reads of a
+    synthetic.SyntheticDocuments (no tokenizer: the ids are random)."""
+
+    task = "mqar"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab = RecallVocabulary(vocab_size)
+
+    def __call__(self, length: int, rng: random.Random) -> RecallDocument:
+        return mqar_document(length, self.vocab, rng)
+
+
+def mqar_batch(B: int, T: int, documents: MqarDocuments, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, labels) (B, T) of MQAR documents, the labels at the answers only."""
-    docs = [mqar_document(T, vocab, rng) for _ in range(B)]
+    docs = [documents(T, rng) for _ in range(B)]
     ids = torch.tensor([d.ids for d in docs])  # (B, T)
     labels = torch.full_like(ids, IGNORE_INDEX)
     for row, doc in enumerate(docs):
@@ -59,10 +73,10 @@ def train_arm(config: ModelConfig, copy_steps: int, steps: int, B: int, T: int, 
     model = Transformer(config)
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    vocab, rng = RecallVocabulary(config.vocab_size), random.Random(seed)
+    documents, rng = MqarDocuments(config.vocab_size), random.Random(seed)
     for step in range(1, steps + 1):
         ids, labels = (copy_batch(B, T, config.vocab_size, rng) if step <= copy_steps else
-                       mqar_batch(B, T, vocab, rng))
+                       mqar_batch(B, T, documents, rng))
         loss = model(ids, labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -71,23 +85,6 @@ def train_arm(config: ModelConfig, copy_steps: int, steps: int, B: int, T: int, 
         if step % 50 == 0:
             curve[step] = loss.item()
     return model
-
-
-def score(model: Transformer, T: int, documents: int, seed: int) -> dict:
-    """Teacher-forced MQAR accuracy and mean answer log-probability on `documents` fresh documents, by distance."""
-    rng, vocab = random.Random(seed), RecallVocabulary(model.config.vocab_size)
-    docs = [mqar_document(T, vocab, rng) for _ in range(documents)]
-    distances, right, log_probs = [], [], []
-    model.eval()
-    for b0 in range(0, documents, 32):
-        batch = docs[b0:b0 + 32]
-        rows = score_answers(model, torch.tensor([d.ids for d in batch]), [d.answers for d in batch])
-        for doc, row in zip(batch, rows, strict=True):
-            distances += doc.distances
-            right += [r for r, _ in row]
-            log_probs += [lp for _, lp in row]
-    return {"answers": len(right), "accuracy": sum(right) / len(right),
-            "answer_logprob": sum(log_probs) / len(log_probs), "buckets": distance_buckets(distances, right, log_probs)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, copy_steps in arms.items():
         start = time.perf_counter()
         model = train_arm(config, copy_steps, args.steps, args.batch_size, T, args.lr, args.seed, curves[name])
-        results[name] = {**score(model, T, args.documents, seed=1000), "seconds": time.perf_counter() - start}
+        scores = recall_scores(model, MqarDocuments(args.vocab_size), [T], args.documents, seed=1000, batch_size=32)
+        results[name] = {**scores, "seconds": time.perf_counter() - start}
     print("| step | " + " | ".join(f"{name} loss" for name in arms) + " |")
     print("|---|" + "---|" * len(arms))
     for step in curves["baseline"]:
