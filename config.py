@@ -154,6 +154,9 @@ class ComputeConfig:
     loss_mode: Literal["auto", "chunked", "standard"] = "auto"
     loss_chunk_threshold_bytes: int = 10 * GiB
     loss_chunk_size: int = 4096
+    # Rows of the output layer: "all" positions, or only "targets" (those whose label is not ignored: a
+    # data-dependent shape, one host sync on a GPU), which saves most of its cost when few tokens carry a loss.
+    loss_rows: Literal["all", "targets"] = "all"
     z_loss_coef: float = 0.0  # weight of the z-loss (lse^2), a training objective term
     offload_activations: bool = False  # tensors the blocks save for backward live in host memory (offload.py)
 
@@ -164,6 +167,8 @@ class ComputeConfig:
         if self.loss_mode not in ("auto", "chunked", "standard"):
             raise ValueError(f"ComputeConfig.loss_mode must be 'auto', 'chunked' or 'standard', got "
                              f"{self.loss_mode!r}")
+        if self.loss_rows not in ("all", "targets"):
+            raise ValueError(f"ComputeConfig.loss_rows must be 'all' or 'targets', got {self.loss_rows!r}")
         if not self.z_loss_coef >= 0:
             raise ValueError(f"ComputeConfig.z_loss_coef must be >= 0, got {self.z_loss_coef}")
 

@@ -219,25 +219,33 @@ class Transformer(nn.Module):
     def compute_loss(self, hidden: Tensor, labels: Tensor,
                      loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, Tensor | None]:
         """hidden (B, T, C), labels (B, T) unshifted -> (loss, logits (B, T, V) or None). The summed loss is
-        divided by `loss_normalizer` (default: the number of non-ignored targets)."""
-        B, T, _ = hidden.shape
-        if self.use_chunked_loss(B * T, hidden.dtype):
-            return self._compute_loss_chunked(hidden, labels, self.compute.loss_chunk_size, loss_normalizer)
-        return self._compute_loss_standard(hidden, labels, loss_normalizer)
+        divided by `loss_normalizer` (default: the number of non-ignored targets). With compute.loss_rows "targets"
+        the output layer sees only the positions that have a target, and no logits are returned."""
+        B, T, C = hidden.shape
+        targets = shift_labels(labels)  # (B, T)
+        if self.compute.loss_rows == "targets":
+            targets = targets.reshape(B * T)  # (N,)
+            rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # (K,): a data-dependent shape (a GPU syncs here)
+            hidden, targets = hidden.reshape(B * T, C).index_select(0, rows)[None], targets[rows][None]  # (1, K, .)
+        if self.use_chunked_loss(hidden.shape[0] * hidden.shape[1], hidden.dtype):
+            return self._compute_loss_chunked(hidden, targets, self.compute.loss_chunk_size, loss_normalizer)
+        loss, logits = self._compute_loss_standard(hidden, targets, loss_normalizer)
+        return loss, logits if self.compute.loss_rows == "all" else None
 
-    def _compute_loss_standard(self, hidden: Tensor, labels: Tensor,
+    def _compute_loss_standard(self, hidden: Tensor, targets: Tensor,
                                loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+        """hidden (B, T, C), targets (B, T) already shifted -> (loss, logits (B, T, V))."""
         return standard_linear_cross_entropy(  # logits (B, T, V), their own tensor (an FSDP root returns no view)
-            hidden, self.output_weight, shift_labels(labels), z_loss_coef=self.compute.z_loss_coef,
+            hidden, self.output_weight, targets, z_loss_coef=self.compute.z_loss_coef,
             softcap=self.config.logit_softcap, normalizer=loss_normalizer)
 
-    def _compute_loss_chunked(self, hidden: Tensor, labels: Tensor, chunk_size: int = 4096,
+    def _compute_loss_chunked(self, hidden: Tensor, targets: Tensor, chunk_size: int = 4096,
                               loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, None]:
         """Same loss and gradients as the standard path, never holding more than one chunk of logits
-        (see loss.chunked_linear_cross_entropy)."""
+        (see loss.chunked_linear_cross_entropy). hidden (B, T, C), targets (B, T) already shifted."""
         B, T, C = hidden.shape
         loss = chunked_linear_cross_entropy(
-            hidden.reshape(B * T, C), self.output_weight, shift_labels(labels).reshape(B * T),
+            hidden.reshape(B * T, C), self.output_weight, targets.reshape(B * T),
             chunk_size=chunk_size, z_loss_coef=self.compute.z_loss_coef, softcap=self.config.logit_softcap,
             normalizer=loss_normalizer)
         return loss, None

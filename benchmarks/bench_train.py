@@ -4,9 +4,12 @@
                                      [--threads N]
     python benchmarks/bench_train.py --attention_type full nsa --variants default --context_length 2048 --batch_size 2
     python benchmarks/bench_train.py --attention_type full nsa --variants default compile --memory
+    python benchmarks/bench_train.py --variants sparse_labels answer_loss --context_length 64 --batch_size 64
 
 Variants (same tokens per step), for each `--attention_type`: the default step; gradient checkpointing; 2
-accumulation micro-steps of half the batch; bf16 autocast; torch.compile of each block (train.py --compile). Random
+accumulation micro-steps of half the batch; bf16 autocast; torch.compile of each block (train.py --compile);
+sparse labels (one target in 6, the rest -100, as MQAR documents with --answer_loss have), with the output layer on
+every row ("sparse_labels") or on the target rows only ("answer_loss": what train.py --answer_loss runs). Random
 token ids (the data pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load
 changes on the machine hit all of them alike; the table reports the median step time per variant, tokens/s, the
 time ratio to the first variant, and the first step's time (for compile: the compilation). With --memory, each
@@ -32,15 +35,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import parallel  # noqa: E402
 import train  # noqa: E402
 import train_config  # noqa: E402
+from loss import IGNORE_INDEX  # noqa: E402
 
 
-def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int):
-    """A closure running one optimizer step of `cfg` on random tokens."""
+def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, sparse_labels: bool = False):
+    """A closure running one optimizer step of `cfg` on random tokens (with `sparse_labels`, one target in 6)."""
     model = train.build_model(*train_config.build_model_config(cfg, vocab), cfg, rt)
     optimizer, _ = train.build_optimizer(model, cfg)
     A, B, T = cfg.gradient_accumulation_steps, cfg.batch_size, cfg.context_length
     gen = torch.Generator().manual_seed(0)
-    batches = [[ids, ids] for ids in torch.randint(0, vocab, (A, B, T), generator=gen)]  # A x 2 x (B, T)
+    ids = torch.randint(0, vocab, (A, B, T), generator=gen)  # (A, B, T)
+    labels = ids.masked_fill(torch.arange(T) % 6 != 0, IGNORE_INDEX) if sparse_labels else ids  # (A, B, T)
+    batches = [list(pair) for pair in zip(ids, labels, strict=True)]  # A x 2 x (B, T)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
 
     def step() -> None:
@@ -52,14 +58,18 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int):
     return step
 
 
-VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile")
+VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss")
+
+
+SPARSE = ("sparse_labels", "answer_loss")  # the variants whose labels keep one target in 6
 
 
 def variant_config(base: train_config.TrainConfig, variant: str) -> train_config.TrainConfig:
     """`base` changed as `variant` says (one of VARIANTS)."""
     changes = {"default": {}, "checkpointing": {"gradient_checkpointing": True},
                "microsteps": {"batch_size": base.batch_size // 2, "gradient_accumulation_steps": 2},
-               "bf16": {"dtype": "bfloat16"}, "compile": {"compile": True}}[variant]
+               "bf16": {"dtype": "bfloat16"}, "compile": {"compile": True}, "sparse_labels": {},
+               "answer_loss": {"answer_loss": True}}[variant]
     return dataclasses.replace(base, **changes)
 
 
@@ -102,14 +112,14 @@ def main() -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak RSS (VmHWM) restarts from the current RSS: imports do not count
         rss_before = _status_bytes("VmRSS")
-        step = make_step(config(*args.child), rt, args.vocab)
+        step = make_step(config(*args.child), rt, args.vocab, args.child[1] in SPARSE)
         step()
         step()
         growth = _status_bytes("VmHWM") - rss_before
         print(json.dumps({"peak_growth": growth}))
         return
     names = {(a, v): f"{a}: {v}" for a in args.attention_type for v in args.variants}
-    steps = {name: make_step(config(*key), rt, args.vocab) for key, name in names.items()}
+    steps = {name: make_step(config(*key), rt, args.vocab, key[1] in SPARSE) for key, name in names.items()}
     first: dict[str, float] = {}
     for name, step in steps.items():  # warm-up: allocator, optimizer state, compilation
         t0 = time.perf_counter()

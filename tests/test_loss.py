@@ -174,6 +174,14 @@ def test_auto_selection_from_shapes_and_forced_modes(monkeypatch):
         out = model(ids, labels=ids)
         assert calls == [want], (mode, T, calls)
         assert (out.logits is None) == (want == "_compute_loss_chunked")
+    # loss_rows "targets": the output layer sees only the rows with a target (here 2 x 8 of 2 x 17), so "auto"
+    # decides from those rows, and no logits are returned
+    model = Transformer(ModelConfig.from_preset("tiny"),
+                        ComputeConfig(loss_chunk_threshold_bytes=threshold, loss_rows="targets"))
+    ids = torch.randint(0, V, (2, 17))
+    calls.clear()
+    out = model(ids, labels=ids.masked_fill(torch.arange(17) % 2 == 0, IGNORE_INDEX))
+    assert calls == ["_compute_loss_standard"] and out.logits is None
     auto = Transformer(ModelConfig.from_preset("tiny"), ComputeConfig(loss_chunk_threshold_bytes=threshold))
     assert auto.use_chunked_loss(2 * 17, torch.float32)
     assert not auto.use_chunked_loss(2 * 17, torch.bfloat16)  # the compute dtype's element size counts
@@ -181,24 +189,30 @@ def test_auto_selection_from_shapes_and_forced_modes(monkeypatch):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_model_chunked_equals_standard_and_rowwise_reference(tie):
-    """B=2 with ignored labels: both paths give the same loss and parameter gradients (tied or untied output
-    weight), equal to a per-row float64 reference that shifts each row on its own (no mixing across rows)."""
+    """B=2 with ignored labels: both paths, on all rows or on the target rows only (loss_rows), give the same loss
+    and parameter gradients (tied or untied output weight), equal to a per-row float64 reference that shifts each
+    row on its own (no mixing across rows)."""
     torch.manual_seed(0)
     cfg = ModelConfig.from_preset("tiny", tie_embeddings=tie)
     ids = torch.randint(0, cfg.vocab_size, (2, 23))
     labels = ids.clone()
     labels[0, :4] = IGNORE_INDEX
     labels[1, -3:] = IGNORE_INDEX
+    labels[1, 5:12:2] = IGNORE_INDEX
     results = {}
     for mode in ("chunked", "standard"):
-        torch.manual_seed(1)
-        model = Transformer(cfg, ComputeConfig(loss_mode=mode, loss_chunk_size=5, z_loss_coef=1e-3))
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        results[mode] = (loss, {n: p.grad for n, p in model.named_parameters()})
-    torch.testing.assert_close(results["chunked"][0], results["standard"][0], rtol=1e-6, atol=1e-6)
-    for name, grad in results["standard"][1].items():
-        torch.testing.assert_close(results["chunked"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        for rows in ("all", "targets"):
+            torch.manual_seed(1)
+            model = Transformer(cfg, ComputeConfig(loss_mode=mode, loss_chunk_size=5, z_loss_coef=1e-3,
+                                                   loss_rows=rows))
+            loss = model(ids, labels=labels).loss
+            loss.backward()
+            results[mode, rows] = (loss, {n: p.grad for n, p in model.named_parameters()})
+    reference = results["standard", "all"]
+    for key, (loss, grads) in results.items():
+        torch.testing.assert_close(loss, reference[0], rtol=1e-6, atol=1e-6, msg=str(key))
+        for name, grad in reference[1].items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
 
     with torch.no_grad():
         hidden = model.hidden_states(ids).double()  # (B, T, C)
@@ -209,7 +223,8 @@ def test_model_chunked_equals_standard_and_rowwise_reference(tie):
                 if labels[b, t + 1] != IGNORE_INDEX:
                     lse = torch.logsumexp(hidden[b, t] @ weight.t(), dim=-1)
                     terms.append(lse - hidden[b, t] @ weight[labels[b, t + 1]] + 1e-3 * lse**2)
-    assert abs(results["chunked"][0].item() - torch.stack(terms).mean().item()) < 1e-5
+    for loss, _ in results.values():
+        assert abs(loss.item() - torch.stack(terms).mean().item()) < 1e-5
     assert torch.equal(shift_labels(labels)[:, -1], torch.full((2,), IGNORE_INDEX))
 
 

@@ -155,13 +155,16 @@ def _gradient_parity(data_dir: str) -> None:
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
         # float32 sums over ranks in another order: 1e-5 relative is ~100 ulps
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    # The chunked loss reads the FSDP2-sharded (tied) output weight through the root module: same loss and grads.
-    chunked = train.build_model(config, ComputeConfig(loss_mode="chunked", loss_chunk_size=24), cfg, rt)
-    loss_chunked, _ = train.forward_backward(chunked, [list(local)], torch.autocast("cpu", enabled=False))
-    dist.all_reduce(loss_chunked)
-    torch.testing.assert_close(loss_chunked, loss, rtol=1e-6, atol=0)
-    for (name, p), q in zip(chunked.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=f"chunked {name}")
+    # The chunked loss, and the loss on the target rows only, read the FSDP2-sharded (tied) output weight through
+    # the root module: same loss and grads.
+    for variant, variant_compute in (("chunked", ComputeConfig(loss_mode="chunked", loss_chunk_size=24)),
+                                     ("targets", ComputeConfig(loss_rows="targets"))):
+        other = train.build_model(config, variant_compute, cfg, rt)
+        loss_other, _ = train.forward_backward(other, [list(local)], torch.autocast("cpu", enabled=False))
+        dist.all_reduce(loss_other)
+        torch.testing.assert_close(loss_other, loss, rtol=1e-6, atol=0)
+        for (name, p), q in zip(other.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=f"{variant} {name}")
     # bf16 mixed precision: the blocks still get float32 RoPE tables, and the loss stays close to float32's.
     bf16 = train.build_model(config, compute, dataclasses.replace(cfg, dtype="bfloat16"), rt)
     seen = []
