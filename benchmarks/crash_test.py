@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from checkpoint import latest_checkpoint  # noqa: E402
+
 RUN = ["--model_size", "tiny", "--context_length", "64", "--batch_size", "2", "--warmup_steps", "5",
        "--checkpoint_interval", "1", "--keep_checkpoints", "2", "--sample_tokens", "0", "--log_interval", "1000"]
 
@@ -59,8 +62,9 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 
 def newest_checkpoint(out_dir: Path) -> int:
-    """The step of the newest complete checkpoint in `out_dir` (0: none)."""
-    return max((int(p.name.split("-")[1]) for p in out_dir.glob("step-*") if p.suffix != ".tmp"), default=0)
+    """The step of the newest complete checkpoint in `out_dir` (0: none), as train.py --resume finds it."""
+    latest = latest_checkpoint(out_dir)
+    return int(latest.name.split("-")[1]) if latest else 0
 
 
 def descendants(pid: int) -> list[int]:
