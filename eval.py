@@ -217,9 +217,10 @@ def distance_buckets(distances: list[int], right: list[bool], log_probs: list[fl
 
 def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: list[int], samples: int, seed: int,
                   batch_size: int, bar: tqdm | None = None) -> dict:
-    """`samples` recall documents of each length, every answer token scored under teacher forcing: {"task",
-    "lengths", "samples", "answers", "accuracy", "query_accuracy" (every token of the answer right),
-    "answer_logprob", "by_length" [{"length", "accuracy", ...}], "buckets" (by distance, all lengths together)}."""
+    """`samples` recall documents of each length, every answer token scored under teacher forcing: {"task", "pairs"
+    (None: the default density), "lengths", "samples", "answers", "accuracy", "query_accuracy" (every token of the
+    answer right), "answer_logprob", "by_length" [{"length", "accuracy", ...}], "buckets" (by distance, all lengths
+    together)}."""
     device = model.embed_tokens.weight.device
     distances, right, log_probs, per_query, by_length = [], [], [], {}, []
     for length in lengths:
@@ -242,7 +243,8 @@ def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: li
         n = len(right) - first
         by_length.append({"length": length, "answers": n, "accuracy": sum(right[first:]) / n,
                           "answer_logprob": sum(log_probs[first:]) / n})
-    return {"task": documents.task, "lengths": lengths, "samples": samples, "answers": len(right),
+    return {"task": documents.task, "pairs": documents.pairs, "lengths": lengths, "samples": samples,
+            "answers": len(right),
             "accuracy": sum(right) / len(right), "query_accuracy": sum(per_query.values()) / len(per_query),
             "answer_logprob": sum(log_probs) / len(log_probs), "by_length": by_length,
             "buckets": distance_buckets(distances, right, log_probs)}
@@ -311,7 +313,8 @@ def format_grid(name: str, result: dict) -> str:
 
 
 def format_recall(result: dict) -> str:
-    lines = [f"{result['task']}: {result['answers']:,} answers in {result['samples']} documents per length; "
+    pairs = f" of {result['pairs']} pairs" if result.get("pairs") else ""
+    lines = [f"{result['task']}: {result['answers']:,} answers in {result['samples']} documents{pairs} per length; "
              f"accuracy {result['accuracy']:.1%}, whole answers {result['query_accuracy']:.1%}, mean answer "
              f"log-probability {result['answer_logprob']:.3f}",
              f"{'key-query distance':>20} {'answers':>8} {'accuracy':>9} {'log-prob':>9}"]
@@ -410,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=int, nargs="+", help="prompt / document lengths in tokens (default: what each "
                                                           "task needs, up to the context)")
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--pairs", type=int, help="mqar, mqar_text: key-value pairs in a document (default: a third of "
+                                             "its slots, as train.py without --synthetic_pairs)")
     p.add_argument("--samples", type=int, default=10, help="prompts per grid cell, documents per recall length")
     p.add_argument("--batch_size", type=int, default=10, help="prompts (or loss windows) per forward")
     p.add_argument("--seed", type=int, default=0)
@@ -455,6 +460,13 @@ def evaluate(args: argparse.Namespace) -> dict:
     builder = PromptBuilder(tokenizer)
     plans = {task: plan_lengths(task, args.lengths, context, builder) for task in args.tasks
              if task not in ("loss", "documents")}
+    recall = {task: SyntheticDocuments(task, tokenizer, args.pairs) for task in plans if task in RECALL_TASKS}
+    for task, documents in recall.items():
+        for length in plans[task]:
+            try:
+                documents.check_length(length)
+            except ValueError as e:
+                raise ValueError(f"--lengths {e}; use longer --lengths or fewer --pairs") from None
     texts = read_documents(args.documents, tokenizer, context) if "documents" in args.tasks else []
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -485,8 +497,8 @@ def evaluate(args: argparse.Namespace) -> dict:
                 results[task] = retrieval_grid(model, builder, task, lengths, args.depths, args.samples, args.seed,
                                                args.batch_size, bar)
             else:
-                results[task] = recall_scores(model, SyntheticDocuments(task, tokenizer), lengths, args.samples,
-                                              args.seed, args.batch_size, bar)
+                results[task] = recall_scores(model, recall[task], lengths, args.samples, args.seed,
+                                              args.batch_size, bar)
         print(format_grid(task, results[task]) if task in GRID_TASKS else format_recall(results[task]))
         write()
     results["plots"] = [str(p) for p in plot(results, out_dir, title)]

@@ -46,7 +46,8 @@ def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, stored
         raise ValueError(f"--sample_tokens {cfg.sample_tokens} after the --sample_prompt's {prompt} tokens exceed "
                          f"--context_length {cfg.context_length}")
     if cfg.synthetic_mix:
-        loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed, cfg.synthetic_task, cfg.answer_loss)
+        loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed, cfg.synthetic_task, cfg.answer_loss,
+                              cfg.synthetic_pairs)
     return cfg, tokenizer, loader
 
 

@@ -131,14 +131,19 @@ Piece = tuple[list[int], list[int], list[int]]  # (ids before the answer, answer
 
 
 def _recall_document(length: int, rng: random.Random, pair: Callable[[int], Piece], query: Callable[[int], Piece],
-                     noise: Callable[[], list[int]], n_keys: int, unit: int) -> RecallDocument:
+                     noise: Callable[[], list[int]], n_keys: int, unit: int, pairs: int | None = None
+                     ) -> RecallDocument:
     """The MQAR layout of both forms, `length` tokens cut into slots of about `unit` tokens, each holding a pair, a
-    query or noise. A third of the slots get pairs of distinct keys (at most `n_keys`), each with one query later
+    query or noise. `pairs` slots (default: a third of them; at most half) get pairs of distinct keys (at most
+    `n_keys`; the more pairs, the more keys a query must tell apart), each with one query later
     at a distance drawn log-uniformly in [1, slots) slots, so the distances cover every scale of the context
     (placed longest first in random free slots; a pair that finds no room after 20 tries is left out). Answers cut
     off by the end of the document are dropped."""
     slots = max(2, length // unit)
-    n_pairs = min(n_keys, max(1, slots // 3))
+    if pairs is not None and pairs > slots // 2:
+        raise ValueError(f"{pairs} key-value pairs do not fit {length} tokens: at most {slots // 2} (a pair and its "
+                         f"query take 2 slots of {unit} tokens)")
+    n_pairs = min(n_keys, max(1, slots // 3) if pairs is None else pairs)
     gaps = sorted((round(math.exp(rng.uniform(0, math.log(slots - 1)))) for _ in range(n_pairs)), reverse=True)
     layout: list[tuple[str, int] | None] = [None] * slots
     for key, gap in zip(rng.sample(range(n_keys), n_pairs), gaps, strict=True):
@@ -154,8 +159,7 @@ def _recall_document(length: int, rng: random.Random, pair: Callable[[int], Piec
     pair_at: dict[int, int] = {}
     for slot, event in enumerate(layout):
         if event is None:
-            start = len(ids)
-            while len(ids) < start + unit:
+            while len(ids) < (slot + 1) * unit:  # to the slot's end: noise longer than a slot does not add up
                 ids += noise()
             continue
         kind, key = event
@@ -175,9 +179,11 @@ def _recall_document(length: int, rng: random.Random, pair: Callable[[int], Piec
                           [queries[i] for i in kept])
 
 
-def mqar_document(length: int, vocab: RecallVocabulary, rng: random.Random) -> RecallDocument:
-    """Token-level MQAR of exactly `length` tokens: `key value` pairs of random ids (distinct keys, random values),
-    later `key value` queries of earlier keys (each query's value is an answer), and random noise tokens."""
+def mqar_document(length: int, vocab: RecallVocabulary, rng: random.Random, pairs: int | None = None
+                  ) -> RecallDocument:
+    """Token-level MQAR of exactly `length` tokens: `key value` pairs of random ids (distinct keys, random values;
+    `pairs` of them, default a third of the length's 2-token slots), later `key value` queries of earlier keys
+    (each query's value is an answer), and random noise tokens."""
     values: dict[int, int] = {}
 
     def pair(key: int) -> Piece:
@@ -185,7 +191,7 @@ def mqar_document(length: int, vocab: RecallVocabulary, rng: random.Random) -> R
         return [vocab.keys[key], values[key]], [], []
 
     return _recall_document(length, rng, pair, lambda key: ([vocab.keys[key]], [values[key]], []),
-                            lambda: [rng.choice(vocab.noise)], len(vocab.keys), 2)
+                            lambda: [rng.choice(vocab.noise)], len(vocab.keys), 2, pairs)
 
 
 KEY_WORDS = [f"{a}{b}" for a in ("red", "blue", "green", "gold", "grey", "pink", "teal", "tan", "jade", "ruby",
@@ -193,10 +199,11 @@ KEY_WORDS = [f"{a}{b}" for a in ("red", "blue", "green", "gold", "grey", "pink",
              for b in ("fox", "owl", "cat", "elk", "bee", "ant", "yak", "emu", "cod", "ram", "eel", "bat")]
 
 
-def mqar_text_document(builder: PromptBuilder, length: int, rng: random.Random) -> RecallDocument:
+def mqar_text_document(builder: PromptBuilder, length: int, rng: random.Random, pairs: int | None = None
+                       ) -> RecallDocument:
     """Natural-language MQAR of exactly `length` tokens, from the needle task's pieces: statements " The value of
-    key redfox is 123456.", questions " What is the value of key redfox? 123456." of earlier keys (the value's
-    tokens are the answers) and filler sentences as noise."""
+    key redfox is 123456." (`pairs` of them, default a third of the slots), questions " What is the value of key
+    redfox? 123456." of earlier keys (the value's tokens are the answers) and filler sentences as noise."""
     encode, values = builder.tokenizer.encode, {}
 
     def pair(key: int) -> Piece:
@@ -207,7 +214,8 @@ def mqar_text_document(builder: PromptBuilder, length: int, rng: random.Random) 
         return encode(f" What is the value of key {KEY_WORDS[key]}?"), encode(f" {values[key]}"), encode(".")
 
     unit = len(encode(" The value of key redfox is 123456.")) + 2
-    return _recall_document(length, rng, pair, query, lambda: rng.choice(builder._filler), len(KEY_WORDS), unit)
+    return _recall_document(length, rng, pair, query, lambda: rng.choice(builder._filler), len(KEY_WORDS), unit,
+                            pairs)
 
 
 def passkey_document(builder: PromptBuilder, length: int, rng: random.Random) -> RecallDocument:
@@ -228,47 +236,56 @@ SYNTHETIC_TASKS = ("passkey", "mqar", "mqar_text")
 
 class SyntheticDocuments:
     """Documents of one synthetic task for one tokenizer: "passkey" (a passkey or needle prompt and its answer),
-    "mqar" (token-level multi-query associative recall) or "mqar_text" (its natural-language form)."""
+    "mqar" (token-level multi-query associative recall) or "mqar_text" (its natural-language form); `pairs`: the
+    key-value pairs of a recall document (None: a third of its slots)."""
 
-    def __init__(self, task: str, tokenizer: Tokenizer) -> None:
+    def __init__(self, task: str, tokenizer: Tokenizer, pairs: int | None = None) -> None:
         if task not in SYNTHETIC_TASKS:
             raise ValueError(f"synthetic task must be one of {SYNTHETIC_TASKS}, got {task!r}")
-        self.task, self.builder = task, PromptBuilder(tokenizer)
+        if pairs is not None and task == "passkey":
+            raise ValueError("a number of key-value pairs applies to the recall tasks (mqar, mqar_text), not passkey")
+        if pairs is not None and pairs < 1:
+            raise ValueError(f"the number of key-value pairs must be positive, got {pairs}")
+        self.task, self.builder, self.pairs = task, PromptBuilder(tokenizer), pairs
         self.vocab = RecallVocabulary.of(tokenizer) if task == "mqar" else None
 
     def __call__(self, length: int, rng: random.Random) -> RecallDocument:
         if self.task == "mqar":
-            return mqar_document(length, self.vocab, rng)
+            return mqar_document(length, self.vocab, rng, self.pairs)
         if self.task == "mqar_text":
-            return mqar_text_document(self.builder, length, rng)
+            return mqar_text_document(self.builder, length, rng, self.pairs)
         return passkey_document(self.builder, length, rng)
 
     def check_length(self, length: int, samples: int = 256) -> None:
-        """ValueError naming --context_length when documents of `length` tokens cannot be made: checked on the
-        longest text of `samples` seeded documents, plus 8 tokens for rarer longer encodings of their numbers."""
+        """ValueError "LENGTH is too short for ... (why)" when documents of `length` tokens cannot be made: checked
+        on the longest text of `samples` seeded documents, plus 8 tokens for rarer longer encodings of numbers."""
         try:
             for i in range(samples):
                 if not self(max(1, length - 8), random.Random(i)).answers:
                     raise ValueError("no answer fits")
-        except ValueError:
-            raise ValueError(f"--context_length {length} is too short for synthetic {self.task} documents; use a "
-                             "longer context or --synthetic_mix 0") from None
+        except ValueError as e:
+            raise ValueError(f"{length} is too short for synthetic {self.task} documents ({e})") from None
 
 
 class SyntheticMix:
     """A TokenLoader whose rows are replaced, each with probability `rate`, by a synthetic document of `task`
-    (SyntheticDocuments) of the same length. Labels equal the ids (the model shifts them), or with `answer_loss`
-    are IGNORE_INDEX (-100) except at a synthetic row's answers, so the loss is taken on answers only (a corpus row
-    keeps every label). Which rows and what they hold depend only on (seed, epoch, step, rank, row), so the mix is
-    deterministic and resumes exactly with the loader's own state (`state_dict` / `load_state_dict`)."""
+    (SyntheticDocuments, `pairs` key-value pairs in a recall document) of the same length. Labels equal the ids (the
+    model shifts them), or with `answer_loss` are IGNORE_INDEX (-100) except at a synthetic row's answers, so the
+    loss is taken on answers only (a corpus row keeps every label). Which rows and what they hold depend only on
+    (seed, epoch, step, rank, row), so the mix is deterministic and resumes exactly with the loader's own state
+    (`state_dict` / `load_state_dict`)."""
 
     def __init__(self, loader: TokenLoader, tokenizer: Tokenizer, rate: float, seed: int = 0, task: str = "passkey",
-                 answer_loss: bool = False) -> None:
+                 answer_loss: bool = False, pairs: int | None = None) -> None:
         if not 0 <= rate <= 1:
             raise ValueError(f"synthetic_mix must be in [0, 1], got {rate}")
         self.loader, self.rate, self.seed, self.answer_loss = loader, rate, seed, answer_loss
-        self.documents = SyntheticDocuments(task, tokenizer)
-        self.documents.check_length(loader.seq_len)
+        self.documents = SyntheticDocuments(task, tokenizer, pairs)
+        try:
+            self.documents.check_length(loader.seq_len)
+        except ValueError as e:
+            fewer = ", fewer --synthetic_pairs" if pairs else ""
+            raise ValueError(f"--context_length {e}; use a longer context{fewer} or --synthetic_mix 0") from None
 
     def __iter__(self) -> SyntheticMix:
         return self

@@ -118,6 +118,9 @@ class TrainConfig:
     synthetic_task: str = option("passkey", "'passkey' (a passkey or multi-key needle prompt and its answer), 'mqar' "
                                             "(dense multi-query associative recall over random token ids) or "
                                             "'mqar_text' (the same in sentences)")
+    synthetic_pairs: int | None = option(None, "mqar, mqar_text: key-value pairs in a document, each queried once "
+                                               "(default: a third of its slots, 10 at T=64 and 85 at T=512 for "
+                                               "mqar); the more pairs, the more keys a query must tell apart")
     answer_loss: bool = option(False, "synthetic rows: loss on their answers only (labels -100 elsewhere)")
     tracker: str | None = option(None, "also send the metrics to 'tensorboard' (OUT_DIR/tensorboard) or 'wandb' "
                                        "(WANDB_MODE=offline works without an account)")
@@ -373,7 +376,8 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
                        world_size: int = 1, stored: ModelConfig | None = None) -> tuple[ModelConfig, ComputeConfig]:
     """The resolved run's (ModelConfig, ComputeConfig): preset, then context length, attention type, a vocabulary
     that covers the tokenizer (the preset's, or the tokenizer's rounded up to 64 when larger); the compute options
-    --loss, --ffn_chunk_size and --attention_query_chunk, where from LONG_CONTEXT tokens on "auto" and unset mean the
+    --loss, --ffn_chunk_size and --attention_query_chunk (and the output layer on target rows only with
+    --answer_loss, whose targets are sparse), where from LONG_CONTEXT tokens on "auto" and unset mean the
     chunked loss (at 32k the 10 GiB logits rule of loss_mode="auto" would still pick the standard loss, whose float32
     copies cost ~47 GiB) and a tiled FFN (TILED_FFN_CHUNK tokens per tile); then model_overrides.
     Activation offload left at None is on when the checkpointed block inputs (`checkpointed_bytes`) would exceed
@@ -386,7 +390,8 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     tile = cfg.ffn_chunk_size if cfg.ffn_chunk_size is not None else TILED_FFN_CHUNK if long else 0
     compute = {"ffn_chunk_size": tile or None,
                "loss_mode": "chunked" if cfg.loss == "auto" and long else cfg.loss,
-               "attention_query_chunk": cfg.attention_query_chunk}
+               "attention_query_chunk": cfg.attention_query_chunk,
+               "loss_rows": "targets" if cfg.answer_loss else "all"}
     theta = {"rope_theta": cfg.rope_theta} if cfg.rope_theta else {}
     theta |= {"rope_scaling": cfg.rope_scaling} if cfg.rope_scaling else {}
     if stored is not None:

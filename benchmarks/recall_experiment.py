@@ -41,6 +41,23 @@ import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from config import register_attention  # noqa: E402
 
+Stage = tuple[int, int, int | None]  # (length, steps, key-value pairs a document or None: the default density)
+
+
+def parse_stage(text: str) -> Stage:
+    """"LENGTH:STEPS" or "LENGTH:STEPS:PAIRS" -> (length, steps, pairs or None)."""
+    parts = [int(x) for x in text.split(":")]
+    if len(parts) not in (2, 3):
+        raise ValueError(f"a stage is LENGTH:STEPS or LENGTH:STEPS:PAIRS, got {text!r}")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+
+
+def stage_name(stage: Stage) -> str:
+    """The stage's run directory: T<length>, or T<length>-p<pairs> with a pair count."""
+    length, _, pairs = stage
+    return f"T{length}" + (f"-p{pairs}" if pairs else "")
+
+
 TYPES = {
     "full": {"attention_type": "full", "model_overrides": {}},
     "swa": {"attention_type": "swa", "model_overrides": {"attention_options": {"window": 64}}},
@@ -50,11 +67,12 @@ TYPES = {
 }
 
 
-def stage_run(kind: str, seed: int, length: int, steps: int, previous: Path | None, out: Path,
+def stage_run(kind: str, seed: int, stage: Stage, previous: Path | None, out: Path,
               data_dir: str, overrides: dict, lr: float, batch_tokens: int) -> tuple[Path, float]:
     """Train one stage (skipped when its export exists); returns (its run directory, seconds). `overrides`: model
     fields set on top of the type's own (first stage only; later stages inherit the architecture)."""
-    run_dir = out / f"{kind}-seed{seed}" / f"T{length}"
+    length, steps, pairs = stage
+    run_dir = out / f"{kind}-seed{seed}" / stage_name(stage)
     if (run_dir / "model" / "model.safetensors").is_file():
         return run_dir, json.loads((run_dir / "stage.json").read_text())["seconds"]
     args = ["--context_length", str(length), "--max_steps", str(steps), "--synthetic_mix", "1.0",
@@ -62,6 +80,7 @@ def stage_run(kind: str, seed: int, length: int, steps: int, previous: Path | No
             "--batch_size", str(max(1, batch_tokens // length)), "--checkpoint_interval", "0", "--sample_tokens", "0",
             "--log_interval", "50", "--seed", str(seed),
             "--data_dir", data_dir, "--out_dir", str(run_dir)]
+    args += ["--synthetic_pairs", str(pairs)] if pairs else []
     if previous is None:
         spec = TYPES[kind]
         args += ["--model_size", "demo", "--attention_type", spec["attention_type"], "--model_overrides",
@@ -80,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out_dir", default="runs/recall")
     p.add_argument("--data_dir", default="data/stdlib", help="any prepared data (its rows are all replaced)")
     p.add_argument("--types", nargs="+", choices=list(TYPES), default=list(TYPES))
-    p.add_argument("--stages", nargs="+", default=["64:1200", "512:600", "2048:300"],
-                   help="LENGTH:STEPS of each curriculum stage")
+    p.add_argument("--stages", nargs="+", type=parse_stage, default=["64:1200", "512:600", "2048:300"],
+                   help="LENGTH:STEPS[:PAIRS] of each curriculum stage (PAIRS: key-value pairs a document, default "
+                        "a third of its 2-token slots)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--samples", type=int, default=32, help="documents scored per stage")
     p.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
@@ -92,23 +112,22 @@ def main(argv: list[str] | None = None) -> None:
                    help="runs (type x seed) trained at once, each in its own process (a GPU runs several small "
                         "models faster side by side than one after another)")
     args = p.parse_args(argv)
-    stages = [tuple(int(x) for x in stage.split(":")) for stage in args.stages]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONHASHSEED", "0")
     runs = [(kind, seed) for kind in args.types for seed in args.seeds]
     if args.jobs == 1:
-        summary = {f"{kind}-seed{seed}": curriculum(kind, seed, stages, out, args) for kind, seed in runs}
+        summary = {f"{kind}-seed{seed}": curriculum(kind, seed, args.stages, out, args) for kind, seed in runs}
     else:  # one process per run, its output in OUT_DIR/<type>-seed<s>.log
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {f"{kind}-seed{seed}": pool.submit(curriculum, kind, seed, stages, out, args, True)
+            futures = {f"{kind}-seed{seed}": pool.submit(curriculum, kind, seed, args.stages, out, args, True)
                        for kind, seed in runs}
             summary = {name: future.result() for name, future in futures.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     report(summary, out)
 
 
-def curriculum(kind: str, seed: int, stages: list[tuple[int, int]], out: Path, args: argparse.Namespace,
+def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argparse.Namespace,
                own_process: bool = False) -> list[dict]:
     """Train and score one type and seed through the stages; returns a row per stage. In a process of its own
     (--jobs > 1) the output goes to OUT_DIR/<type>-seed<s>.log and the process takes its share of the CPU threads."""
@@ -120,13 +139,15 @@ def curriculum(kind: str, seed: int, stages: list[tuple[int, int]], out: Path, a
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
     register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
     previous, rows = None, []
-    for length, steps in stages:
-        run_dir, seconds = stage_run(kind, seed, length, steps, previous, out, args.data_dir,
+    for stage in stages:
+        length, steps, pairs = stage
+        run_dir, seconds = stage_run(kind, seed, stage, previous, out, args.data_dir,
                                      args.model_overrides, args.lr, args.batch_tokens)
         results = evaluation.main([str(run_dir / "model"), "--tasks", "mqar", "--lengths", str(length),
-                                   "--samples", str(args.samples), "--batch_size", "2", "--seed", "1000"])
+                                   "--samples", str(args.samples), "--batch_size", "2", "--seed", "1000",
+                                   *(["--pairs", str(pairs)] if pairs else [])])
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rows.append({"length": length, "steps": steps, "seconds": seconds, "mqar": results["mqar"],
+        rows.append({"length": length, "steps": steps, "pairs": pairs, "seconds": seconds, "mqar": results["mqar"],
                      "loss_curve": [(m["step"], m["loss"]) for m in metrics if "loss" in m]})
         previous = run_dir
     return rows
@@ -134,8 +155,8 @@ def curriculum(kind: str, seed: int, stages: list[tuple[int, int]], out: Path, a
 
 def report(summary: dict, out: Path) -> None:
     """The table (accuracy overall, within 64 tokens and beyond, per stage) and the plot of the last stages."""
-    print("\n| run | T | steps | minutes | accuracy | within 64 tokens | beyond 64 tokens | final loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| run | T | pairs | steps | minutes | accuracy | within 64 tokens | beyond 64 tokens | final loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, rows in summary.items():
         for row in rows:
             buckets = row["mqar"]["buckets"]
@@ -146,7 +167,8 @@ def report(summary: dict, out: Path) -> None:
                 n = sum(b["count"] for b in group)
                 return f"{sum(b['accuracy'] * b['count'] for b in group) / n:.1%}" if n else "-"
 
-            print(f"| {name} | {row['length']} | {row['steps']} | {row['seconds'] / 60:.1f} | "
+            print(f"| {name} | {row['length']} | {row.get('pairs') or 'T/6'} | {row['steps']} | "
+                  f"{row['seconds'] / 60:.1f} | "
                   f"{row['mqar']['accuracy']:.1%} | {mean(near)} | {mean(far)} | {row['loss_curve'][-1][1]:.3f} |")
     try:
         import matplotlib
@@ -155,14 +177,14 @@ def report(summary: dict, out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    lengths = sorted({row["length"] for rows in summary.values() for row in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
-    for ax, length in zip(axes[0], lengths, strict=True):
+    panels = sorted({(row["length"], row.get("pairs") or 0) for rows in summary.values() for row in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (length, pairs) in zip(axes[0], panels, strict=True):
         for name, rows in summary.items():
             for row in rows:
-                if row["length"] == length:
+                if (row["length"], row.get("pairs") or 0) == (length, pairs):
                     evaluation.plot_recall(ax, row["mqar"], label=name)
-        ax.set_title(f"MQAR, T = {length}")
+        ax.set_title(f"MQAR, T = {length}" + (f", {pairs} pairs" if pairs else ""))
         ax.axvline(64, color="grey", linestyle=":", linewidth=1)
         ax.legend(fontsize=7)
     fig.tight_layout()

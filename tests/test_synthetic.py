@@ -13,13 +13,15 @@ import torch
 import torch.nn.functional as F
 
 import train
-from config import ModelConfig
+import train_config
+from config import ComputeConfig, ModelConfig
 from data import TokenLoader
 from model import Transformer
 from synthetic import (
     KEY_WORDS,
     PromptBuilder,
     RecallVocabulary,
+    SyntheticDocuments,
     SyntheticMix,
     mqar_document,
     mqar_text_document,
@@ -85,6 +87,30 @@ def test_mqar_answers_sit_at_their_distance_and_cover_every_scale(T):
     assert mqar_document(T, vocab, random.Random(T + 1)) != doc
 
 
+def test_pairs_sets_the_keys_a_query_tells_apart(tokenizer):
+    """`pairs`: that many keys, each queried once, at any length (a layout as dense as a pair in every other slot
+    leaves out the pairs it finds no room for); too many for the length, a pair count on passkey, or none at all
+    are one-line errors naming the fix."""
+    vocab = RecallVocabulary(8192)
+    dense = mqar_document(64, vocab, random.Random(0), 16)
+    assert 10 <= len(dense.answers) <= 16
+    for T, pairs in ((64, 2), (64, 8), (512, 8), (2048, 8)):
+        doc = mqar_document(T, vocab, random.Random(T), pairs)
+        keys = [doc.ids[a - 1] for a in doc.answers]
+        assert len(doc.ids) == T and len(set(keys)) == len(keys) == pairs
+        assert sum(token in vocab.keys for token in doc.ids) == 2 * pairs  # each key: its pair and its query
+        assert max(doc.distances) > T // 8  # the few pairs still spread over the context
+    text = mqar_text_document(PromptBuilder(tokenizer), 1024, random.Random(0), 3)
+    assert len(set(text.queries)) == 3
+    with pytest.raises(ValueError, match="17 key-value pairs do not fit 64 tokens: at most 16"):
+        mqar_document(64, vocab, random.Random(0), 17)
+    with pytest.raises(ValueError, match="--context_length 64 is too short .* fewer --synthetic_pairs"):
+        SyntheticMix(TokenLoader(Path(tokenizer.path).parent, 64, 2), tokenizer, 1.0, task="mqar", pairs=16)
+    for task, pairs, message in (("passkey", 4, "not passkey"), ("mqar", 0, "must be positive")):
+        with pytest.raises(ValueError, match=message):
+            SyntheticDocuments(task, tokenizer, pairs)
+
+
 def test_mqar_text_answers_are_the_values_of_earlier_statements(tokenizer):
     doc = mqar_text_document(PromptBuilder(tokenizer), 1024, random.Random(3))
     assert len(doc.ids) == 1024 and doc.answers
@@ -117,6 +143,13 @@ def test_answer_loss_equals_the_hand_masked_loss(data_dir, tokenizer):
     terms = [F.cross_entropy(logits[row, a - 1], input_ids[row, a])
              for row, doc in enumerate(docs) for a in doc.answers]
     torch.testing.assert_close(out.loss, torch.stack(terms).mean(), rtol=0, atol=1e-12)
+    # what train.py runs with --answer_loss: the output layer on the answer rows only, the same loss
+    rows = Transformer(model.config, ComputeConfig(loss_rows="targets")).double()
+    rows.load_state_dict(model.state_dict())
+    torch.testing.assert_close(rows(input_ids, labels).loss, torch.stack(terms).mean(), rtol=0, atol=1e-12)
+    cfg = train_config.resolve_config(train_config.TrainConfig(model_size="tiny", synthetic_mix=1.0,
+                                                               answer_loss=True), torch.device("cpu"))
+    assert train_config.build_model_config(cfg, 512)[1].loss_rows == "targets"
 
 
 @pytest.mark.parametrize("task", ["passkey", "mqar", "mqar_text"])
