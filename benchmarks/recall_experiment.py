@@ -1,24 +1,30 @@
 """Does an attention type retrieve across its context? Dense associative recall (MQAR, synthetic.py) learned by the
-demo model with full attention, with a sliding window (the control: it cannot see past its window) and with NSA,
-on the same documents, then scored by key-query distance (eval.py --tasks mqar).
+demo model with full attention, with a sliding window (the control: blind beyond what its stacked windows reach)
+and with NSA, on the same documents, then scored by key-query distance (eval.py --tasks mqar).
 
     python benchmarks/recall_experiment.py --out_dir runs/recall                  # the stages and types below
     python benchmarks/recall_experiment.py --types full --stages 64:1200 512:600 --seeds 0 1 2
     python benchmarks/recall_experiment.py --stages 64:20000 512:10000 --batch_tokens 16384 --seeds 0 1 2 --jobs 9
+    python benchmarks/recall_experiment.py --stages 64:2000:2 64:1500:4 512:1500:4 --jobs 3 \\
+        --model_overrides '{"qk_norm": false}' --out_dir runs/recall_pairs        # 4 keys to tell apart, not 85
 
 Training is a short-to-long curriculum, each stage starting from the previous stage's export: every row an MQAR
 document (--synthetic_mix 1.0), the loss on the answers only (--answer_loss), the demo preset's default learning
 rate. After each stage the model is scored on fresh documents of the stage's length. Types:
 - full: SDPA, every key visible;
-- swa: the test-only sliding-window type (tests/sliding_window_attention.py) with a window of 64 keys: the control,
-  which should retrieve only pairs within 64 tokens;
+- swa: the test-only sliding-window type (tests/sliding_window_attention.py) with a window of 64 keys: the control.
+  One layer sees 64 tokens back; the demo's 4 layers can pass a value on through intermediate tokens up to
+  4 x 63 = 252 back, so beyond 252 tokens it cannot retrieve at all;
 - nsa: compression blocks l = 32 (stride 16), selection blocks l' = 32, n = 6 selected blocks (block 0 and the two
   most recent among them, so 3 free slots), window w = 64: at T = 2048 a query visits on average 64 compressed +
   192 selected + 64 window keys = 320, under a third of full attention's 1024.
-The last command is for a GPU: --jobs 9 trains the 9 runs (3 types x 3 seeds) side by side, a process each; a model
+A stage LENGTH:STEPS:PAIRS puts PAIRS key-value pairs in each document (default: a third of its 2-token slots, 85
+at T = 512): the number of keys a query must tell apart, the task's difficulty (the last command: 2 pairs, then 4).
+The third command is for a GPU: --jobs 9 trains the 9 runs (3 types x 3 seeds) side by side, a process each; a model
 this small leaves a GPU mostly idle, so more processes run more steps in total (one H200 at T = 512: 3 processes
 made 71 steps/s together, 7 made 117). Prints a table, writes OUT_DIR/summary.json and
-OUT_DIR/recall_by_distance.png; each stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/T<length>/.
+OUT_DIR/recall_by_distance.png; each stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/T<length>/
+(T<length>-p<pairs>/ with a pair count).
 """
 
 from __future__ import annotations

@@ -61,3 +61,22 @@ def test_bad_inputs_are_one_line_errors(attention, text, message, data_dir, tmp_
         main([str(tmp_path / "model"), "--tokenizer", str(data_dir / "tokenizer.model"), "--text", text])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_recall_selection_marks_the_pair_blocks():
+    """benchmarks/nsa_recall_selection.py: one row per MQAR answer, and a pair in the query's own or previous
+    selection block (always selected) counts as selected in every layer."""
+    import runpy
+    from pathlib import Path
+
+    from synthetic import RecallVocabulary
+
+    script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_recall_selection.py"))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa")).eval()
+    rows = script["selection_hits"](model, 256, 8, 2, 0, RecallVocabulary(512))
+    assert len(rows) >= 12 and all(len(row["hits"]) == model.config.n_layers for row in rows)
+    block = model.config.nsa_select_block_size
+    assert all(all(row["hits"]) for row in rows if row["distance"] <= block)
+    table = script["report"](rows, model.config.nsa_window)
+    assert table.splitlines()[2].startswith("| ") and "accuracy if selected" in table

@@ -1,0 +1,91 @@
+"""Why does an NSA model miss a far pair? For MQAR documents (synthetic.mqar_document), each answer beyond the
+sliding window is looked up through the selection branch: the query's key token must select the block holding the
+pair's value (whose hidden state carries the key). This script scores every answer under teacher forcing and asks,
+layer by layer, whether that block was among the blocks the query's position selected (any KV group), using
+nsa.inspection's recomputation of the selection.
+
+    python benchmarks/nsa_recall_selection.py runs/recall_pairs/nsa-seed0/T512-p4/model --length 512 --pairs 4
+
+Prints, per key-query distance bucket: the answers, their accuracy, and per layer the share whose pair's block
+was selected, with the accuracy of the answers whose block was selected in the last layer and of those whose block
+was not. Selection blocks: the model's nsa_select_block_size; block 0 and the two most recent are always selected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eval import score_answers  # noqa: E402
+from nsa.inspection import inspect  # noqa: E402
+from synthetic import RecallVocabulary, mqar_document  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+from weights import load_model  # noqa: E402
+
+
+def selection_hits(model: torch.nn.Module, length: int, pairs: int | None, samples: int, seed: int,
+                   vocab: RecallVocabulary) -> list[dict]:
+    """One row per answer: {"distance", "right", "hits" (per layer: the pair's value block was selected at the
+    query's position by any KV group)}."""
+    rng = random.Random(f"{seed}-selection-{length}")
+    block = model.config.nsa_select_block_size
+    rows = []
+    for _ in range(samples):
+        doc = mqar_document(length, vocab, rng, pairs)
+        ids = torch.tensor([doc.ids])  # (1, T)
+        layers = inspect(model, ids)  # per layer: "selected" (1, KV, T, n)
+        scores = score_answers(model, ids, [doc.answers])[0]
+        for answer, distance, (right, _) in zip(doc.answers, doc.distances, scores, strict=True):
+            query, value = answer - 1, answer - distance  # the query's key token; the pair's value token
+            hits = [bool((found["selected"][0, :, query] == value // block).any()) for found in layers]
+            rows.append({"distance": distance, "right": right, "hits": hits})
+    return rows
+
+
+def report(rows: list[dict], window: int) -> str:
+    """The table by distance bucket (powers of two)."""
+    n_layers = len(rows[0]["hits"])
+    header = ["distance", "answers", "accuracy", *(f"selected, layer {i}" for i in range(n_layers)),
+              "accuracy if selected (last layer)", "accuracy if not"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    buckets: dict[int, list[dict]] = {}
+    for row in rows:
+        buckets.setdefault(max(1, row["distance"]).bit_length() - 1, []).append(row)
+
+    def share(group: list[bool]) -> str:
+        return f"{sum(group) / len(group):.1%}" if group else "-"
+
+    for k, group in sorted(buckets.items()):
+        hit = [r["right"] for r in group if r["hits"][-1]]
+        miss = [r["right"] for r in group if not r["hits"][-1]]
+        cells = [f"{2**k}-{2**(k + 1) - 1}", str(len(group)), share([r["right"] for r in group]),
+                 *(share([r["hits"][i] for r in group]) for i in range(n_layers)), share(hit), share(miss)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n(the sliding window covers distances up to {window})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="an NSA model: a run's model/ export or a checkpoint")
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--pairs", type=int, help="key-value pairs a document (default: a third of its slots)")
+    p.add_argument("--samples", type=int, default=64, help="documents")
+    p.add_argument("--seed", type=int, default=2000)
+    p.add_argument("--tokenizer", help="default: the one stored with the model")
+    args = p.parse_args(argv)
+    path = Path(args.model)
+    model = load_model(path).eval()
+    if model.config.attention_type != "nsa":
+        p.error(f"{path} has {model.config.attention_type!r} attention; this script inspects NSA")
+    tokenizer = load_tokenizer(args.tokenizer or path)
+    rows = selection_hits(model, args.length, args.pairs, args.samples, args.seed, RecallVocabulary.of(tokenizer))
+    print(report(rows, model.config.nsa_window))
+
+
+if __name__ == "__main__":
+    main()
