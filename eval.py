@@ -244,8 +244,8 @@ def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: li
         by_length.append({"length": length, "answers": n, "accuracy": sum(right[first:]) / n,
                           "answer_logprob": sum(log_probs[first:]) / n})
     return {"task": documents.task, "pairs": documents.pairs, "lengths": lengths, "samples": samples,
-            "answers": len(right),
-            "accuracy": sum(right) / len(right), "query_accuracy": sum(per_query.values()) / len(per_query),
+            "answers": len(right), "accuracy": sum(right) / len(right),
+            "query_accuracy": sum(per_query.values()) / len(per_query),
             "answer_logprob": sum(log_probs) / len(log_probs), "by_length": by_length,
             "buckets": distance_buckets(distances, right, log_probs)}
 
@@ -460,13 +460,15 @@ def evaluate(args: argparse.Namespace) -> dict:
     builder = PromptBuilder(tokenizer)
     plans = {task: plan_lengths(task, args.lengths, context, builder) for task in args.tasks
              if task not in ("loss", "documents")}
+    if args.pairs is not None and args.pairs < 1:
+        raise ValueError(f"--pairs must be >= 1, got {args.pairs}")
     recall = {task: SyntheticDocuments(task, tokenizer, args.pairs) for task in plans if task in RECALL_TASKS}
     for task, documents in recall.items():
-        for length in plans[task]:
+        for length in plans[task] if args.pairs else []:
             try:
                 documents.check_length(length)
             except ValueError as e:
-                raise ValueError(f"--lengths {e}; use longer --lengths or fewer --pairs") from None
+                raise ValueError(f"--pairs {args.pairs}: length {e}; use fewer --pairs or longer --lengths") from None
     texts = read_documents(args.documents, tokenizer, context) if "documents" in args.tasks else []
     out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -187,7 +187,8 @@ class Transformer(nn.Module):
 
         Returns ModelOutput(loss, logits): loss is the summed next-token cross-entropy over non-ignored targets
         divided by `loss_normalizer` (default: their count, i.e. the mean; a trainer passes the global count over
-        ranks and accumulation steps), None without labels; logits (B, T, V) are None when the chunked loss ran.
+        ranks and accumulation steps), None without labels; logits (B, T, V) are None when the chunked loss ran or
+        compute.loss_rows is "targets".
         """
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
@@ -226,7 +227,8 @@ class Transformer(nn.Module):
         if self.compute.loss_rows == "targets":
             targets = targets.reshape(B * T)  # (N,)
             rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # (K,): a data-dependent shape (a GPU syncs here)
-            hidden, targets = hidden.reshape(B * T, C).index_select(0, rows)[None], targets[rows][None]  # (1, K, .)
+            hidden = hidden.reshape(B * T, C).index_select(0, rows)[None]  # (1, K, C)
+            targets = targets.index_select(0, rows)[None]  # (1, K)
         if self.use_chunked_loss(hidden.shape[0] * hidden.shape[1], hidden.dtype):
             return self._compute_loss_chunked(hidden, targets, self.compute.loss_chunk_size, loss_normalizer)
         loss, logits = self._compute_loss_standard(hidden, targets, loss_normalizer)

@@ -122,11 +122,14 @@ class StepConfig:
     def configs(self) -> tuple[ModelConfig, ComputeConfig]:
         """(ModelConfig, ComputeConfig) exactly as train.py builds them for this run (train_config.
         build_model_config): the preset or the --init_from architecture, the vocabulary of the tokenizer the run
-        would use, and the long-context choices (chunked loss, tiled FFN, offload) where "auto" asks for them."""
+        would use, and the long-context choices (chunked loss, tiled FFN, offload) where "auto" asks for them.
+        The output layer runs on every row (the profile's labels are all targets; --answer_loss data has fewer,
+        so this is its upper bound, and a data-dependent row count cannot be traced on fake tensors)."""
         cfg = self.train
         stored = stored_config(cfg.init_from) if cfg.init_from else None
         memory = int(self.gpu_memory_gib * GiB) if self.gpu_memory_gib else None
-        return build_model_config(cfg, tokenizer_vocab(cfg), memory, self.world_size, stored)
+        model_config, compute = build_model_config(cfg, tokenizer_vocab(cfg), memory, self.world_size, stored)
+        return model_config, dataclasses.replace(compute, loss_rows="all")
 
     def replace(self, world_size: int | None = None, **options: object) -> StepConfig:
         """This step with some train.py options (or the world size) changed."""

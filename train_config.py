@@ -165,6 +165,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name} must be >= {low}, got {value}")
+        if self.synthetic_pairs is not None and self.synthetic_task == "passkey":
+            raise ValueError("--synthetic_pairs applies to --synthetic_task mqar or mqar_text, not passkey")
         if self.sample_tokens is not None and self.sample_tokens >= self.context_length:
             raise ValueError(f"--sample_tokens must be less than --context_length ({self.context_length}), the "
                              f"longest sequence the model generates; got {self.sample_tokens}")
@@ -198,7 +200,7 @@ class TrainConfig:
 MINIMUM = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1, "warmup_steps": 0,
            "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1, "eval_interval": 0, "eval_tokens": 1,
            "keep_checkpoints": 1, "lora_rank": 1, "npt_rank": 1, "empty_cache_interval": 0, "sample_tokens": 0,
-           "ffn_chunk_size": 0, "attention_query_chunk": 1, "seed": 0}
+           "ffn_chunk_size": 0, "attention_query_chunk": 1, "seed": 0, "synthetic_pairs": 1}
 MAX_SEED = 2**63 - 1
 # Real options: finite, in (0, high] (POSITIVE) or [0, high] (NON_NEGATIVE).
 POSITIVE = {"lr": 1.0, "max_memory": math.inf, "rope_theta": math.inf, "lora_alpha": math.inf}

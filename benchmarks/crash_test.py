@@ -62,7 +62,7 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 
 def newest_checkpoint(out_dir: Path) -> int:
-    """The step of the newest complete checkpoint in `out_dir` (0: none), as train.py --resume finds it."""
+    """The step of the newest complete (renamed from .tmp) checkpoint in `out_dir` (0: none)."""
     latest = latest_checkpoint(out_dir)
     return int(latest.name.split("-")[1]) if latest else 0
 

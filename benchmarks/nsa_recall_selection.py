@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     if model.config.attention_type != "nsa":
         p.error(f"{path} has {model.config.attention_type!r} attention; this script inspects NSA")
     tokenizer = load_tokenizer(args.tokenizer or path)
-    rows = selection_hits(model, args.length, args.pairs, args.samples, args.seed, RecallVocabulary.of(tokenizer))
+    try:
+        rows = selection_hits(model, args.length, args.pairs, args.samples, args.seed, RecallVocabulary.of(tokenizer))
+    except ValueError as e:
+        p.error(str(e))
     print(report(rows, model.config.nsa_window))
 
 

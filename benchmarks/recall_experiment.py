@@ -51,10 +51,14 @@ Stage = tuple[int, int, int | None]  # (length, steps, key-value pairs a documen
 
 
 def parse_stage(text: str) -> Stage:
-    """"LENGTH:STEPS" or "LENGTH:STEPS:PAIRS" -> (length, steps, pairs or None)."""
-    parts = [int(x) for x in text.split(":")]
-    if len(parts) not in (2, 3):
-        raise ValueError(f"a stage is LENGTH:STEPS or LENGTH:STEPS:PAIRS, got {text!r}")
+    """"LENGTH:STEPS" or "LENGTH:STEPS:PAIRS" (positive integers) -> (length, steps, pairs or None)."""
+    try:
+        parts = [int(x) for x in text.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (2, 3) or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"a stage is LENGTH:STEPS or LENGTH:STEPS:PAIRS of positive integers, "
+                                         f"got {text!r}")
     return parts[0], parts[1], parts[2] if len(parts) == 3 else None
 
 
@@ -105,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out_dir", default="runs/recall")
     p.add_argument("--data_dir", default="data/stdlib", help="any prepared data (its rows are all replaced)")
     p.add_argument("--types", nargs="+", choices=list(TYPES), default=list(TYPES))
-    p.add_argument("--stages", nargs="+", type=parse_stage, default=["64:1200", "512:600", "2048:300"],
+    p.add_argument("--stages", nargs="+", type=parse_stage,
+                   default=[parse_stage(stage) for stage in ("64:1200", "512:600", "2048:300")],
                    help="LENGTH:STEPS[:PAIRS] of each curriculum stage (PAIRS: key-value pairs a document, default "
                         "a third of its 2-token slots)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])

@@ -190,8 +190,8 @@ def test_document_loglikelihoods_are_the_model_loss_after_the_end_of_document_id
     (["--samples", "0"], "--samples must be >= 1"),
     (["--context_length", "5000"], "exceeds the model's context_length"),
     (["--tokenizer", "missing.model"], "--tokenizer missing.model does not exist"),
-    (["--tasks", "mqar", "--lengths", "64", "--pairs", "40"], "--lengths 64 is too short for synthetic mqar"),
-    (["--tasks", "mqar", "--pairs", "0"], "pairs must be positive"),
+    (["--tasks", "mqar", "--lengths", "64", "--pairs", "40"], "--pairs 40: length 64 is too short for synthetic"),
+    (["--tasks", "mqar", "--pairs", "0"], "--pairs must be >= 1"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(demo_run, args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -104,8 +104,11 @@ def test_pairs_sets_the_keys_a_query_tells_apart(tokenizer):
     assert len(set(text.queries)) == 3
     with pytest.raises(ValueError, match="17 key-value pairs do not fit 64 tokens: at most 16"):
         mqar_document(64, vocab, random.Random(0), 17)
+    SyntheticMix(TokenLoader(Path(tokenizer.path).parent, 64, 2), tokenizer, 1.0, task="mqar", pairs=16)
     with pytest.raises(ValueError, match="--context_length 64 is too short .* fewer --synthetic_pairs"):
-        SyntheticMix(TokenLoader(Path(tokenizer.path).parent, 64, 2), tokenizer, 1.0, task="mqar", pairs=16)
+        SyntheticMix(TokenLoader(Path(tokenizer.path).parent, 64, 2), tokenizer, 1.0, task="mqar", pairs=17)
+    with pytest.raises(ValueError, match="200 key-value pairs need 200 distinct keys; this form has 144"):
+        mqar_text_document(PromptBuilder(tokenizer), 8192, random.Random(0), 200)
     for task, pairs, message in (("passkey", 4, "not passkey"), ("mqar", 0, "must be positive")):
         with pytest.raises(ValueError, match=message):
             SyntheticDocuments(task, tokenizer, pairs)
