@@ -112,6 +112,10 @@ def test_pairs_sets_the_keys_a_query_tells_apart(tokenizer):
     for task, pairs, message in (("passkey", 4, "not passkey"), ("mqar", 0, "must be positive")):
         with pytest.raises(ValueError, match=message):
             SyntheticDocuments(task, tokenizer, pairs)
+    for options, message in (({"synthetic_pairs": 0}, "--synthetic_pairs must be >= 1"),
+                             ({"synthetic_pairs": 4}, "--synthetic_pairs applies to --synthetic_task mqar")):
+        with pytest.raises(ValueError, match=message):
+            train_config.TrainConfig(synthetic_task="passkey", **options)
 
 
 def test_mqar_text_answers_are_the_values_of_earlier_statements(tokenizer):
