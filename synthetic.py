@@ -233,6 +233,13 @@ def passkey_document(builder: PromptBuilder, length: int, rng: random.Random) ->
     return RecallDocument(ids, positions, [len(prompt.ids) - prompt.needle_start] * len(answer), [0] * len(answer))
 
 
+def answer_labels(doc: RecallDocument) -> torch.Tensor:
+    """Labels (T,) that put the loss on `doc`'s answers only: its ids there, IGNORE_INDEX (-100) elsewhere."""
+    labels = torch.full((len(doc.ids),), IGNORE_INDEX)
+    labels[doc.answers] = torch.tensor(doc.ids)[doc.answers]
+    return labels
+
+
 SYNTHETIC_TASKS = ("passkey", "mqar", "mqar_text")
 
 
@@ -302,10 +309,8 @@ class SyntheticMix:
             rng = random.Random(f"{self.seed}-{epoch}-{step}-{loader.rank}-{row}")
             if rng.random() < self.rate:
                 doc = self.documents(loader.seq_len, rng)
-                input_ids[row] = labels[row] = torch.tensor(doc.ids)
-                if self.answer_loss:
-                    labels[row] = IGNORE_INDEX
-                    labels[row, doc.answers] = input_ids[row, doc.answers]
+                input_ids[row] = torch.tensor(doc.ids)
+                labels[row] = answer_labels(doc) if self.answer_loss else input_ids[row]
         return input_ids, labels
 
     def state_dict(self) -> dict:

@@ -30,7 +30,7 @@ from config import ModelConfig  # noqa: E402
 from eval import recall_scores  # noqa: E402
 from loss import IGNORE_INDEX  # noqa: E402
 from model import Transformer  # noqa: E402
-from synthetic import RecallDocument, RecallVocabulary, mqar_document  # noqa: E402
+from synthetic import RecallDocument, RecallVocabulary, answer_labels, mqar_document  # noqa: E402
 
 
 def copy_batch(B: int, T: int, vocab_size: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +59,7 @@ class MqarDocuments:
 def mqar_batch(B: int, T: int, documents: MqarDocuments, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, labels) (B, T) of MQAR documents, the labels at the answers only."""
     docs = [documents(T, rng) for _ in range(B)]
-    ids = torch.tensor([d.ids for d in docs])  # (B, T)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    for row, doc in enumerate(docs):
-        labels[row, doc.answers] = ids[row, doc.answers]
-    return ids, labels
+    return torch.tensor([d.ids for d in docs]), torch.stack([answer_labels(d) for d in docs])  # (B, T) each
 
 
 def train_arm(config: ModelConfig, copy_steps: int, steps: int, B: int, T: int, lr: float, seed: int,

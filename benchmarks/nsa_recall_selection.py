@@ -23,20 +23,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval import score_answers  # noqa: E402
 from nsa.inspection import inspect  # noqa: E402
-from synthetic import RecallVocabulary, mqar_document  # noqa: E402
+from synthetic import SyntheticDocuments  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from weights import load_model  # noqa: E402
 
 
-def selection_hits(model: torch.nn.Module, length: int, pairs: int | None, samples: int, seed: int,
-                   vocab: RecallVocabulary) -> list[dict]:
+def selection_hits(model: torch.nn.Module, length: int, samples: int, seed: int,
+                   documents: SyntheticDocuments) -> list[dict]:
     """One row per answer: {"distance", "right", "hits" (per layer: the pair's value block was selected at the
     query's position by any KV group)}."""
     rng = random.Random(f"{seed}-selection-{length}")
     block = model.config.nsa_select_block_size
     rows = []
     for _ in range(samples):
-        doc = mqar_document(length, vocab, rng, pairs)
+        doc = documents(length, rng)
         ids = torch.tensor([doc.ids])  # (1, T)
         layers = inspect(model, ids)  # per layer: "selected" (1, KV, T, n)
         scores = score_answers(model, ids, [doc.answers])[0]
@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(path).eval()
     if model.config.attention_type != "nsa":
         p.error(f"{path} has {model.config.attention_type!r} attention; this script inspects NSA")
-    tokenizer = load_tokenizer(args.tokenizer or path)
     try:
-        rows = selection_hits(model, args.length, args.pairs, args.samples, args.seed, RecallVocabulary.of(tokenizer))
+        documents = SyntheticDocuments("mqar", load_tokenizer(args.tokenizer or path), args.pairs)
+        rows = selection_hits(model, args.length, args.samples, args.seed, documents)
     except ValueError as e:
         p.error(str(e))
     print(report(rows, model.config.nsa_window))

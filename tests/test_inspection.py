@@ -63,18 +63,20 @@ def test_bad_inputs_are_one_line_errors(attention, text, message, data_dir, tmp_
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
 
 
-def test_recall_selection_marks_the_pair_blocks():
+def test_recall_selection_marks_the_pair_blocks(data_dir):
     """benchmarks/nsa_recall_selection.py: one row per MQAR answer, and a pair in the query's own or previous
     selection block (always selected) counts as selected in every layer."""
     import runpy
     from pathlib import Path
 
-    from synthetic import RecallVocabulary
+    from synthetic import SyntheticDocuments
+    from tokenizer import Tokenizer
 
     script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_recall_selection.py"))
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa")).eval()
-    rows = script["selection_hits"](model, 256, 8, 2, 0, RecallVocabulary(512))
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa", vocab_size=8192)).eval()
+    documents = SyntheticDocuments("mqar", Tokenizer(data_dir / "tokenizer.model"), 8)
+    rows = script["selection_hits"](model, 256, 2, 0, documents)
     assert len(rows) >= 12 and all(len(row["hits"]) == model.config.n_layers for row in rows)
     block = model.config.nsa_select_block_size
     assert all(all(row["hits"]) for row in rows if row["distance"] <= block)
