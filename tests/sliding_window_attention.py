@@ -20,12 +20,20 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import KVCache, attention_flops, projection_flops
 from config import ComputeConfig, ModelConfig
 from layers import apply_rope
 
 DEFAULT_WINDOW = 16
+
+
+def _no_cudnn() -> AbstractContextManager:
+    """SDPA on CUDA without the cuDNN backend. With an explicit mask, T % 128 == 64 and a row whose log-sum-exp
+    falls below ln(1/FLT_MAX), cuDNN's backward returns NaN query gradients on H100/H200 (torch 2.11,
+    https://github.com/pytorch/pytorch/issues/196678); it stopped a window-64 MQAR run at T = 64 after 193 steps."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class SlidingWindowAttention(nn.Module):
@@ -55,7 +63,8 @@ class SlidingWindowAttention(nn.Module):
         q_pos = torch.arange(offset, offset + T, device=x.device)[:, None]  # (T, 1)
         k_pos = torch.arange(k.shape[2], device=x.device)[None, :]  # (1, S)
         band = (k_pos <= q_pos) & (k_pos > q_pos - self.window)  # (T, S)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=cfg.n_rep > 1)  # (B, H, T, D)
+        with _no_cudnn() if x.is_cuda else nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=cfg.n_rep > 1)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))  # (B, T, C)
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
