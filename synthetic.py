@@ -233,6 +233,26 @@ def passkey_document(builder: PromptBuilder, length: int, rng: random.Random) ->
     return RecallDocument(ids, positions, [len(prompt.ids) - prompt.needle_start] * len(answer), [0] * len(answer))
 
 
+def copy_document(length: int, vocab: RecallVocabulary, rng: random.Random) -> RecallDocument:
+    """`length` tokens: a random sequence of L ids (any of the vocabulary's usable ids; L drawn from
+    [length/4, length/2]) written twice, with random ids before, between and after (the three lengths random). The
+    answers are the second copy from its second token on (its first follows unrelated noise); each is L + gap tokens
+    from its source. The copies' distance varies, so only content-based copying predicts it (an induction head,
+    Olsson et al. 2022), not copying from a fixed offset: the copying a passkey's digits need."""
+    if length < 4:
+        raise ValueError("a copy document needs at least 4 tokens (2 copied twice)")
+    usable = vocab.keys + vocab.values + vocab.noise
+    n = rng.randint(max(2, length // 4), length // 2)
+    prefix, gap = sorted(rng.randint(0, length - 2 * n) for _ in range(2))
+    gap -= prefix  # noise before, between and after: prefix, gap, the rest
+    sequence = [rng.choice(usable) for _ in range(n)]
+    noise = [rng.choice(usable) for _ in range(length - 2 * n)]
+    ids = noise[:prefix] + sequence + noise[prefix:prefix + gap] + sequence + noise[prefix + gap:]
+    second = prefix + n + gap
+    answers = list(range(second + 1, second + n))
+    return RecallDocument(ids, answers, [n + gap] * len(answers), answers)
+
+
 def answer_labels(doc: RecallDocument) -> torch.Tensor:
     """Labels (T,) that put the loss on `doc`'s answers only: its ids there, IGNORE_INDEX (-100) elsewhere."""
     labels = torch.full((len(doc.ids),), IGNORE_INDEX)
@@ -240,27 +260,29 @@ def answer_labels(doc: RecallDocument) -> torch.Tensor:
     return labels
 
 
-SYNTHETIC_TASKS = ("passkey", "mqar", "mqar_text")
+SYNTHETIC_TASKS = ("passkey", "mqar", "mqar_text", "copy")
 
 
 class SyntheticDocuments:
     """Documents of one synthetic task for one tokenizer: "passkey" (a passkey or needle prompt and its answer),
-    "mqar" (token-level multi-query associative recall) or "mqar_text" (its natural-language form); `pairs`: the
-    key-value pairs of a recall document (None: a third of its slots)."""
+    "mqar" (token-level multi-query associative recall), "mqar_text" (its natural-language form) or "copy" (a random
+    sequence written twice); `pairs`: the key-value pairs of a recall document (None: a third of its slots)."""
 
     def __init__(self, task: str, tokenizer: Tokenizer, pairs: int | None = None) -> None:
         if task not in SYNTHETIC_TASKS:
             raise ValueError(f"synthetic task must be one of {SYNTHETIC_TASKS}, got {task!r}")
-        if pairs is not None and task == "passkey":
-            raise ValueError("a number of key-value pairs applies to the recall tasks (mqar, mqar_text), not passkey")
+        if pairs is not None and task not in ("mqar", "mqar_text"):
+            raise ValueError(f"a number of key-value pairs applies to the recall tasks (mqar, mqar_text), not {task}")
         if pairs is not None and pairs < 1:
             raise ValueError(f"the number of key-value pairs must be positive, got {pairs}")
         self.task, self.builder, self.pairs = task, PromptBuilder(tokenizer), pairs
-        self.vocab = RecallVocabulary.of(tokenizer) if task == "mqar" else None
+        self.vocab = RecallVocabulary.of(tokenizer) if task in ("mqar", "copy") else None
 
     def __call__(self, length: int, rng: random.Random) -> RecallDocument:
         if self.task == "mqar":
             return mqar_document(length, self.vocab, rng, self.pairs)
+        if self.task == "copy":
+            return copy_document(length, self.vocab, rng)
         if self.task == "mqar_text":
             return mqar_text_document(self.builder, length, rng, self.pairs)
         return passkey_document(self.builder, length, rng)
@@ -269,7 +291,7 @@ class SyntheticDocuments:
         """ValueError "LENGTH is too short for ... (why)" when documents of `length` tokens cannot be made: checked
         on the longest text of `samples` seeded documents, with 8 tokens to spare in the text forms for rarer longer
         encodings of their numbers (token-level MQAR has none)."""
-        margin = 0 if self.task == "mqar" else 8
+        margin = 0 if self.task in ("mqar", "copy") else 8
         try:
             for i in range(samples):
                 if not self(max(1, length - margin), random.Random(i)).answers:

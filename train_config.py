@@ -116,8 +116,9 @@ class TrainConfig:
     synthetic_mix: float = option(0.0, "share of training rows replaced by synthetic retrieval documents of "
                                      "--synthetic_task (synthetic.py); deterministic and resumable")
     synthetic_task: str = option("passkey", "'passkey' (a passkey or multi-key needle prompt and its answer), 'mqar' "
-                                            "(dense multi-query associative recall over random token ids) or "
-                                            "'mqar_text' (the same in sentences)")
+                                            "(dense multi-query associative recall over random token ids), "
+                                            "'mqar_text' (the same in sentences) or 'copy' (a random sequence "
+                                            "written twice: learns an induction head)")
     synthetic_pairs: int | None = option(None, "mqar, mqar_text: key-value pairs in a document, each queried once "
                                                "(default: a third of its slots, 10 at T=64 and 85 at T=512 for "
                                                "mqar); the more pairs, the more keys a query must tell apart")
@@ -165,8 +166,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name} must be >= {low}, got {value}")
-        if self.synthetic_pairs is not None and self.synthetic_task == "passkey":
-            raise ValueError("--synthetic_pairs applies to --synthetic_task mqar or mqar_text, not passkey")
+        if self.synthetic_pairs is not None and self.synthetic_task not in ("mqar", "mqar_text"):
+            raise ValueError(f"--synthetic_pairs applies to --synthetic_task mqar or mqar_text, not "
+                             f"{self.synthetic_task}")
         if self.sample_tokens is not None and self.sample_tokens >= self.context_length:
             raise ValueError(f"--sample_tokens must be less than --context_length ({self.context_length}), the "
                              f"longest sequence the model generates; got {self.sample_tokens}")

@@ -26,7 +26,7 @@ from weights import load_model
     (["--finetune", "npt", "--npt_layers=-1"], "--npt_layers must be 'upper_half', 'all' or comma-separated indices"),
     (["--sample_tokens", "1000000"], "--sample_tokens must be less than --context_length (256)"),
     (["--ffn_chunk_size", "-1"], "--ffn_chunk_size must be >= 0"),
-    (["--synthetic_task", "copy"], "--synthetic_task must be one of"),
+    (["--synthetic_task", "cloze"], "--synthetic_task must be one of"),
     (["--model_overrides", '{"n_layer": 2}'], "unknown field(s) ['n_layer']"),
     (["--max_steps", "ten"], "invalid int value"),
 ])

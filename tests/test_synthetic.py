@@ -23,6 +23,7 @@ from synthetic import (
     RecallVocabulary,
     SyntheticDocuments,
     SyntheticMix,
+    copy_document,
     mqar_document,
     mqar_text_document,
     passkey_document,
@@ -118,6 +119,29 @@ def test_pairs_sets_the_keys_a_query_tells_apart(tokenizer):
             train_config.TrainConfig(synthetic_task="passkey", **options)
 
 
+@pytest.mark.parametrize("T", [4, 65, 256])
+def test_copy_answers_repeat_an_earlier_sequence_at_varying_distances(T, tokenizer):
+    """copy: T tokens; every answer equals the token its distance back, the answers are one run of consecutive
+    positions (the second copy from its second token), the distances vary from document to document (so a fixed
+    offset cannot predict them); deterministic; fewer than 4 tokens is an error."""
+    vocab = RecallVocabulary(8192)
+    docs = [copy_document(T, vocab, random.Random(seed)) for seed in range(20)]
+    for doc in docs:
+        assert len(doc.ids) == T and doc.answers and len(set(doc.distances)) == 1
+        assert doc.answers == list(range(doc.answers[0], doc.answers[-1] + 1))
+        assert all(doc.ids[a] == doc.ids[a - d] for a, d in zip(doc.answers, doc.distances, strict=True))
+        assert T // 4 - 1 <= len(doc.answers) <= T // 2 - 1
+    if T > 4:
+        assert len({doc.distances[0] for doc in docs}) > 5
+    assert copy_document(T, vocab, random.Random(0)) == docs[0]
+    documents = SyntheticDocuments("copy", tokenizer)
+    documents.check_length(4)
+    with pytest.raises(ValueError, match="3 is too short for synthetic copy documents"):
+        documents.check_length(3)
+    with pytest.raises(ValueError, match="not copy"):
+        SyntheticDocuments("copy", tokenizer, 4)
+
+
 def test_mqar_text_answers_are_the_values_of_earlier_statements(tokenizer):
     doc = mqar_text_document(PromptBuilder(tokenizer), 1024, random.Random(3))
     assert len(doc.ids) == 1024 and doc.answers
@@ -159,7 +183,7 @@ def test_answer_loss_equals_the_hand_masked_loss(data_dir, tokenizer):
     assert train_config.build_model_config(cfg, 512)[1].loss_rows == "targets"
 
 
-@pytest.mark.parametrize("task", ["passkey", "mqar", "mqar_text"])
+@pytest.mark.parametrize("task", ["passkey", "mqar", "mqar_text", "copy"])
 def test_train_runs_on_the_mix(data_dir, tmp_path, task):
     metrics = train.main(["--model_size", "tiny", "--context_length", "400", "--batch_size", "2", "--max_steps", "2",
                           "--synthetic_mix", "0.5", "--synthetic_task", task, "--answer_loss", "--sample_tokens", "0",
