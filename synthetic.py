@@ -222,13 +222,14 @@ def mqar_text_document(builder: PromptBuilder, length: int, rng: random.Random, 
 
 def passkey_document(builder: PromptBuilder, length: int, rng: random.Random) -> RecallDocument:
     """`length` tokens: a passkey or multi-key needle prompt (chosen by `rng`, needle at a random depth), its answer
-    (the targets) and a full stop, then filler. ValueError when `length` cannot hold the prompt's text."""
+    and a full stop (the targets: the stop teaches a model where a generated answer ends), then filler. ValueError
+    when `length` cannot hold the prompt's text."""
     task = rng.choice(TASKS)
     answer_len = len(builder.tokenizer.encode(" 000000."))  # the longest answer (6 digits)
     make = builder.passkey if task == "passkey" else builder.needle
     prompt = make(length - answer_len, rng.random(), rng)
-    answer = builder.tokenizer.encode(f" {prompt.answer}")
-    ids = (prompt.ids + answer + builder.tokenizer.encode(".") + builder.filler(answer_len, rng))[:length]
+    answer = builder.tokenizer.encode(f" {prompt.answer}") + builder.tokenizer.encode(".")
+    ids = (prompt.ids + answer + builder.filler(answer_len, rng))[:length]
     positions = list(range(len(prompt.ids), len(prompt.ids) + len(answer)))
     return RecallDocument(ids, positions, [len(prompt.ids) - prompt.needle_start] * len(answer), [0] * len(answer))
 

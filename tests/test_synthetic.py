@@ -42,7 +42,8 @@ def test_documents_have_the_length_and_their_answer(tokenizer):
         doc = passkey_document(builder, 400, random.Random(seed))
         assert len(doc.ids) == 400
         text = tokenizer.decode(doc.ids)
-        assert tokenizer.decode([doc.ids[a] for a in doc.answers]).strip().isdigit()
+        answer = tokenizer.decode([doc.ids[a] for a in doc.answers]).strip()  # the number and its full stop
+        assert answer.endswith(".") and answer[:-1].isdigit()
         question, _, after = text.rpartition(" is")  # "... The pass key is 12345." / "... key redfox is 123456."
         answer = after.split(".")[0].strip()
         assert answer.isdigit() and answer in question  # the answer was hidden earlier in the document
