@@ -149,12 +149,6 @@ def score_answers(model: Transformer, ids: torch.Tensor, positions: list[list[in
     return scores
 
 
-def required_length(builder: PromptBuilder, task: str) -> int:
-    """Tokens a `task` prompt needs besides filler (the longest of 32 seeded prompts)."""
-    make = builder.passkey if task == "passkey" else builder.needle
-    return max(make(4096, 0.5, random.Random(i)).text_tokens for i in range(32))
-
-
 def retrieval_cell(model: Transformer, builder: PromptBuilder, task: str, length: int, depth: float, samples: int,
                    seed: int, batch_size: int) -> dict:
     """One grid cell: `samples` prompts of `length` tokens with the needle at `depth`: {"accuracy" (exact match of
@@ -434,7 +428,7 @@ def plan_lengths(task: str, asked: list[int] | None, context: int, builder: Prom
         raise ValueError(f"--lengths {max(asked)} does not fit the context of {context} tokens"
                          + (f" with the {room} answer tokens {task} generates" if task in GRID_TASKS else ""))
     if task in GRID_TASKS:
-        needed = required_length(builder, task)
+        needed = builder.required_length(task)
         lengths = asked or sorted({context // 8, context // 4, context // 2, longest})
     else:
         needed = 4 if task == "mqar" else len(builder.tokenizer.encode(" The value of key redfox is 123456.")) * 2 + 8

@@ -40,6 +40,7 @@ class PromptBuilder:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._filler = [tokenizer.encode(" " + sentence) for sentence in FILLER]
+        self._required: dict[str, int] = {}
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -77,6 +78,13 @@ class PromptBuilder:
             ids += needle
             cut = at
         return ids + filler[cut:] + question, starts, length - n_filler
+
+    def required_length(self, task: str) -> int:
+        """Tokens a `task` ("passkey" | "needle") prompt needs besides filler (the longest of 32 seeded prompts)."""
+        if task not in self._required:
+            make = self.passkey if task == "passkey" else self.needle
+            self._required[task] = max(make(4096, 0.5, random.Random(i)).text_tokens for i in range(32))
+        return self._required[task]
 
     def passkey(self, length: int, depth: float, rng: random.Random) -> Prompt:
         key = str(rng.randrange(10_000, 100_000))
@@ -221,15 +229,16 @@ def mqar_text_document(builder: PromptBuilder, length: int, rng: random.Random, 
 
 
 def passkey_document(builder: PromptBuilder, length: int, rng: random.Random) -> RecallDocument:
-    """`length` tokens: a passkey or multi-key needle prompt (chosen by `rng`, needle at a random depth), its answer
-    and a full stop (the targets: the stop teaches a model where a generated answer ends), then filler. ValueError
-    when `length` cannot hold the prompt's text."""
+    """`length` tokens: a passkey or multi-key needle prompt (chosen by `rng`, needle at a random depth, of a random
+    length, so the answer's position varies), its answer and a full stop (the targets: the stop teaches a model where
+    a generated answer ends), then filler. ValueError when `length` cannot hold the prompt's text."""
     task = rng.choice(TASKS)
-    answer_len = len(builder.tokenizer.encode(" 000000."))  # the longest answer (6 digits)
+    longest = length - len(builder.tokenizer.encode(" 000000."))  # room for the longest answer (6 digits)
+    shortest = min(longest, builder.required_length(task) + 8)  # 8 to spare for a rarer longer text
     make = builder.passkey if task == "passkey" else builder.needle
-    prompt = make(length - answer_len, rng.random(), rng)
+    prompt = make(rng.randint(shortest, longest), rng.random(), rng)
     answer = builder.tokenizer.encode(f" {prompt.answer}") + builder.tokenizer.encode(".")
-    ids = (prompt.ids + answer + builder.filler(answer_len, rng))[:length]
+    ids = (prompt.ids + answer + builder.filler(length, rng))[:length]
     positions = list(range(len(prompt.ids), len(prompt.ids) + len(answer)))
     return RecallDocument(ids, positions, [len(prompt.ids) - prompt.needle_start] * len(answer), [0] * len(answer))
 

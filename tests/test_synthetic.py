@@ -41,12 +41,15 @@ def test_documents_have_the_length_and_their_answer(tokenizer):
     for seed in range(6):
         doc = passkey_document(builder, 400, random.Random(seed))
         assert len(doc.ids) == 400
-        text = tokenizer.decode(doc.ids)
+        text = tokenizer.decode(doc.ids[:doc.answers[-1] + 1])  # through the answer (filler follows it)
         answer = tokenizer.decode([doc.ids[a] for a in doc.answers]).strip()  # the number and its full stop
         assert answer.endswith(".") and answer[:-1].isdigit()
+        assert doc.answers == list(range(doc.answers[0], doc.answers[-1] + 1))
         question, _, after = text.rpartition(" is")  # "... The pass key is 12345." / "... key redfox is 123456."
         answer = after.split(".")[0].strip()
         assert answer.isdigit() and answer in question  # the answer was hidden earlier in the document
+    # the answer's position varies (a stop learned from a fixed position would not carry over to other lengths)
+    assert len({passkey_document(builder, 400, random.Random(seed)).answers[0] for seed in range(20)}) > 10
 
 
 def _batches(mix: SyntheticMix, n: int) -> list[torch.Tensor]:
