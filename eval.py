@@ -48,13 +48,12 @@ from corpus import find_input_files, iter_documents
 from data import TokenLoader, validation_dir
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
-from synthetic import PromptBuilder, SyntheticDocuments
+from synthetic import RECALL_TASKS, PromptBuilder, SyntheticDocuments
 from tokenizer import HFTokenizer, Tokenizer, check_vocab, model_tokenizer
 from weights import load_model, stored_config
 
 TASKS = ("loss", "passkey", "needle", "mqar", "mqar_text", "documents")
 GRID_TASKS = ("passkey", "needle")
-RECALL_TASKS = ("mqar", "mqar_text")
 LOSS_CHUNK = 512  # positions whose logits exist at a time when scoring windows
 
 

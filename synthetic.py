@@ -128,6 +128,7 @@ class RecallVocabulary:
         if size < 8:
             raise ValueError(f"a vocabulary of {vocab_size} tokens is too small for MQAR (needs at least 40)")
         self.keys, self.values, self.noise = usable[:size], usable[size:2 * size], usable[2 * size:]
+        self.usable = usable  # keys, values and noise together
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> RecallVocabulary:
@@ -251,12 +252,11 @@ def copy_document(length: int, vocab: RecallVocabulary, rng: random.Random) -> R
     Olsson et al. 2022), not copying from a fixed offset: the copying a passkey's digits need."""
     if length < 4:
         raise ValueError("a copy document needs at least 4 tokens (2 copied twice)")
-    usable = vocab.keys + vocab.values + vocab.noise
     n = rng.randint(max(2, length // 4), length // 2)
     prefix, gap = sorted(rng.randint(0, length - 2 * n) for _ in range(2))
     gap -= prefix  # noise before, between and after: prefix, gap, the rest
-    sequence = [rng.choice(usable) for _ in range(n)]
-    noise = [rng.choice(usable) for _ in range(length - 2 * n)]
+    sequence = [rng.choice(vocab.usable) for _ in range(n)]
+    noise = [rng.choice(vocab.usable) for _ in range(length - 2 * n)]
     ids = noise[:prefix] + sequence + noise[prefix:prefix + gap] + sequence + noise[prefix + gap:]
     second = prefix + n + gap
     answers = list(range(second + 1, second + n))
@@ -271,6 +271,7 @@ def answer_labels(doc: RecallDocument) -> torch.Tensor:
 
 
 SYNTHETIC_TASKS = ("passkey", "mqar", "mqar_text", "copy")
+RECALL_TASKS = ("mqar", "mqar_text")  # the tasks with key-value pairs
 
 
 class SyntheticDocuments:
@@ -281,7 +282,7 @@ class SyntheticDocuments:
     def __init__(self, task: str, tokenizer: Tokenizer, pairs: int | None = None) -> None:
         if task not in SYNTHETIC_TASKS:
             raise ValueError(f"synthetic task must be one of {SYNTHETIC_TASKS}, got {task!r}")
-        if pairs is not None and task not in ("mqar", "mqar_text"):
+        if pairs is not None and task not in RECALL_TASKS:
             raise ValueError(f"a number of key-value pairs applies to the recall tasks (mqar, mqar_text), not {task}")
         if pairs is not None and pairs < 1:
             raise ValueError(f"the number of key-value pairs must be positive, got {pairs}")

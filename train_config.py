@@ -23,7 +23,7 @@ import torch
 from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_overrides
 from finetune import FINETUNE_MODES, finetune_mode
 from quantize import QUANTIZED
-from synthetic import SYNTHETIC_TASKS
+from synthetic import RECALL_TASKS, SYNTHETIC_TASKS
 from tracking import TRACKERS
 
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
@@ -166,7 +166,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"--{name} must be >= {low}, got {value}")
-        if self.synthetic_pairs is not None and self.synthetic_task not in ("mqar", "mqar_text"):
+        if self.synthetic_pairs is not None and self.synthetic_task not in RECALL_TASKS:
             raise ValueError(f"--synthetic_pairs applies to --synthetic_task mqar or mqar_text, not "
                              f"{self.synthetic_task}")
         if self.sample_tokens is not None and self.sample_tokens >= self.context_length:
