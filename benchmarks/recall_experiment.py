@@ -1,30 +1,29 @@
 """Does an attention type retrieve across its context? Dense associative recall (MQAR, synthetic.py) learned by the
-demo model with full attention, with a sliding window (the control: blind beyond what its stacked windows reach)
-and with NSA, on the same documents, then scored by key-query distance (eval.py --tasks mqar).
+demo model with full attention, with a sliding window (the control: blind beyond its window) and with NSA, on the
+same documents, then scored by key-query distance (eval.py --tasks mqar).
 
-    python benchmarks/recall_experiment.py --out_dir runs/recall                  # the stages and types below
-    python benchmarks/recall_experiment.py --types full --stages 64:1200 512:600 --seeds 0 1 2
-    python benchmarks/recall_experiment.py --stages 64:20000 512:10000 --batch_tokens 16384 --seeds 0 1 2 --jobs 9
-    python benchmarks/recall_experiment.py --stages 64:2000:2 64:1500:4 512:1500:4 --jobs 3 \\
-        --model_overrides '{"qk_norm": false}' --out_dir runs/recall_pairs        # 4 keys to tell apart, not 85
+    python benchmarks/recall_experiment.py --model_overrides '{"qk_norm": false}' --out_dir runs/recall
+    python benchmarks/recall_experiment.py --types full --seeds 0 1 2 --stages copy:64:1000 64:600:4 512:400:4
+    python benchmarks/recall_experiment.py --seeds 0 1 2 --jobs 9 --model_overrides '{"qk_norm": false}'   # a GPU
 
-Training is a short-to-long curriculum, each stage starting from the previous stage's export: every row an MQAR
-document (--synthetic_mix 1.0), the loss on the answers only (--answer_loss), the demo preset's default learning
-rate. After each stage the model is scored on fresh documents of the stage's length. Types:
+Training is a curriculum, each stage starting from the previous stage's export, every row a synthetic document
+(--synthetic_mix 1.0) with the loss on the answers only (--answer_loss). The default: copying first (copy:64:1000,
+a random sequence written twice at a random distance: it teaches a content-based induction head, which MQAR needs
+and learns slowly on its own), then MQAR with 4 key-value pairs a document at T = 64, 512 and 2048, the last stage
+at a tenth of the learning rate. After each MQAR stage the model is scored on fresh documents of the stage's length.
+A stage is LENGTH:STEPS (MQAR, a third of the 2-token slots holding pairs: 85 at T = 512), LENGTH:STEPS:PAIRS (MQAR
+with PAIRS pairs, the number of keys a query must tell apart) or copy:LENGTH:STEPS, each optionally with @LR, its
+peak learning rate (default --lr). Types:
 - full: SDPA, every key visible;
-- swa: the test-only sliding-window type (tests/sliding_window_attention.py) with a window of 64 keys: the control.
-  One layer sees 64 tokens back; the demo's 4 layers can pass a value on through intermediate tokens up to
-  4 x 63 = 252 back, so beyond 252 tokens it cannot retrieve at all;
+- swa: the test-only sliding-window type (tests/sliding_window_attention.py) with a window of 64 keys: the control;
 - nsa: compression blocks l = 32 (stride 16), selection blocks l' = 32, n = 6 selected blocks (block 0 and the two
   most recent among them, so 3 free slots), window w = 64: at T = 2048 a query visits on average 64 compressed +
-  192 selected + 64 window keys = 320, under a third of full attention's 1024.
-A stage LENGTH:STEPS:PAIRS puts PAIRS key-value pairs in each document (default: a third of its 2-token slots, 85
-at T = 512): the number of keys a query must tell apart, the task's difficulty (the last command: 2 pairs, then 4).
-The third command is for a GPU: --jobs 9 trains the 9 runs (3 types x 3 seeds) side by side, a process each; a model
-this small leaves a GPU mostly idle, so more processes run more steps in total (one H200 at T = 512: 3 processes
-made 71 steps/s together, 7 made 117). Prints a table, writes OUT_DIR/summary.json and
-OUT_DIR/recall_by_distance.png; each stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/T<length>/
-(T<length>-p<pairs>/ with a pair count).
+  192 selected + 64 window keys = 320, under a third of full attention's 1024. `--model_overrides` changes it
+  (e.g. '{"nsa_num_selected": 12}').
+--jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
+more processes run more steps in total. Prints a table, writes OUT_DIR/summary.json and
+OUT_DIR/recall_by_distance.png; each stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/<stage>/
+(T<length>, T<length>-p<pairs> or copy-T<length>).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -47,25 +47,39 @@ import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from config import register_attention  # noqa: E402
 
-Stage = tuple[int, int, int | None]  # (length, steps, key-value pairs a document or None: the default density)
+
+class Stage(NamedTuple):
+    """One curriculum stage: `steps` steps of `task` documents of `length` tokens (`pairs`: key-value pairs an MQAR
+    document holds, None for the default density of a third of its 2-token slots)."""
+
+    task: str  # "mqar" or "copy"
+    length: int
+    steps: int
+    pairs: int | None
+    lr: float | None  # peak learning rate; None: --lr
 
 
 def parse_stage(text: str) -> Stage:
-    """"LENGTH:STEPS" or "LENGTH:STEPS:PAIRS" (positive integers) -> (length, steps, pairs or None)."""
+    """"LENGTH:STEPS[:PAIRS]" (an MQAR stage) or "copy:LENGTH:STEPS" (a copying stage) of positive integers, either
+    with an optional "@LR" (the stage's peak learning rate)."""
+    task, rest = ("copy", text.removeprefix("copy:")) if text.startswith("copy:") else ("mqar", text)
+    rest, at, lr = rest.partition("@")
     try:
-        parts = [int(x) for x in text.split(":")]
+        parts = [int(x) for x in rest.split(":")]
+        peak = float(lr) if at else None
     except ValueError:
-        parts = []
-    if len(parts) not in (2, 3) or min(parts) < 1:
-        raise argparse.ArgumentTypeError(f"a stage is LENGTH:STEPS or LENGTH:STEPS:PAIRS of positive integers, "
-                                         f"got {text!r}")
-    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+        parts, peak = [], None
+    if len(parts) not in ((2,) if task == "copy" else (2, 3)) or min(parts) < 1 or (at and not peak > 0):
+        raise argparse.ArgumentTypeError(f"a stage is LENGTH:STEPS, LENGTH:STEPS:PAIRS or copy:LENGTH:STEPS of "
+                                         f"positive integers, optionally with @LR (a positive float), got {text!r}")
+    return Stage(task, parts[0], parts[1], parts[2] if len(parts) == 3 else None, peak)
 
 
 def stage_name(stage: Stage) -> str:
-    """The stage's run directory: T<length>, or T<length>-p<pairs> with a pair count."""
-    length, _, pairs = stage
-    return f"T{length}" + (f"-p{pairs}" if pairs else "")
+    """The stage's run directory: T<length>, T<length>-p<pairs> with a pair count, copy-T<length> for copying."""
+    if stage.task == "copy":
+        return f"copy-T{stage.length}"
+    return f"T{stage.length}" + (f"-p{stage.pairs}" if stage.pairs else "")
 
 
 TYPES = {
@@ -81,16 +95,16 @@ def stage_run(kind: str, seed: int, stage: Stage, previous: Path | None, out: Pa
               data_dir: str, overrides: dict, lr: float, batch_tokens: int) -> tuple[Path, float]:
     """Train one stage (skipped when its export exists); returns (its run directory, seconds). `overrides`: model
     fields set on top of the type's own (first stage only; later stages inherit the architecture)."""
-    length, steps, pairs = stage
     run_dir = out / f"{kind}-seed{seed}" / stage_name(stage)
     if (run_dir / "model" / "model.safetensors").is_file():
         return run_dir, json.loads((run_dir / "stage.json").read_text())["seconds"]
-    args = ["--context_length", str(length), "--max_steps", str(steps), "--synthetic_mix", "1.0",
-            "--synthetic_task", "mqar", "--answer_loss", "--lr", str(lr), "--warmup_steps", str(min(30, steps // 10)),
-            "--batch_size", str(max(1, batch_tokens // length)), "--checkpoint_interval", "0", "--sample_tokens", "0",
-            "--log_interval", "50", "--seed", str(seed),
+    args = ["--context_length", str(stage.length), "--max_steps", str(stage.steps), "--synthetic_mix", "1.0",
+            "--synthetic_task", stage.task, "--answer_loss", "--lr", str(lr),
+            "--warmup_steps", str(min(30, stage.steps // 10)),
+            "--batch_size", str(max(1, batch_tokens // stage.length)),
+            "--checkpoint_interval", "0", "--sample_tokens", "0", "--log_interval", "50", "--seed", str(seed),
             "--data_dir", data_dir, "--out_dir", str(run_dir)]
-    args += ["--synthetic_pairs", str(pairs)] if pairs else []
+    args += ["--synthetic_pairs", str(stage.pairs)] if stage.pairs else []
     if previous is None:
         spec = TYPES[kind]
         args += ["--model_size", "demo", "--attention_type", spec["attention_type"], "--model_overrides",
@@ -110,14 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data_dir", default="data/stdlib", help="any prepared data (its rows are all replaced)")
     p.add_argument("--types", nargs="+", choices=list(TYPES), default=list(TYPES))
     p.add_argument("--stages", nargs="+", type=parse_stage,
-                   default=[parse_stage(stage) for stage in ("64:1200", "512:600", "2048:300")],
-                   help="LENGTH:STEPS[:PAIRS] of each curriculum stage (PAIRS: key-value pairs a document, default "
-                        "a third of its 2-token slots)")
+                   default=[parse_stage(s) for s in ("copy:64:1000", "64:600:4", "512:400:4", "2048:400:4@3e-4")],
+                   help="the curriculum: LENGTH:STEPS[:PAIRS] for MQAR (PAIRS: key-value pairs a document, default a "
+                        "third of its 2-token slots) or copy:LENGTH:STEPS for copying, each with an optional @LR")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--samples", type=int, default=32, help="documents scored per stage")
     p.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
                    help='model fields for every type, e.g. \'{"qk_norm": false}\'')
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every stage")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of a stage without @LR")
     p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs (type x seed) trained at once, each in its own process (a GPU runs several small "
@@ -151,14 +165,14 @@ def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argpa
     register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
     previous, rows = None, []
     for stage in stages:
-        length, steps, pairs = stage
+        lr = stage.lr or args.lr
         run_dir, seconds = stage_run(kind, seed, stage, previous, out, args.data_dir,
-                                     args.model_overrides, args.lr, args.batch_tokens)
-        results = evaluation.main([str(run_dir / "model"), "--tasks", "mqar", "--lengths", str(length),
-                                   "--samples", str(args.samples), "--batch_size", "2", "--seed", "1000",
-                                   *(["--pairs", str(pairs)] if pairs else [])])
+                                     args.model_overrides, lr, args.batch_tokens)
+        mqar = None if stage.task == "copy" else evaluation.main(
+            [str(run_dir / "model"), "--tasks", "mqar", "--lengths", str(stage.length), "--samples", str(args.samples),
+             "--batch_size", "2", "--seed", "1000", *(["--pairs", str(stage.pairs)] if stage.pairs else [])])["mqar"]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rows.append({"length": length, "steps": steps, "pairs": pairs, "seconds": seconds, "mqar": results["mqar"],
+        rows.append({**stage._asdict(), "lr": lr, "seconds": seconds, "mqar": mqar,
                      "loss_curve": [(m["step"], m["loss"]) for m in metrics if "loss" in m]})
         previous = run_dir
     return rows
@@ -170,6 +184,10 @@ def report(summary: dict, out: Path) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name, rows in summary.items():
         for row in rows:
+            if row["mqar"] is None:  # a copying stage: nothing to score
+                print(f"| {name} | {row['length']} | copying | {row['steps']} | {row['seconds'] / 60:.1f} | - | - | "
+                      f"- | {row['loss_curve'][-1][1]:.3f} |")
+                continue
             buckets = row["mqar"]["buckets"]
             near = [b for b in buckets if b["end"] <= 64]
             far = [b for b in buckets if b["start"] >= 64]
@@ -178,7 +196,7 @@ def report(summary: dict, out: Path) -> None:
                 n = sum(b["count"] for b in group)
                 return f"{sum(b['accuracy'] * b['count'] for b in group) / n:.1%}" if n else "-"
 
-            print(f"| {name} | {row['length']} | {row.get('pairs') or 'T/6'} | {row['steps']} | "
+            print(f"| {name} | {row['length']} | {row['pairs'] or 'T/6'} | {row['steps']} | "
                   f"{row['seconds'] / 60:.1f} | "
                   f"{row['mqar']['accuracy']:.1%} | {mean(near)} | {mean(far)} | {row['loss_curve'][-1][1]:.3f} |")
     try:
@@ -188,12 +206,12 @@ def report(summary: dict, out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    panels = sorted({(row["length"], row.get("pairs") or 0) for rows in summary.values() for row in rows})
+    panels = sorted({(row["length"], row["pairs"] or 0) for rows in summary.values() for row in rows if row["mqar"]})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (length, pairs) in zip(axes[0], panels, strict=True):
         for name, rows in summary.items():
             for row in rows:
-                if (row["length"], row.get("pairs") or 0) == (length, pairs):
+                if row["mqar"] and (row["length"], row["pairs"] or 0) == (length, pairs):
                     evaluation.plot_recall(ax, row["mqar"], label=name)
         ax.set_title(f"MQAR, T = {length}" + (f", {pairs} pairs" if pairs else ""))
         ax.axvline(64, color="grey", linestyle=":", linewidth=1)
