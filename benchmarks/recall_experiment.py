@@ -1,10 +1,12 @@
 """Does an attention type retrieve across its context? Dense associative recall (MQAR, synthetic.py) learned by the
-demo model with full attention, with a sliding window (the control: blind beyond its window) and with NSA, on the
-same documents, then scored by key-query distance (eval.py --tasks mqar).
+demo model with full attention, with a sliding window (the control) and with NSA, on the same documents, then
+scored by key-query distance (eval.py --tasks mqar).
 
-    python benchmarks/recall_experiment.py --model_overrides '{"qk_norm": false}' --out_dir runs/recall
-    python benchmarks/recall_experiment.py --types full --seeds 0 1 2 --stages copy:64:1000 64:600:4 512:400:4
-    python benchmarks/recall_experiment.py --seeds 0 1 2 --jobs 9 --model_overrides '{"qk_norm": false}'   # a GPU
+    python benchmarks/recall_experiment.py --model_overrides '{"qk_norm": false}' --out_dir runs/recall_copy
+    python benchmarks/recall_experiment.py --types full --stages copy:64:1000 64:600 512:600 --out_dir runs/dense \
+        --model_overrides '{"qk_norm": false}'                   # MQAR at its default density: 85 pairs at T = 512
+    python benchmarks/recall_experiment.py --seeds 0 1 2 --jobs 9 --model_overrides '{"qk_norm": false}' \
+        --out_dir runs/gpuc                                      # on a GPU: 9 runs side by side
 
 Training is a curriculum, each stage starting from the previous stage's export, every row a synthetic document
 (--synthetic_mix 1.0) with the loss on the answers only (--answer_loss). The default: copying first (copy:64:1000,
@@ -13,13 +15,16 @@ and learns slowly on its own), then MQAR with 4 key-value pairs a document at T 
 at a tenth of the learning rate. After each MQAR stage the model is scored on fresh documents of the stage's length.
 A stage is LENGTH:STEPS (MQAR, a third of the 2-token slots holding pairs: 85 at T = 512), LENGTH:STEPS:PAIRS (MQAR
 with PAIRS pairs, the number of keys a query must tell apart) or copy:LENGTH:STEPS, each optionally with @LR, its
-peak learning rate (default --lr). Types:
+peak learning rate (default --lr). A stage whose directory holds a finished run with the same train.py arguments
+(its stage.json) is reused; one with other arguments is an error. Types:
 - full: SDPA, every key visible;
-- swa: the test-only sliding-window type (tests/sliding_window_attention.py) with a window of 64 keys: the control;
+- swa: the test-only sliding-window type (tests/sliding_window_attention.py) with a window of 64 keys: the control.
+  After copying it looks keys up directly and is blind beyond 64 tokens; trained on MQAR alone, its 4 layers can
+  also pass a value on through intermediate tokens, up to 4 x 63 = 252 back;
 - nsa: compression blocks l = 32 (stride 16), selection blocks l' = 32, n = 6 selected blocks (block 0 and the two
-  most recent among them, so 3 free slots), window w = 64: at T = 2048 a query visits on average 64 compressed +
-  192 selected + 64 window keys = 320, under a third of full attention's 1024. `--model_overrides` changes it
-  (e.g. '{"nsa_num_selected": 12}').
+  most recent among them, so 3 free slots), window w = 64: over the positions of a 2048-token document a query
+  visits 309 keys on average (compressed + selected + window), under a third of full attention's 1024.
+  `--model_overrides` changes it (e.g. '{"qk_norm": false, "nsa_num_selected": 12}').
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
 more processes run more steps in total. Prints a table, writes OUT_DIR/summary.json and
 OUT_DIR/recall_by_distance.png; each stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/<stage>/
@@ -30,13 +35,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -52,7 +58,7 @@ class Stage(NamedTuple):
     """One curriculum stage: `steps` steps of `task` documents of `length` tokens (`pairs`: key-value pairs an MQAR
     document holds, None for the default density of a third of its 2-token slots)."""
 
-    task: str  # "mqar" or "copy"
+    task: Literal["mqar", "copy"]
     length: int
     steps: int
     pairs: int | None
@@ -61,7 +67,8 @@ class Stage(NamedTuple):
 
 def parse_stage(text: str) -> Stage:
     """"LENGTH:STEPS[:PAIRS]" (an MQAR stage) or "copy:LENGTH:STEPS" (a copying stage) of positive integers, either
-    with an optional "@LR" (the stage's peak learning rate)."""
+    with an optional "@LR" (the stage's peak learning rate, a positive float) -> the Stage; an ArgumentTypeError
+    otherwise."""
     task, rest = ("copy", text.removeprefix("copy:")) if text.startswith("copy:") else ("mqar", text)
     rest, at, lr = rest.partition("@")
     try:
@@ -69,7 +76,8 @@ def parse_stage(text: str) -> Stage:
         peak = float(lr) if at else None
     except ValueError:
         parts, peak = [], None
-    if len(parts) not in ((2,) if task == "copy" else (2, 3)) or min(parts) < 1 or (at and not peak > 0):
+    good_lr = not at or (peak is not None and math.isfinite(peak) and peak > 0)
+    if len(parts) not in ((2,) if task == "copy" else (2, 3)) or min(parts) < 1 or not good_lr:
         raise argparse.ArgumentTypeError(f"a stage is LENGTH:STEPS, LENGTH:STEPS:PAIRS or copy:LENGTH:STEPS of "
                                          f"positive integers, optionally with @LR (a positive float), got {text!r}")
     return Stage(task, parts[0], parts[1], parts[2] if len(parts) == 3 else None, peak)
@@ -91,30 +99,52 @@ TYPES = {
 }
 
 
-def stage_run(kind: str, seed: int, stage: Stage, previous: Path | None, out: Path,
-              data_dir: str, overrides: dict, lr: float, batch_tokens: int) -> tuple[Path, float]:
-    """Train one stage (skipped when its export exists); returns (its run directory, seconds). `overrides`: model
-    fields set on top of the type's own (first stage only; later stages inherit the architecture)."""
+def stage_args(kind: str, seed: int, stage: Stage, previous: Path | None, out: Path,
+               args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The stage's run directory and its train.py arguments (`stage.lr` resolved). The model fields of
+    --model_overrides go on top of the type's own in the first stage; later stages start from `previous`'s export
+    and inherit its architecture."""
     run_dir = out / f"{kind}-seed{seed}" / stage_name(stage)
-    if (run_dir / "model" / "model.safetensors").is_file():
-        return run_dir, json.loads((run_dir / "stage.json").read_text())["seconds"]
-    args = ["--context_length", str(stage.length), "--max_steps", str(stage.steps), "--synthetic_mix", "1.0",
-            "--synthetic_task", stage.task, "--answer_loss", "--lr", str(lr),
+    argv = ["--context_length", str(stage.length), "--max_steps", str(stage.steps), "--synthetic_mix", "1.0",
+            "--synthetic_task", stage.task, "--answer_loss", "--lr", str(stage.lr),
             "--warmup_steps", str(min(30, stage.steps // 10)),
-            "--batch_size", str(max(1, batch_tokens // stage.length)),
+            "--batch_size", str(max(1, args.batch_tokens // stage.length)),
             "--checkpoint_interval", "0", "--sample_tokens", "0", "--log_interval", "50", "--seed", str(seed),
-            "--data_dir", data_dir, "--out_dir", str(run_dir)]
-    args += ["--synthetic_pairs", str(stage.pairs)] if stage.pairs else []
+            "--data_dir", args.data_dir, "--out_dir", str(run_dir)]
+    argv += ["--synthetic_pairs", str(stage.pairs)] if stage.pairs else []
     if previous is None:
         spec = TYPES[kind]
-        args += ["--model_size", "demo", "--attention_type", spec["attention_type"], "--model_overrides",
-                 json.dumps({**spec["model_overrides"], **overrides})]
+        argv += ["--model_size", "demo", "--attention_type", spec["attention_type"], "--model_overrides",
+                 json.dumps({**spec["model_overrides"], **args.model_overrides})]
     else:
-        args += ["--init_from", str(previous / "model")]
+        argv += ["--init_from", str(previous / "model")]
+    return run_dir, argv
+
+
+def stale_stages(kind: str, seed: int, stages: list[Stage], out: Path, args: argparse.Namespace) -> list[Path]:
+    """The finished stages of this run whose recorded train.py arguments differ from what `stages` asks for now."""
+    stale, previous = [], None
+    for stage in stages:
+        run_dir, argv = stage_args(kind, seed, stage, previous, out, args)
+        record = run_dir / "stage.json"
+        if record.is_file() and json.loads(record.read_text())["args"] != argv:
+            stale.append(run_dir)
+        previous = run_dir
+    return stale
+
+
+def stage_run(kind: str, seed: int, stage: Stage, previous: Path | None, out: Path,
+              args: argparse.Namespace) -> tuple[Path, float]:
+    """Train one stage, or reuse it when it finished before with the same arguments (`stale_stages` has ruled out
+    others); returns (its run directory, seconds of training)."""
+    run_dir, argv = stage_args(kind, seed, stage, previous, out, args)
+    record = run_dir / "stage.json"
+    if record.is_file() and (run_dir / "model" / "model.safetensors").is_file():
+        return run_dir, json.loads(record.read_text())["seconds"]
     start = time.perf_counter()
-    train.main(args)
+    train.main(argv)
     seconds = time.perf_counter() - start
-    (run_dir / "stage.json").write_text(json.dumps({"seconds": seconds, "args": args}))
+    record.write_text(json.dumps({"seconds": seconds, "args": argv}))
     return run_dir, seconds
 
 
@@ -140,7 +170,12 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    args.stages = [stage._replace(lr=args.lr) if stage.lr is None else stage for stage in args.stages]
     runs = [(kind, seed) for kind in args.types for seed in args.seeds]
+    stale = [str(d) for kind, seed in runs for d in stale_stages(kind, seed, args.stages, out, args)]
+    if stale:
+        p.error(f"{', '.join(stale)} finished with other arguments than these stages ask for (stage.json holds "
+                f"them): give another --out_dir, or delete those directories")
     if args.jobs == 1:
         summary = {f"{kind}-seed{seed}": curriculum(kind, seed, args.stages, out, args) for kind, seed in runs}
     else:  # one process per run, its output in OUT_DIR/<type>-seed<s>.log
@@ -165,14 +200,12 @@ def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argpa
     register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
     previous, rows = None, []
     for stage in stages:
-        lr = stage.lr or args.lr
-        run_dir, seconds = stage_run(kind, seed, stage, previous, out, args.data_dir,
-                                     args.model_overrides, lr, args.batch_tokens)
+        run_dir, seconds = stage_run(kind, seed, stage, previous, out, args)
         mqar = None if stage.task == "copy" else evaluation.main(
             [str(run_dir / "model"), "--tasks", "mqar", "--lengths", str(stage.length), "--samples", str(args.samples),
              "--batch_size", "2", "--seed", "1000", *(["--pairs", str(stage.pairs)] if stage.pairs else [])])["mqar"]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rows.append({**stage._asdict(), "lr": lr, "seconds": seconds, "mqar": mqar,
+        rows.append({**stage._asdict(), "seconds": seconds, "mqar": mqar,
                      "loss_curve": [(m["step"], m["loss"]) for m in metrics if "loss" in m]})
         previous = run_dir
     return rows
@@ -207,6 +240,8 @@ def report(summary: dict, out: Path) -> None:
     except ImportError:
         return
     panels = sorted({(row["length"], row["pairs"] or 0) for rows in summary.values() for row in rows if row["mqar"]})
+    if not panels:  # copying stages only
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (length, pairs) in zip(axes[0], panels, strict=True):
         for name, rows in summary.items():

@@ -24,7 +24,7 @@ def test_stage_grammar(text, stage, name):
 
 
 @pytest.mark.parametrize("text", ["64", "64:0", "64:10:4:1", "copy:64:10:4", "x:64:10", "64:10@", "64:10@-1",
-                                  "64:10@nan"])
+                                  "64:10@nan", "64:10@inf", "64:10@0"])
 def test_bad_stage_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="LENGTH:STEPS"):
         SCRIPT["parse_stage"](text)
@@ -32,10 +32,12 @@ def test_bad_stage_is_refused(text):
 
 def test_copy_then_mqar_curriculum(data_dir, tmp_path, capsys):
     """Each stage starts from the previous export with its own task and learning rate; the copying stage is not
-    scored, the MQAR stage is, and both reach the table."""
+    scored, the MQAR stage is, and both reach the table. Run again, finished stages are reused when their arguments
+    are the same and refused (before any training) when they differ."""
     out = tmp_path / "recall"
-    SCRIPT["main"](["--types", "full", "--stages", "copy:32:2", "32:3:2@1e-3", "--samples", "2",
-                    "--batch_tokens", "64", "--data_dir", str(data_dir), "--out_dir", str(out)])
+    common = ["--types", "full", "--samples", "2", "--batch_tokens", "64", "--data_dir", str(data_dir),
+              "--out_dir", str(out)]
+    SCRIPT["main"]([*common, "--stages", "copy:32:2", "32:3:2@1e-3"])
     copy_cfg = json.loads((out / "full-seed0" / "copy-T32" / "config.json").read_text())["train"]
     mqar_cfg = json.loads((out / "full-seed0" / "T32-p2" / "config.json").read_text())["train"]
     assert (copy_cfg["synthetic_task"], copy_cfg["lr"], copy_cfg["init_from"]) == ("copy", 3e-3, None)
@@ -45,3 +47,18 @@ def test_copy_then_mqar_curriculum(data_dir, tmp_path, capsys):
     assert copy_row["mqar"] is None and mqar_row["mqar"]["answers"] == 4
     table = capsys.readouterr().out
     assert "| full-seed0 | 32 | copying | 2 |" in table and "| full-seed0 | 32 | 2 | 3 |" in table
+    first = (out / "full-seed0" / "T32-p2" / "stage.json").read_text()
+    SCRIPT["main"]([*common, "--stages", "copy:32:2", "32:3:2@1e-3"])  # reused: nothing retrained
+    assert (out / "full-seed0" / "T32-p2" / "stage.json").read_text() == first
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPT["main"]([*common, "--stages", "copy:32:2", "32:3:2@2e-3"])
+    assert exit_info.value.code == 2 and "T32-p2 finished with other arguments" in capsys.readouterr().err
+
+
+def test_copying_only_curriculum(data_dir, tmp_path, capsys):
+    """A curriculum without an MQAR stage trains, prints its row and draws no plot."""
+    out = tmp_path / "copy"
+    SCRIPT["main"](["--types", "full", "--stages", "copy:32:2", "--batch_tokens", "64", "--data_dir", str(data_dir),
+                    "--out_dir", str(out)])
+    assert "| full-seed0 | 32 | copying | 2 |" in capsys.readouterr().out
+    assert not (out / "recall_by_distance.png").exists()
