@@ -272,6 +272,7 @@ def answer_labels(doc: RecallDocument) -> torch.Tensor:
 
 SYNTHETIC_TASKS = ("passkey", "mqar", "mqar_text", "copy")
 RECALL_TASKS = ("mqar", "mqar_text")  # the tasks with key-value pairs
+TOKEN_TASKS = ("mqar", "copy")  # documents of random token ids (RecallVocabulary), no text
 
 
 class SyntheticDocuments:
@@ -287,7 +288,7 @@ class SyntheticDocuments:
         if pairs is not None and pairs < 1:
             raise ValueError(f"the number of key-value pairs must be positive, got {pairs}")
         self.task, self.builder, self.pairs = task, PromptBuilder(tokenizer), pairs
-        self.vocab = RecallVocabulary.of(tokenizer) if task in ("mqar", "copy") else None
+        self.vocab = RecallVocabulary.of(tokenizer) if task in TOKEN_TASKS else None
 
     def __call__(self, length: int, rng: random.Random) -> RecallDocument:
         if self.task == "mqar":
@@ -301,8 +302,8 @@ class SyntheticDocuments:
     def check_length(self, length: int, samples: int = 256) -> None:
         """ValueError "LENGTH is too short for ... (why)" when documents of `length` tokens cannot be made: checked
         on the longest text of `samples` seeded documents, with 8 tokens to spare in the text forms for rarer longer
-        encodings of their numbers (token-level MQAR has none)."""
-        margin = 0 if self.task in ("mqar", "copy") else 8
+        encodings of their numbers (the token-level tasks, TOKEN_TASKS, have none)."""
+        margin = 0 if self.task in TOKEN_TASKS else 8
         try:
             for i in range(samples):
                 if not self(max(1, length - margin), random.Random(i)).answers:
