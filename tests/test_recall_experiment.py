@@ -3,6 +3,8 @@
 import argparse
 import json
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,16 @@ def test_copying_only_curriculum(data_dir, tmp_path, capsys):
                     "--out_dir", str(out)])
     assert "| full-seed0 | 32 | copying | 2 |" in capsys.readouterr().out
     assert not (out / "recall_by_distance.png").exists()
+
+
+def test_runs_side_by_side(data_dir, tmp_path):
+    """--jobs 2: each run in a process of its own (its output in its log), the table in the order of --types."""
+    out = tmp_path / "jobs"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "recall_experiment.py"
+    done = subprocess.run([sys.executable, str(script), "--types", "full", "nsa", "--stages", "copy:32:2",
+                           "--jobs", "2", "--batch_tokens", "64", "--data_dir", str(data_dir), "--out_dir", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert list(json.loads((out / "summary.json").read_text())) == ["full-seed0", "nsa-seed0"]
+    assert "copy-T32" in (out / "nsa-seed0.log").read_text()
+    assert done.stdout.index("| full-seed0 |") < done.stdout.index("| nsa-seed0 |")
