@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     else:  # one process per run, its output in OUT_DIR/<type>-seed<s>.log
         # NSA's runs, the longest, start first, so the runs still going at the end are short ones
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {f"{kind}-seed{seed}": pool.submit(curriculum, kind, seed, args.stages, out, args, True)
+            futures = {(kind, seed): pool.submit(curriculum, kind, seed, args.stages, out, args, True)
                        for kind, seed in sorted(runs, key=lambda run: run[0] != "nsa")}
-            summary = {f"{kind}-seed{seed}": futures[f"{kind}-seed{seed}"].result() for kind, seed in runs}
+            summary = {f"{kind}-seed{seed}": futures[kind, seed].result() for kind, seed in runs}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     report(summary, out)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "recall_experiment.py"))
+SCRIPT_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "recall_experiment.py"
+SCRIPT = runpy.run_path(str(SCRIPT_PATH))
 Stage = SCRIPT["Stage"]
 
 
@@ -69,8 +70,7 @@ def test_copying_only_curriculum(data_dir, tmp_path, capsys):
 def test_runs_side_by_side(data_dir, tmp_path):
     """--jobs 2: each run in a process of its own (its output in its log), the table in the order of --types."""
     out = tmp_path / "jobs"
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "recall_experiment.py"
-    done = subprocess.run([sys.executable, str(script), "--types", "full", "nsa", "--stages", "copy:32:2",
+    done = subprocess.run([sys.executable, str(SCRIPT_PATH), "--types", "full", "nsa", "--stages", "copy:32:2",
                            "--jobs", "2", "--batch_tokens", "64", "--data_dir", str(data_dir), "--out_dir", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
