@@ -26,7 +26,7 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   visits 309 keys on average (compressed + selected + window), under a third of full attention's 1024.
   `--model_overrides` changes it (e.g. '{"qk_norm": false, "nsa_num_selected": 12}').
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
-more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs about 10% more steps than one
+more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs 14-16% more steps than one
 run at a time on both cores. Prints a table, writes OUT_DIR/summary.json and
 OUT_DIR/recall_by_distance.png; each stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/<stage>/
 (T<length>, T<length>-p<pairs> or copy-T<length>).
