@@ -27,9 +27,11 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   `--model_overrides` changes it (e.g. '{"qk_norm": false, "nsa_num_selected": 12}').
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
 more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs 14-16% more steps than one
-run at a time on both cores. Prints a table, writes OUT_DIR/summary.json and
-OUT_DIR/recall_by_distance.png; each stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/<stage>/
-(T<length>, T<length>-p<pairs> or copy-T<length>).
+run at a time on both cores. --control_seeds N trains the control with the first N seeds only: it shows where a
+missing path leaves recall, which its seeds agree on within 2 points. Prints a table of every run and one of each
+type's mean and spread over the seeds, writes OUT_DIR/summary.json and OUT_DIR/recall_by_distance.png; each
+stage's run and eval.py results are in OUT_DIR/<type>-seed<s>/<stage>/ (T<length>, T<length>-p<pairs> or
+copy-T<length>).
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the curriculum: LENGTH:STEPS[:PAIRS] for MQAR (PAIRS: key-value pairs a document, default a "
                         "third of its 2-token slots) or copy:LENGTH:STEPS for copying, each with an optional @LR")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--control_seeds", type=int, default=None, metavar="N",
+                   help="train the window control (swa) with the first N of --seeds only (default: all of them)")
     p.add_argument("--samples", type=int, default=32, help="documents scored per stage")
     p.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
                    help='model fields for every type, e.g. \'{"qk_norm": false}\'')
@@ -168,11 +172,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="runs (type x seed) trained at once, each in its own process (a GPU runs several small "
                         "models faster side by side than one after another)")
     args = p.parse_args(argv)
+    if args.control_seeds is not None and args.control_seeds < 1:
+        p.error(f"--control_seeds must be at least 1, got {args.control_seeds}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONHASHSEED", "0")
     args.stages = [stage._replace(lr=args.lr) if stage.lr is None else stage for stage in args.stages]
-    runs = [(kind, seed) for kind in args.types for seed in args.seeds]
+    runs = [(kind, seed) for kind in args.types
+            for seed in (args.seeds[: args.control_seeds] if kind == "swa" else args.seeds)]
     stale = [str(d) for kind, seed in runs for d in stale_stages(kind, seed, args.stages, out, args)]
     if stale:
         p.error(f"{', '.join(stale)} finished with other arguments than these stages ask for (stage.json holds "
@@ -213,8 +220,32 @@ def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argpa
     return rows
 
 
+def scores(mqar: dict) -> tuple[float, float | None, float | None]:
+    """An eval.py MQAR result -> (accuracy, accuracy within 64 tokens, beyond 64 tokens; None without answers)."""
+    def mean(group: list[dict]) -> float | None:
+        n = sum(b["count"] for b in group)
+        return sum(b["accuracy"] * b["count"] for b in group) / n if n else None
+
+    buckets = mqar["buckets"]
+    return (mqar["accuracy"], mean([b for b in buckets if b["end"] <= 64]),
+            mean([b for b in buckets if b["start"] >= 64]))
+
+
+def spread(values: list[float | None]) -> str:
+    """Mean of the values in percent, with the sample standard deviation in brackets when there are several."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.1%}"
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return f"{mean:.1%} ({100 * sd:.1f})"
+
+
 def report(summary: dict, out: Path) -> None:
-    """The table (accuracy overall, within 64 tokens and beyond, per stage) and the plot of the last stages."""
+    """The table of every run (accuracy overall, within 64 tokens and beyond, per stage), the mean and spread over
+    seeds of each type, and the plot of the last stages."""
     print("\n| run | T | pairs | steps | minutes | accuracy | within 64 tokens | beyond 64 tokens | final loss |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, rows in summary.items():
@@ -223,17 +254,21 @@ def report(summary: dict, out: Path) -> None:
                 print(f"| {name} | {row['length']} | copying | {row['steps']} | {row['seconds'] / 60:.1f} | - | - | "
                       f"- | {row['loss_curve'][-1][1]:.3f} |")
                 continue
-            buckets = row["mqar"]["buckets"]
-            near = [b for b in buckets if b["end"] <= 64]
-            far = [b for b in buckets if b["start"] >= 64]
-
-            def mean(group: list[dict]) -> str:
-                n = sum(b["count"] for b in group)
-                return f"{sum(b['accuracy'] * b['count'] for b in group) / n:.1%}" if n else "-"
-
+            cells = " | ".join("-" if v is None else f"{v:.1%}" for v in scores(row["mqar"]))
             print(f"| {name} | {row['length']} | {row['pairs'] or 'T/6'} | {row['steps']} | "
-                  f"{row['seconds'] / 60:.1f} | "
-                  f"{row['mqar']['accuracy']:.1%} | {mean(near)} | {mean(far)} | {row['loss_curve'][-1][1]:.3f} |")
+                  f"{row['seconds'] / 60:.1f} | {cells} | {row['loss_curve'][-1][1]:.3f} |")
+    by_type: dict[str, list[list[dict]]] = {}
+    for name, rows in summary.items():
+        by_type.setdefault(name.rsplit("-seed", 1)[0], []).append(rows)
+    print("\nMean over seeds (sample standard deviation, points):\n")
+    print("| type | seeds | T | pairs | accuracy | within 64 tokens | beyond 64 tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, runs in by_type.items():
+        for i, row in enumerate(runs[0]):
+            if row["mqar"] is not None:
+                columns = zip(*(scores(rows[i]["mqar"]) for rows in runs), strict=True)
+                print(f"| {kind} | {len(runs)} | {row['length']} | {row['pairs'] or 'T/6'} | "
+                      f"{' | '.join(spread(list(c)) for c in columns)} |")
     try:
         import matplotlib
 

@@ -77,3 +77,25 @@ def test_runs_side_by_side(data_dir, tmp_path):
     assert list(json.loads((out / "summary.json").read_text())) == ["full-seed0", "nsa-seed0"]
     assert "copy-T32" in (out / "nsa-seed0.log").read_text()
     assert done.stdout.index("| full-seed0 |") < done.stdout.index("| nsa-seed0 |")
+
+
+def test_mean_and_spread_over_seeds():
+    """Percent with the sample standard deviation (n - 1) in points; one value has no spread; no answers: '-'."""
+    assert SCRIPT["spread"]([0.5, 0.7]) == "60.0% (14.1)"
+    assert SCRIPT["spread"]([0.25, None]) == "25.0%"
+    assert SCRIPT["spread"]([None]) == "-"
+
+
+def test_control_seeds(data_dir, tmp_path, capsys):
+    """--control_seeds 1: the window control trains with the first seed only, the other types with every seed;
+    the mean table counts each type's seeds. --control_seeds 0 is refused with exit 2."""
+    out = tmp_path / "control"
+    common = ["--types", "full", "swa", "--seeds", "0", "1", "--stages", "32:2:2", "--samples", "2",
+              "--batch_tokens", "64", "--data_dir", str(data_dir), "--out_dir", str(out)]
+    SCRIPT["main"]([*common, "--control_seeds", "1"])
+    assert list(json.loads((out / "summary.json").read_text())) == ["full-seed0", "full-seed1", "swa-seed0"]
+    table = capsys.readouterr().out
+    assert "| full | 2 | 32 | 2 |" in table and "| swa | 1 | 32 | 2 |" in table
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPT["main"]([*common, "--control_seeds", "0"])
+    assert exit_info.value.code == 2 and "--control_seeds must be at least 1" in capsys.readouterr().err
