@@ -172,8 +172,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="runs (type x seed) trained at once, each in its own process (a GPU runs several small "
                         "models faster side by side than one after another)")
     args = p.parse_args(argv)
-    if args.control_seeds is not None and args.control_seeds < 1:
-        p.error(f"--control_seeds must be at least 1, got {args.control_seeds}")
+    if args.control_seeds is not None and not 1 <= args.control_seeds <= len(args.seeds):
+        p.error(f"--control_seeds must lie between 1 and the {len(args.seeds)} of --seeds, got {args.control_seeds}")
+    if args.control_seeds is not None and "swa" not in args.types:
+        p.error("--control_seeds applies to the window control: add swa to --types, or leave --control_seeds out")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -232,7 +234,8 @@ def scores(mqar: dict) -> tuple[float, float | None, float | None]:
 
 
 def spread(values: list[float | None]) -> str:
-    """Mean of the values in percent, with the sample standard deviation in brackets when there are several."""
+    """The mean of the values (fractions; None skipped) in percent, followed by their sample standard deviation in
+    points in parentheses when there are several; "-" when none is left."""
     values = [v for v in values if v is not None]
     if not values:
         return "-"
@@ -259,7 +262,9 @@ def report(summary: dict, out: Path) -> None:
                   f"{row['seconds'] / 60:.1f} | {cells} | {row['loss_curve'][-1][1]:.3f} |")
     by_type: dict[str, list[list[dict]]] = {}
     for name, rows in summary.items():
-        by_type.setdefault(name.rsplit("-seed", 1)[0], []).append(rows)
+        by_type.setdefault(name.rsplit("-seed", 1)[0], []).append(rows)  # names are <type>-seed<s>
+    if not any(row["mqar"] for rows in summary.values() for row in rows):  # copying stages only
+        return
     print("\nMean over seeds (sample standard deviation, points):\n")
     print("| type | seeds | T | pairs | accuracy | within 64 tokens | beyond 64 tokens |")
     print("|---|---|---|---|---|---|---|")

@@ -63,7 +63,8 @@ def test_copying_only_curriculum(data_dir, tmp_path, capsys):
     out = tmp_path / "copy"
     SCRIPT["main"](["--types", "full", "--stages", "copy:32:2", "--batch_tokens", "64", "--data_dir", str(data_dir),
                     "--out_dir", str(out)])
-    assert "| full-seed0 | 32 | copying | 2 |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "| full-seed0 | 32 | copying | 2 |" in table and "Mean over seeds" not in table
     assert not (out / "recall_by_distance.png").exists()
 
 
@@ -88,7 +89,8 @@ def test_mean_and_spread_over_seeds():
 
 def test_control_seeds(data_dir, tmp_path, capsys):
     """--control_seeds 1: the window control trains with the first seed only, the other types with every seed;
-    the mean table counts each type's seeds. --control_seeds 0 is refused with exit 2."""
+    the mean table counts each type's seeds. A count outside 1..len(--seeds), or one without swa among the types,
+    is refused with exit 2."""
     out = tmp_path / "control"
     common = ["--types", "full", "swa", "--seeds", "0", "1", "--stages", "32:2:2", "--samples", "2",
               "--batch_tokens", "64", "--data_dir", str(data_dir), "--out_dir", str(out)]
@@ -96,6 +98,9 @@ def test_control_seeds(data_dir, tmp_path, capsys):
     assert list(json.loads((out / "summary.json").read_text())) == ["full-seed0", "full-seed1", "swa-seed0"]
     table = capsys.readouterr().out
     assert "| full | 2 | 32 | 2 |" in table and "| swa | 1 | 32 | 2 |" in table
-    with pytest.raises(SystemExit) as exit_info:
-        SCRIPT["main"]([*common, "--control_seeds", "0"])
-    assert exit_info.value.code == 2 and "--control_seeds must be at least 1" in capsys.readouterr().err
+    for bad, message in ((["--control_seeds", "0"], "--control_seeds must lie between 1 and the 2"),
+                         (["--control_seeds", "3"], "--control_seeds must lie between 1 and the 2"),
+                         (["--control_seeds", "1", "--types", "full"], "add swa to --types")):
+        with pytest.raises(SystemExit) as exit_info:
+            SCRIPT["main"]([*common, *bad])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
