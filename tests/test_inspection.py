@@ -82,3 +82,44 @@ def test_recall_selection_marks_the_pair_blocks(data_dir):
     assert all(all(row["hits"]) for row in rows if row["distance"] <= block)
     table = script["report"](rows, model.config.nsa_window)
     assert table.splitlines()[2].startswith("| ") and "accuracy if selected" in table
+
+
+def test_branch_ablation_switches_gates_off(data_dir, tmp_path, capsys):
+    """benchmarks/nsa_branch_ablation.py: switching a branch off zeroes that branch's gates in every layer (read
+    by nsa.inspection) and leaves the first layer's other two as they were; with all three off every NSA layer
+    outputs exactly 0; leaving the blocks returns the model to its own output; the table has a row per distance
+    bucket plus the total. A missing model or a zero --samples is one line with exit 2."""
+    import runpy
+    from pathlib import Path
+
+    from synthetic import SyntheticDocuments
+    from tokenizer import Tokenizer
+
+    script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_branch_ablation.py"))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa", vocab_size=8192)).eval()
+    ids = torch.randint(0, 8192, (2, 40))
+    attn = model.layers[0].attn
+    x = torch.randn(2, 40, model.config.dim)
+    cos, sin = model.rope(40, 0, x.device)
+    before, gates = model(ids).logits, [found["gates"] for found in inspect(model, ids)]  # (B, H, T, 3) a layer
+    for branch in range(3):
+        with script["branch_off"](model, branch):
+            got = [found["gates"] for found in inspect(model, ids)]
+        assert all(torch.equal(g[..., branch], torch.zeros_like(g[..., branch])) for g in got)
+        others = [b for b in range(3) if b != branch]  # the first layer's input is untouched: its other gates too
+        assert torch.equal(got[0][..., others], gates[0][..., others])
+    with script["branch_off"](model, 0), script["branch_off"](model, 1), script["branch_off"](model, 2):
+        assert torch.equal(attn(x, cos, sin), torch.zeros_like(x))
+    torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    documents = SyntheticDocuments("copy", Tokenizer(data_dir / "tokenizer.model"))
+    results = script["ablation"](model, documents, 64, 2, 0, 2)
+    assert list(results) == ["all", "without compression", "without selection", "without window"]
+    table = script["report"](results).splitlines()
+    assert len(table) == 2 + len(results["all"]["buckets"]) + 1 and table[-1].startswith("| all | ")
+    for argv in ([str(tmp_path / "missing")], [str(tmp_path / "missing"), "--samples", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            script["main"](argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "--samples and --batch_size must be at least 1" in err

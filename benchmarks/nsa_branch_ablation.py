@@ -1,0 +1,114 @@
+"""Which NSA branch carries a model's recall? Scores synthetic documents (copying or MQAR, synthetic.py) under
+teacher forcing, by key-query distance (eval.py's log-spaced buckets), once with every branch and once with each
+branch switched off: its gate forced to 0 in every layer (sigmoid(-inf) = 0 exactly), the other two gates left as
+the model computes them.
+
+    python benchmarks/nsa_branch_ablation.py runs/recall_copy/nsa-seed0/copy-T64/model --task copy --length 64
+    python benchmarks/nsa_branch_ablation.py runs/recall_copy/nsa-seed0/T2048-p4/model --length 2048 --pairs 4
+
+A branch whose removal costs nothing is not needed (the others cover for it); one whose removal drops a bucket to
+chance is the only path to those answers. A compressed key summarises a block of l tokens and exists once the block
+is complete (block i from position i*d + l - 1 on), so recall through the compression branch is coarse and misses
+up to the d - 1 most recent tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eval import recall_scores  # noqa: E402
+from nsa.layer import NativeSparseAttention  # noqa: E402
+from synthetic import TOKEN_TASKS, SyntheticDocuments  # noqa: E402
+from tokenizer import check_vocab, model_tokenizer  # noqa: E402
+from weights import load_model, stored_config  # noqa: E402
+
+BRANCHES = ("compression", "selection", "window")  # the order of gate_proj's 3 outputs per head
+
+
+@contextmanager
+def branch_off(model: nn.Module, branch: int) -> Iterator[None]:
+    """Within the block, every NSA layer's gate of `branch` (an index into BRANCHES) is 0."""
+    def hook(module: nn.Module, inputs: tuple[Tensor, ...], logits: Tensor) -> Tensor:
+        logits = logits.unflatten(-1, (-1, 3)).clone()  # (B, T, H, 3)
+        logits[..., branch] = -torch.inf
+        return logits.flatten(-2)
+
+    handles = [m.gate_proj.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, NativeSparseAttention)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def ablation(model: nn.Module, documents: SyntheticDocuments, length: int, samples: int, seed: int,
+             batch_size: int) -> dict[str, dict]:
+    """eval.recall_scores on the same documents with every branch ("all") and without each of BRANCHES."""
+    def score() -> dict:
+        return recall_scores(model, documents, [length], samples, seed, batch_size)
+
+    results = {"all": score()}
+    for i, name in enumerate(BRANCHES):
+        with branch_off(model, i):
+            results[f"without {name}"] = score()
+    return results
+
+
+def report(results: dict[str, dict]) -> str:
+    """The table: per distance bucket, its answers and the accuracy of each variant; the last row all answers."""
+    names = list(results)
+    header = ["distance", "answers", *names]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, bucket in enumerate(results["all"]["buckets"]):
+        cells = [f"{bucket['start']}-{bucket['end'] - 1}", str(bucket["count"]),
+                 *(f"{results[n]['buckets'][i]['accuracy']:.1%}" for n in names)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("| all | " + str(results["all"]["answers"]) + " | "
+                 + " | ".join(f"{results[n]['accuracy']:.1%}" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="an NSA model: a run's model/ export or a checkpoint")
+    p.add_argument("--task", choices=TOKEN_TASKS, default="mqar")
+    p.add_argument("--length", type=int, default=512, help="tokens a document")
+    p.add_argument("--pairs", type=int, help="MQAR: key-value pairs a document (default: a third of its slots)")
+    p.add_argument("--samples", type=int, default=64, help="documents")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=3000)
+    p.add_argument("--tokenizer", help="default: the one stored with the model")
+    args = p.parse_args(argv)
+    try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
+        if min(args.samples, args.batch_size) < 1:
+            raise ValueError(f"--samples and --batch_size must be at least 1, got {args.samples} and "
+                             f"{args.batch_size}")
+        config, tokenizer = stored_config(args.model), model_tokenizer(args.model, args.tokenizer)
+        check_vocab(tokenizer, config.vocab_size)
+        if config.attention_type != "nsa":
+            raise ValueError(f"{args.model} has {config.attention_type!r} attention; this script switches off "
+                             f"NSA's branches")
+        if args.length > config.context_length:
+            raise ValueError(f"--length {args.length} is longer than the model's context of {config.context_length}")
+        documents = SyntheticDocuments(args.task, tokenizer, args.pairs)
+        documents.check_length(args.length)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    model = load_model(args.model).eval()
+    with torch.no_grad():
+        results = ablation(model, documents, args.length, args.samples, args.seed, args.batch_size)
+    print(report(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
