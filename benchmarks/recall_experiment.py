@@ -260,11 +260,11 @@ def report(summary: dict, out: Path) -> None:
             cells = " | ".join("-" if v is None else f"{v:.1%}" for v in scores(row["mqar"]))
             print(f"| {name} | {row['length']} | {row['pairs'] or 'T/6'} | {row['steps']} | "
                   f"{row['seconds'] / 60:.1f} | {cells} | {row['loss_curve'][-1][1]:.3f} |")
+    if not any(row["mqar"] for rows in summary.values() for row in rows):  # copying stages only
+        return
     by_type: dict[str, list[list[dict]]] = {}
     for name, rows in summary.items():
         by_type.setdefault(name.rsplit("-seed", 1)[0], []).append(rows)  # names are <type>-seed<s>
-    if not any(row["mqar"] for rows in summary.values() for row in rows):  # copying stages only
-        return
     print("\nMean over seeds (sample standard deviation, points):\n")
     print("| type | seeds | T | pairs | accuracy | within 64 tokens | beyond 64 tokens |")
     print("|---|---|---|---|---|---|---|")
