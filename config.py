@@ -88,6 +88,7 @@ class ModelConfig:
     nsa_num_selected: int = 16  # n: selected blocks per query, including block 0 and the 2 most recent
     nsa_window: int = 512  # w: sliding-window length, counting the query's own token
     nsa_separate_kv: bool = True  # independent K/V projections per branch (paper section 3.3.3)
+    nsa_compressor: str = "mlp"  # phi: "mlp" (paper Eq. 7) or "mean" (mean of the block's rotated keys and values)
     # Options of a registered attention type that has no fields of its own here (checked by its check_config).
     attention_options: dict[str, Any] = field(default_factory=dict)
     init_std: float = 0.02

@@ -5,10 +5,15 @@ Each query head attends through three branches whose outputs are mixed by per-to
 (paper Eq. 5): o_t = g_cmp * cmp_t + g_slc * slc_t + g_win * win_t.
 
 - Compression (section 3.3.1): K/V are cut into blocks of l tokens with stride d; block i covers tokens
-  [i*d, i*d + l) and is mapped by a learned MLP with an intra-block position encoding (`BlockCompressor`) to one key
-  and one value. Query t sees block i iff i*d + l - 1 <= t (the whole block lies in its prefix). A query that sees
-  no block gets a zero output from this branch. Compressed keys are k-normed and rotated at their block's last
-  position i*d + l - 1 (the position at which they become visible), so query-key distances are never negative.
+  [i*d, i*d + l) and is mapped to one key and one value by phi (`nsa_compressor`). Query t sees block i iff
+  i*d + l - 1 <= t (the whole block lies in its prefix). A query that sees no block gets a zero output from this
+  branch. Two choices of phi:
+  - "mlp" (paper Eq. 7): a learned MLP with an intra-block position encoding (`BlockCompressor`). Its keys are
+    k-normed and rotated at the block's last position i*d + l - 1 (the position at which they become visible), so
+    query-key distances are never negative.
+  - "mean": the mean of the block's k-normed keys, each rotated at its own position, and of its values. No
+    parameters; a compressed logit is then the mean of the block's token logits, and with one K/V set
+    (`nsa_separate_kv` false) those are the logits the selection branch computes for the same keys.
 - Selection (3.3.2): the compression branch's attention probabilities are pooled onto selection blocks of l'
   tokens (Eq. 9, 0-based: `selection_pool_weights`), summed over the query heads of one GQA group (Eq. 10), and the
   top n blocks are attended token by token (Eqs. 11-12). The n blocks include block 0 and the two most recent
@@ -80,11 +85,11 @@ def _ring_extend(buf: Tensor, start: int, new: Tensor, keep_from: int) -> Tensor
 class NSACache(nn.Module):
     """Decoding state of one NSA layer (non-persistent buffers, never in the state_dict).
 
-    raw_k/raw_v (B, KV, l, D): ring of the last l un-normed, un-rotated compression inputs (a block completes
-    within l tokens); cmp_k/cmp_v (B, KV, Nc_max, D): compressed keys/values; slc_k/slc_v (B, KV, S_cap, D): the full
-    cache the selection branch reads (capacity rounded up to whole selection
-    blocks); win_k/win_v (B, KV, w, D): ring of the last w window keys (only with separate
-    K/V; shared K/V read the window from slc_k/slc_v).
+    raw_k/raw_v (B, KV, l, D): ring of the last l compression inputs (a block completes within l tokens; keys
+    un-normed and un-rotated for the "mlp" compressor, normed and rotated for "mean"); cmp_k/cmp_v (B, KV, Nc_max,
+    D): compressed keys/values; slc_k/slc_v (B, KV, S_cap, D): the full cache the selection branch reads (capacity
+    rounded up to whole selection blocks); win_k/win_v (B, KV, w, D): ring of the last w window keys (only with
+    separate K/V; shared K/V read the window from slc_k/slc_v).
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int, dtype: torch.dtype,
@@ -107,8 +112,9 @@ class NativeSparseAttention(nn.Module):
     """NSA layer, the "nsa" attention type (an `attention.AttentionLayer`; see the module docstring).
 
     Parameters: q_proj, k_proj/v_proj (C -> nb*KV*D: compression, selection, window sets when separate), o_proj,
-    gate_proj (C -> 3*H, with bias), k_compress/v_compress (`BlockCompressor`), q_norm/k_norm (RMSNorm over D, when
-    qk_norm; k_norm applies to every key a query meets, compressed keys after compression, always before RoPE).
+    gate_proj (C -> 3*H, with bias), k_compress/v_compress (`BlockCompressor`, "mlp" compressor only),
+    q_norm/k_norm (RMSNorm over D, when qk_norm; k_norm applies to every key a query meets, always before RoPE:
+    "mlp" compressed keys after compression, "mean" ones before).
     The attention itself is the class attribute `sparse_attention` (nsa.attention.sparse_attention): the one seam
     through which profile_memory.py swaps in a memory double (nsa/memory.py).
     """
@@ -125,8 +131,9 @@ class NativeSparseAttention(nn.Module):
         self.v_proj = nn.Linear(c, self.n_sets * kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, c, bias=False)
         self.gate_proj = nn.Linear(c, 3 * h)
-        self.k_compress = BlockCompressor(config.nsa_block_size, d, kv)
-        self.v_compress = BlockCompressor(config.nsa_block_size, d, kv)
+        if config.nsa_compressor == "mlp":
+            self.k_compress = BlockCompressor(config.nsa_block_size, d, kv)
+            self.v_compress = BlockCompressor(config.nsa_block_size, d, kv)
         self.q_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else nn.Identity()
         self.cache: NSACache | None = None
@@ -134,8 +141,9 @@ class NativeSparseAttention(nn.Module):
     def _compress(self, k_raw: Tensor, v_raw: Tensor, first_pos: int, cos: Tensor, sin: Tensor,
                   cos_start: int) -> tuple[Tensor, Tensor]:
         """Compressed keys/values (B, KV, N, D) of the complete blocks in raw k, v (B, KV, L, D) at positions
-        [first_pos, first_pos + L) (first_pos a multiple of d). Keys are normed and rotated at each block's last
-        position, read from cos/sin rows for positions [cos_start, ...)."""
+        [first_pos, first_pos + L) (first_pos a multiple of d). "mlp": keys are normed and rotated at each block's
+        last position, read from cos/sin rows for positions [cos_start, ...). "mean": k is already normed and
+        rotated token by token, and each block is averaged."""
         l, d = self.config.nsa_block_size, self.config.nsa_stride
         n = num_compressed_blocks(k_raw.shape[2], l, d)
         B, KV, _, D = k_raw.shape
@@ -143,6 +151,8 @@ class NativeSparseAttention(nn.Module):
             return k_raw.new_zeros(B, KV, 0, D), v_raw.new_zeros(B, KV, 0, D)
         blocks_k = k_raw.unfold(2, l, d).transpose(-1, -2)  # (B, KV, n, l, D)
         blocks_v = v_raw.unfold(2, l, d).transpose(-1, -2)  # (B, KV, n, l, D)
+        if self.config.nsa_compressor == "mean":
+            return blocks_k.mean(-2), blocks_v.mean(-2)
         rows = slice(first_pos + l - 1 - cos_start, first_pos + (n - 1) * d + l - cos_start, d)  # block ends
         k = apply_rope(self.k_norm(self.k_compress(blocks_k)), cos[rows], sin[rows])
         return k, self.v_compress(blocks_v)
@@ -161,8 +171,10 @@ class NativeSparseAttention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
         v = self.v_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
         gates = torch.sigmoid(self.gate_proj(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
-        k_cmp_raw, v_cmp_raw = k[0], v[0]
         k_slc, v_slc = apply_rope(self.k_norm(k[self.n_sets // 2]), cos, sin), v[self.n_sets // 2]
+        k_cmp_raw, v_cmp_raw = k[0], v[0]
+        if cfg.nsa_compressor == "mean":  # averaged after rotation at each token's position
+            k_cmp_raw = k_slc if self.n_sets == 1 else apply_rope(self.k_norm(k[0]), cos, sin)
         k_win, v_win = (apply_rope(self.k_norm(k[2]), cos, sin), v[2]) if self.n_sets == 3 else (k_slc, v_slc)
 
         if start_pos is None:
@@ -217,8 +229,9 @@ class NativeSparseAttention(nn.Module):
             nn.init.normal_(proj.weight, std=cfg.init_std)
         nn.init.zeros_(self.gate_proj.bias)
         nn.init.normal_(self.o_proj.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
-        self.k_compress.init_weights(cfg.init_std)
-        self.v_compress.init_weights(cfg.init_std)
+        if cfg.nsa_compressor == "mlp":
+            self.k_compress.init_weights(cfg.init_std)
+            self.v_compress.init_weights(cfg.init_std)
         for norm in (self.q_norm, self.k_norm):
             if isinstance(norm, RMSNorm):
                 norm.init_weights()
@@ -229,19 +242,22 @@ class NativeSparseAttention(nn.Module):
         if l % d or l_sel % d or l > l_sel:
             raise ValueError(f"NSA blocks need nsa_stride | nsa_block_size, nsa_stride | nsa_select_block_size and "
                              f"nsa_block_size <= nsa_select_block_size; got l={l}, d={d}, l'={l_sel}")
+        if config.nsa_compressor not in ("mlp", "mean"):
+            raise ValueError(f'ModelConfig.nsa_compressor must be "mlp" or "mean", got {config.nsa_compressor!r}')
         if config.nsa_num_selected < 3:
             raise ValueError(f"ModelConfig.nsa_num_selected must be >= 3 (block 0 and the two most recent blocks "
                              f"are always selected), got {config.nsa_num_selected}")
 
     @classmethod
     def flops_per_token(cls, config: ModelConfig, seq_len: int) -> float:
-        """Projections (q, o, nb K/V sets, gates), the compressors' MLPs (one block every d tokens, for k and v)
-        and attention over the compressed ((T+1)/2 / d on average), selected (n l') and window (w) keys, each
-        capped at the (T+1)/2 keys of a causal average."""
+        """Projections (q, o, nb K/V sets, gates), the compressors' MLPs (one block every d tokens, for k and v;
+        none for the "mean" compressor) and attention over the compressed ((T+1)/2 / d on average), selected (n l')
+        and window (w) keys, each capped at the (T+1)/2 keys of a causal average."""
         c, half = config, (seq_len + 1) / 2
         n_sets = 3 if c.nsa_separate_kv else 1
         gates = 6 * c.dim * 3 * c.n_heads
-        compress = 2 * 6 * c.n_kv_heads * (c.nsa_block_size * c.head_dim + c.head_dim) * c.head_dim / c.nsa_stride
+        mlp = 2 * 6 * c.n_kv_heads * (c.nsa_block_size * c.head_dim + c.head_dim) * c.head_dim / c.nsa_stride
+        compress = mlp if c.nsa_compressor == "mlp" else 0
         keys = (half / c.nsa_stride + min(half, c.nsa_num_selected * c.nsa_select_block_size)
                 + min(half, c.nsa_window))
         return projection_flops(c, n_sets) + gates + compress + attention_flops(c, keys)

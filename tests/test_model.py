@@ -79,6 +79,7 @@ class OutputShapes(torch.utils._python_dispatch.TorchDispatchMode):
     (dict(head_dim=15), "head_dim"),
     (dict(attention_type="nsa", nsa_block_size=10, nsa_stride=4), "nsa_stride"),
     (dict(attention_type="nsa", nsa_num_selected=2), "nsa_num_selected"),
+    (dict(attention_type="nsa", nsa_compressor="max"), "nsa_compressor"),
     (dict(logit_softcap=-1.0), "logit_softcap"),
     (dict(hidden_size=3), "hidden_size"),
 ])

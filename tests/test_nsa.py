@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from attention import FullAttention
 from config import ComputeConfig
-from layers import RotaryEmbedding
+from layers import RotaryEmbedding, apply_rope
 from memtrack import LiveBytesTracker
 from model import ModelConfig, Transformer
 from nsa import attention as nsa_attention
@@ -44,8 +44,9 @@ def make_layer(config: ModelConfig, dtype=torch.float64, compute: ComputeConfig 
     layer = NativeSparseAttention(config, compute).to(dtype)
     layer.init_weights()
     with torch.no_grad():  # a non-trivial position encoding and norm weights, so wiring mistakes show
-        for p in (layer.k_compress.pos, layer.v_compress.pos):
-            p.normal_()
+        if config.nsa_compressor == "mlp":
+            for p in (layer.k_compress.pos, layer.v_compress.pos):
+                p.normal_()
         for norm in (layer.q_norm, layer.k_norm):
             norm.weight.uniform_(0.5, 1.5)
         layer.gate_proj.weight.normal_()
@@ -163,6 +164,37 @@ def test_window_wider_than_sequence_equals_dense(separate):
     _module_vs_full_attention(nsa_config(nsa_window=100, nsa_separate_kv=separate), branch=2, T=100)
 
 
+@pytest.mark.parametrize("separate", [True, False])
+def test_mean_compressor_matches_naive(separate):
+    """The "mean" compressor: the layer equals nsa.reference.naive_nsa fed with block means written out one block at
+    a time (keys normed and rotated at their own positions, then averaged; values averaged), and with one K/V set a
+    compressed logit is the mean of the block's selection-branch logits."""
+    config = nsa_config(nsa_separate_kv=separate, nsa_compressor="mean")
+    layer, rope = make_layer(config, compute=ComputeConfig(attention_query_chunk=24))
+    assert not any("compress" in name for name, _ in layer.named_parameters())
+    B, T, H, KV, D = 2, 90, config.n_heads, config.n_kv_heads, config.head_dim
+    l, d, n_sets = config.nsa_block_size, config.nsa_stride, 3 if separate else 1
+    x = torch.randn(B, T, config.dim, dtype=torch.float64)
+    cos, sin = rope(T, 0, x.device)
+    with torch.no_grad():
+        q = apply_rope(layer.q_norm(layer.q_proj(x).view(B, T, H, D).transpose(1, 2)), cos, sin)  # (B, H, T, D)
+        k = layer.k_proj(x).view(B, T, n_sets, KV, D).permute(2, 0, 3, 1, 4)  # (nb, B, KV, T, D)
+        v = layer.v_proj(x).view(B, T, n_sets, KV, D).permute(2, 0, 3, 1, 4)  # (nb, B, KV, T, D)
+        k = apply_rope(layer.k_norm(k), cos, sin)
+        starts = range(0, T - l + 1, d)
+        k_cmp = torch.stack([k[0, :, :, i:i + l].mean(2) for i in starts], dim=2)  # (B, KV, Nc, D)
+        v_cmp = torch.stack([v[0, :, :, i:i + l].mean(2) for i in starts], dim=2)  # (B, KV, Nc, D)
+        s, w = n_sets // 2, n_sets - 1
+        gates = torch.sigmoid(layer.gate_proj(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
+        ref = naive_nsa(q, k_cmp, v_cmp, k[s], v[s], k[w], v[w], gates, config)  # (B, H, T, D)
+        ref = layer.o_proj(ref.transpose(1, 2).reshape(B, T, H * D))
+        torch.testing.assert_close(run_layer(layer, rope, x), ref, **F64)
+    if not separate:
+        logits = q[:, ::H // KV] @ k[0].transpose(-1, -2)  # (B, KV, T, T): the first head of each group
+        block_means = torch.stack([logits[..., i:i + l].mean(-1) for i in starts], dim=-1)  # (B, KV, T, Nc)
+        torch.testing.assert_close(q[:, ::H // KV] @ k_cmp.transpose(-1, -2), block_means, **F64)
+
+
 def test_compression_identity_l1_equals_dense():
     config = nsa_config(nsa_block_size=1, nsa_stride=1, nsa_select_block_size=4)
     _module_vs_full_attention(config, branch=0, T=70, compressor=SqueezeBlock())
@@ -258,9 +290,9 @@ def test_no_compressed_block_gives_zero_and_finite_gradients():
 # ---- causality ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("separate", [True, False])
-def test_causality_at_block_boundaries(separate):
-    config = nsa_config(nsa_separate_kv=separate)
+@pytest.mark.parametrize("separate,compressor", [(True, "mlp"), (False, "mlp"), (True, "mean"), (False, "mean")])
+def test_causality_at_block_boundaries(separate, compressor):
+    config = nsa_config(nsa_separate_kv=separate, nsa_compressor=compressor)
     compute = ComputeConfig(attention_query_chunk=24)
     l, d, ls, w = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_window
     layer, rope = make_layer(config, compute=compute)
@@ -294,9 +326,9 @@ def test_model_causality_and_generate():
 # ---- decoding with the cache ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("separate", [True, False])
-def test_decode_equals_prefill(separate):
-    config = nsa_config(nsa_separate_kv=separate)
+@pytest.mark.parametrize("separate,compressor", [(True, "mlp"), (False, "mlp"), (True, "mean"), (False, "mean")])
+def test_decode_equals_prefill(separate, compressor):
+    config = nsa_config(nsa_separate_kv=separate, nsa_compressor=compressor)
     compute = ComputeConfig(attention_query_chunk=16)
     layer, rope = make_layer(config, compute=compute)
     T = 90  # beyond w = 32 (window ring wraps) and several compressed / selection blocks
