@@ -25,10 +25,10 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval import recall_scores  # noqa: E402
+from nsa.inspection import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 from synthetic import TOKEN_TASKS, SyntheticDocuments  # noqa: E402
-from tokenizer import check_vocab, model_tokenizer  # noqa: E402
-from weights import load_model, stored_config  # noqa: E402
+from weights import load_model  # noqa: E402
 
 BRANCHES = ("compression", "selection", "window")  # the order of gate_proj's 3 outputs per head
 
@@ -92,11 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if min(args.samples, args.batch_size) < 1:
             raise ValueError(f"--samples and --batch_size must be at least 1, got {args.samples} and "
                              f"{args.batch_size}")
-        config, tokenizer = stored_config(args.model), model_tokenizer(args.model, args.tokenizer)
-        check_vocab(tokenizer, config.vocab_size)
-        if config.attention_type != "nsa":
-            raise ValueError(f"{args.model} has {config.attention_type!r} attention; this script switches off "
-                             f"NSA's branches")
+        config, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches")
         if args.length > config.context_length:
             raise ValueError(f"--length {args.length} is longer than the model's context of {config.context_length}")
         documents = SyntheticDocuments(args.task, tokenizer, args.pairs)

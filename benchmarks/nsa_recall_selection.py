@@ -22,9 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval import score_answers  # noqa: E402
-from nsa.inspection import inspect  # noqa: E402
+from nsa.inspection import check_nsa_model, inspect  # noqa: E402
 from synthetic import SyntheticDocuments  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
 from weights import load_model  # noqa: E402
 
 
@@ -78,16 +77,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=2000)
     p.add_argument("--tokenizer", help="default: the one stored with the model")
     args = p.parse_args(argv)
-    path = Path(args.model)
-    model = load_model(path).eval()
-    if model.config.attention_type != "nsa":
-        p.error(f"{path} has {model.config.attention_type!r} attention; this script inspects NSA")
-    try:
-        documents = SyntheticDocuments("mqar", load_tokenizer(args.tokenizer or path), args.pairs)
-        rows = selection_hits(model, args.length, args.samples, args.seed, documents)
-    except ValueError as e:
+    try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
+        if args.samples < 1:
+            raise ValueError(f"--samples must be at least 1, got {args.samples}")
+        config, tokenizer = check_nsa_model(args.model, args.tokenizer, "recomputes NSA's selection")
+        if args.length > config.context_length:
+            raise ValueError(f"--length {args.length} is longer than the model's context of {config.context_length}")
+        documents = SyntheticDocuments("mqar", tokenizer, args.pairs)
+        documents.check_length(args.length)
+    except (OSError, ValueError) as e:
         p.error(str(e))
-    print(report(rows, model.config.nsa_window))
+    model = load_model(args.model).eval()
+    print(report(selection_hits(model, args.length, args.samples, args.seed, documents), config.nsa_window))
 
 
 if __name__ == "__main__":

@@ -91,9 +91,23 @@ def report(found: list[dict[str, Tensor]], positions: list[int], select_block_si
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> str:
+def check_nsa_model(path: str | Path, tokenizer_path: str | None, use: str) -> tuple[object, object]:
+    """The stored config and tokenizer of the NSA model at `path` (a run's model/ export or a checkpoint), read
+    without loading its weights; ValueError or OSError (naming the fix) when the tokenizer does not fit the vocab
+    or the model is not NSA. `use` completes "this tool ..." in that error. Returns (ModelConfig, tokenizer)."""
     from tokenizer import check_vocab, model_tokenizer
-    from weights import load_model, stored_config
+    from weights import stored_config
+
+    config, tokenizer = stored_config(path), model_tokenizer(path, tokenizer_path)
+    check_vocab(tokenizer, config.vocab_size)
+    if config.attention_type != "nsa":
+        raise ValueError(f"{path} has {config.attention_type!r} attention; this tool {use}, so it needs an NSA model "
+                         f"(attention_type nsa)")
+    return config, tokenizer
+
+
+def main(argv: list[str] | None = None) -> str:
+    from weights import load_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
@@ -105,13 +119,10 @@ def main(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
         text = Path(args.text[1:]).read_text() if args.text.startswith("@") else args.text
-        config, tokenizer = stored_config(args.checkpoint), model_tokenizer(args.checkpoint, args.tokenizer)
-        check_vocab(tokenizer, config.vocab_size)
+        config, tokenizer = check_nsa_model(args.checkpoint, args.tokenizer, "shows NSA's selection and gates")
         ids = tokenizer.encode(text)
         if not 1 <= len(ids) <= config.context_length:
             raise ValueError(f"the prompt is {len(ids)} tokens; the model takes 1 to {config.context_length}")
-        if config.attention_type != "nsa":
-            raise ValueError(f"{args.checkpoint} has {config.attention_type!r} attention: nothing to inspect")
         if any(not -len(ids) <= t < len(ids) for t in args.positions):
             raise ValueError(f"--positions must lie in [-{len(ids)}, {len(ids)}) for this {len(ids)}-token prompt")
     except (OSError, ValueError) as e:

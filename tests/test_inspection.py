@@ -50,7 +50,7 @@ def test_inspect_reports_every_layer_and_the_gates():
 @pytest.mark.parametrize("attention, text, message", [
     ("nsa", "x " * 2000, "the prompt is"),
     ("nsa", "", "the prompt is 0 tokens"),
-    ("full", "def f():", "has 'full' attention: nothing to inspect"),
+    ("full", "def f():", "has 'full' attention; this tool shows NSA's selection and gates, so it needs an NSA"),
 ])
 def test_bad_inputs_are_one_line_errors(attention, text, message, data_dir, tmp_path, capsys):
     from nsa.inspection import main
@@ -82,6 +82,29 @@ def test_recall_selection_marks_the_pair_blocks(data_dir):
     assert all(all(row["hits"]) for row in rows if row["distance"] <= block)
     table = script["report"](rows, model.config.nsa_window)
     assert table.splitlines()[2].startswith("| ") and "accuracy if selected" in table
+
+
+@pytest.mark.parametrize("attention, args, message", [
+    ("full", [], "has 'full' attention; this tool recomputes NSA's selection"),
+    ("nsa", ["--length", "2048"], "--length 2048 is longer than the model's context of 1024"),
+    ("nsa", ["--samples", "0"], "--samples must be at least 1"),
+])
+def test_recall_selection_bad_inputs_before_loading(attention, args, message, data_dir, tmp_path, capsys,
+                                                    monkeypatch):
+    """benchmarks/nsa_recall_selection.py checks its inputs from the stored config and tokenizer, before the
+    weights load: one line, exit 2."""
+    import runpy
+    from pathlib import Path
+
+    from weights import export_model
+
+    export_model(Transformer(ModelConfig.from_preset("tiny", attention_type=attention)), tmp_path)
+    script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_recall_selection.py"))
+    monkeypatch.setitem(script["main"].__globals__, "load_model", lambda *a: pytest.fail("loaded before the checks"))
+    with pytest.raises(SystemExit) as exit_info:
+        script["main"]([str(tmp_path / "model"), "--tokenizer", str(data_dir / "tokenizer.model"), *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
 
 
 def test_branch_ablation_switches_gates_off(data_dir, tmp_path, capsys):
