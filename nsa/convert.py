@@ -1,11 +1,11 @@
 """A full-attention model's weights as the starting point of an NSA model (train.py --attention_type nsa with a
 full-attention --init_from): everything but the attention is copied; in every layer the query and output
 projections and the QK-norms are the dense ones, the key/value projection of each branch (compression, selection,
-window) is the dense key/value projection, the compressors are left to their fresh initialisation, and the gates are
-biased to the window branch: sigmoid(+GATE_BIAS) on it and sigmoid(-GATE_BIAS) on the other two, with zero gate
-weights. Within the window (T <= nsa_window) the converted layer then computes the dense layer's output times
-sigmoid(GATE_BIAS) = 0.99966, plus 0.03% of each other branch; beyond it, training teaches the compressed and
-selected branches what the window misses.
+window) is the dense key/value projection, the compressors (the "mlp" ones; "mean" has none) are left to their fresh
+initialisation, and the gates are biased to the window branch: sigmoid(+GATE_BIAS) on it and sigmoid(-GATE_BIAS)
+on the other two, with zero gate weights. Within the window (T <= nsa_window) the converted layer then computes the
+dense layer's output times sigmoid(GATE_BIAS) = 0.99966, plus 0.03% of each other branch; beyond it, training
+teaches the compressed and selected branches what the window misses.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,6 +24,10 @@ from torch import Tensor
 from model import Transformer
 from nsa.blocks import pool_to_selection_blocks, select_blocks
 from nsa.layer import NativeSparseAttention
+
+if TYPE_CHECKING:
+    from config import ModelConfig
+    from tokenizer import HFTokenizer, Tokenizer
 
 
 def selected_blocks(q: Tensor, k_cmp: Tensor, config: object) -> Tensor:
@@ -91,7 +96,8 @@ def report(found: list[dict[str, Tensor]], positions: list[int], select_block_si
     return "\n".join(lines)
 
 
-def check_nsa_model(path: str | Path, tokenizer_path: str | None, use: str) -> tuple[object, object]:
+def check_nsa_model(path: str | Path, tokenizer_path: str | None,
+                    use: str) -> tuple[ModelConfig, Tokenizer | HFTokenizer]:
     """The stored config and tokenizer of the NSA model at `path` (a run's model/ export or a checkpoint), read
     without loading its weights; ValueError or OSError (naming the fix) when the tokenizer does not fit the vocab
     or the model is not NSA. `use` completes "this tool ..." in that error. Returns (ModelConfig, tokenizer)."""

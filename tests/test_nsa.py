@@ -167,8 +167,8 @@ def test_window_wider_than_sequence_equals_dense(separate):
 @pytest.mark.parametrize("separate", [True, False])
 def test_mean_compressor_matches_naive(separate):
     """The "mean" compressor: the layer equals nsa.reference.naive_nsa fed with block means written out one block at
-    a time (keys normed and rotated at their own positions, then averaged; values averaged), and with one K/V set a
-    compressed logit is the mean of the block's selection-branch logits."""
+    a time (keys normed and rotated at their own positions, then averaged; values averaged), and with one K/V set
+    the layer's compressed logits are the block means of its selection-branch logits."""
     config = nsa_config(nsa_separate_kv=separate, nsa_compressor="mean")
     layer, rope = make_layer(config, compute=ComputeConfig(attention_query_chunk=24))
     assert not any("compress" in name for name, _ in layer.named_parameters())
@@ -189,10 +189,20 @@ def test_mean_compressor_matches_naive(separate):
         ref = naive_nsa(q, k_cmp, v_cmp, k[s], v[s], k[w], v[w], gates, config)  # (B, H, T, D)
         ref = layer.o_proj(ref.transpose(1, 2).reshape(B, T, H * D))
         torch.testing.assert_close(run_layer(layer, rope, x), ref, **F64)
-    if not separate:
-        logits = q[:, ::H // KV] @ k[0].transpose(-1, -2)  # (B, KV, T, T): the first head of each group
+    if not separate:  # the layer's own compressed keys and selection keys, captured at its sparse_attention seam
+        seen = {}
+
+        def capture(q, k_cmp, v_cmp, k_slc, *rest, **kwargs):
+            seen.update(q=q, k_cmp=k_cmp, k_slc=k_slc)
+            return NativeSparseAttention.sparse_attention(q, k_cmp, v_cmp, k_slc, *rest, **kwargs)
+
+        layer.sparse_attention = capture
+        with torch.no_grad():
+            run_layer(layer, rope, x)
+        q1 = seen["q"][:, ::H // KV]  # (B, KV, T, D): the first head of each group
+        logits = q1 @ seen["k_slc"].transpose(-1, -2)  # (B, KV, T, T): the selection branch's token logits
         block_means = torch.stack([logits[..., i:i + l].mean(-1) for i in starts], dim=-1)  # (B, KV, T, Nc)
-        torch.testing.assert_close(q[:, ::H // KV] @ k_cmp.transpose(-1, -2), block_means, **F64)
+        torch.testing.assert_close(q1 @ seen["k_cmp"].transpose(-1, -2), block_means, **F64)
 
 
 def test_compression_identity_l1_equals_dense():
