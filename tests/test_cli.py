@@ -39,8 +39,10 @@ def test_help_exits_zero(entry: str, monkeypatch):
     monkeypatch.setattr(sys, "path", [str(ROOT), *sys.path])
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-        if package:
-            runpy.run_module(entry.removesuffix(".py").replace("/", "."), run_name="__main__", alter_sys=True)
+        if package:  # as `python -m` does, on a module no earlier test has imported (runpy warns otherwise)
+            module = entry.removesuffix(".py").replace("/", ".")
+            monkeypatch.delitem(sys.modules, module, raising=False)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(str(ROOT / entry), run_name="__main__")
     assert exit_info.value.code in (0, None), out.getvalue()
