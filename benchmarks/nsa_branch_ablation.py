@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if min(args.samples, args.batch_size) < 1:
             raise ValueError(f"--samples and --batch_size must be at least 1, got {args.samples} and "
                              f"{args.batch_size}")
-        config, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches")
-        if args.length > config.context_length:
-            raise ValueError(f"--length {args.length} is longer than the model's context of {config.context_length}")
+        _, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches", args.length)
         documents = SyntheticDocuments(args.task, tokenizer, args.pairs)
         documents.check_length(args.length)
     except (OSError, ValueError) as e:

@@ -80,9 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
         if args.samples < 1:
             raise ValueError(f"--samples must be at least 1, got {args.samples}")
-        config, tokenizer = check_nsa_model(args.model, args.tokenizer, "recomputes NSA's selection")
-        if args.length > config.context_length:
-            raise ValueError(f"--length {args.length} is longer than the model's context of {config.context_length}")
+        config, tokenizer = check_nsa_model(args.model, args.tokenizer, "recomputes NSA's selection", args.length)
         documents = SyntheticDocuments("mqar", tokenizer, args.pairs)
         documents.check_length(args.length)
     except (OSError, ValueError) as e:

@@ -96,11 +96,12 @@ def report(found: list[dict[str, Tensor]], positions: list[int], select_block_si
     return "\n".join(lines)
 
 
-def check_nsa_model(path: str | Path, tokenizer_path: str | None,
-                    use: str) -> tuple[ModelConfig, Tokenizer | HFTokenizer]:
+def check_nsa_model(path: str | Path, tokenizer_path: str | None, use: str,
+                    length: int | None = None) -> tuple[ModelConfig, Tokenizer | HFTokenizer]:
     """The stored config and tokenizer of the NSA model at `path` (a run's model/ export or a checkpoint), read
-    without loading its weights; ValueError or OSError (naming the fix) when the tokenizer does not fit the vocab
-    or the model is not NSA. `use` completes "this tool ..." in that error. Returns (ModelConfig, tokenizer)."""
+    without loading its weights; ValueError or OSError (naming the fix) when the tokenizer does not fit the vocab,
+    the model is not NSA or `length` (--length, documents of that many tokens) exceeds its context. `use` completes
+    "this tool ..." in that error. Returns (ModelConfig, tokenizer)."""
     from tokenizer import check_vocab, model_tokenizer
     from weights import stored_config
 
@@ -109,6 +110,8 @@ def check_nsa_model(path: str | Path, tokenizer_path: str | None,
     if config.attention_type != "nsa":
         raise ValueError(f"{path} has {config.attention_type!r} attention; this tool {use}, so it needs an NSA model "
                          f"(attention_type nsa)")
+    if length is not None and length > config.context_length:
+        raise ValueError(f"--length {length} is longer than the model's context of {config.context_length}")
     return config, tokenizer
 
 

@@ -171,11 +171,14 @@ class NativeSparseAttention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
         v = self.v_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
         gates = torch.sigmoid(self.gate_proj(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
-        k_slc, v_slc = apply_rope(self.k_norm(k[self.n_sets // 2]), cos, sin), v[self.n_sets // 2]
+        def rotated(keys: Tensor) -> Tensor:  # normed, then rotated at each token's position
+            return apply_rope(self.k_norm(keys), cos, sin)
+
+        k_slc, v_slc = rotated(k[self.n_sets // 2]), v[self.n_sets // 2]
         k_cmp_raw, v_cmp_raw = k[0], v[0]
         if cfg.nsa_compressor == "mean":  # averaged after rotation at each token's position
-            k_cmp_raw = k_slc if self.n_sets == 1 else apply_rope(self.k_norm(k[0]), cos, sin)
-        k_win, v_win = (apply_rope(self.k_norm(k[2]), cos, sin), v[2]) if self.n_sets == 3 else (k_slc, v_slc)
+            k_cmp_raw = k_slc if self.n_sets == 1 else rotated(k[0])
+        k_win, v_win = (rotated(k[2]), v[2]) if self.n_sets == 3 else (k_slc, v_slc)
 
         if start_pos is None:
             k_cmp, v_cmp = self._compress(k_cmp_raw, v_cmp_raw, 0, cos, sin, 0)
