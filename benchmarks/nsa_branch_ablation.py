@@ -1,15 +1,18 @@
-"""Which NSA branch carries a model's recall? Scores synthetic documents (copying or MQAR, synthetic.py) under
-teacher forcing, by key-query distance (eval.py's log-spaced buckets), once with every branch and once with each
-branch switched off: its gate forced to 0 in every layer (sigmoid(-inf) = 0 exactly), the other two gates left as
-the model computes them.
+"""Which NSA branch carries a model's recall, and how much does its block selection lose? Scores synthetic
+documents (copying or MQAR, synthetic.py) under teacher forcing, by key-query distance (eval.py's log-spaced
+buckets): once as the model is, once with exact block scores (`nsa.attention.exact_block_scores`: each block scored
+by its best token's logit, reading every key: the ceiling of selecting n blocks of l'), and once with each branch
+switched off: its gate forced to 0 in every layer (sigmoid(-inf) = 0 exactly), the other two gates left as the
+model computes them.
 
     python benchmarks/nsa_branch_ablation.py runs/recall_copy/nsa-seed0/copy-T64/model --task copy --length 64
     python benchmarks/nsa_branch_ablation.py runs/recall_copy/nsa-seed0/T2048-p4/model --length 2048 --pairs 4
 
 A branch whose removal costs nothing is not needed (the others cover for it); one whose removal drops a bucket to
-chance is the only path to those answers. A compressed key summarises a block of l tokens and exists once the block
-is complete (block i from position i*d + l - 1 on), so recall through the compression branch is coarse and misses
-up to the d - 1 most recent tokens.
+chance is the only path to those answers. Where exact block scores gain much, the selected blocks would carry the
+answer but the compression branch scores the wrong ones. A compressed key summarises a block of l tokens and exists
+once the block is complete (block i from position i*d + l - 1 on), so recall through the compression branch is
+coarse and misses up to the d - 1 most recent tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eval import recall_scores  # noqa: E402
+from nsa.attention import exact_block_scores  # noqa: E402
 from nsa.inspection import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 from synthetic import TOKEN_TASKS, SyntheticDocuments  # noqa: E402
@@ -52,11 +56,14 @@ def branch_off(model: nn.Module, branch: int) -> Iterator[None]:
 
 def ablation(model: nn.Module, documents: SyntheticDocuments, length: int, samples: int, seed: int,
              batch_size: int) -> dict[str, dict]:
-    """eval.recall_scores on the same documents with every branch ("all") and without each of BRANCHES."""
+    """eval.recall_scores on the same documents with every branch ("all"), with exact block scores, and without each
+    of BRANCHES."""
     def score() -> dict:
         return recall_scores(model, documents, [length], samples, seed, batch_size)
 
     results = {"all": score()}
+    with exact_block_scores():
+        results["exact block scores"] = score()
     for i, name in enumerate(BRANCHES):
         with branch_off(model, i):
             results[f"without {name}"] = score()

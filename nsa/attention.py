@@ -77,7 +77,8 @@ if TYPE_CHECKING:
 # ---- attention with log-sum-exp: the primitive of every branch ---------------------------------------------------
 
 
-_forced = {"explicit": False, "triton": False}  # set by `explicit_attention` and `triton_kernels`
+_forced = {"explicit": False, "triton": False, "exact": False}  # `explicit_attention`, `triton_kernels`,
+# `exact_block_scores`
 
 
 def _fused(t: Tensor) -> bool:
@@ -106,6 +107,16 @@ def triton_kernels() -> AbstractContextManager[None]:
     CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa.kernels is imported), for tests; on
     fake tensors without launching them (their outputs are allocated), for profile_memory.py's estimates."""
     return _forcing("triton")
+
+
+def exact_block_scores() -> AbstractContextManager[None]:
+    """Within the block, selection blocks are scored by their best token instead of the compression branch: a
+    query head's score for a past block j (before its own and the previous block, which are always selected) is
+    softmax over those blocks of max_{s in j} q . k_s / sqrt(D), with the selection branch's keys, summed over the
+    group's heads as Eq. 10 sums the compression probabilities. It reads every key of the prefix (a chunk's logits
+    are Q x T), so it is no sparse attention: it measures the recall a perfect block scorer would give with the
+    model's n and l', the ceiling of its selection (benchmarks/nsa_branch_ablation.py)."""
+    return _forcing("exact")
 
 
 def triton_installed() -> bool:
@@ -486,12 +497,27 @@ class _Chunk:
         return pool_to_selection_blocks(p_cmp, cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size,
                                         n_select)
 
+    def _best_token_scores(self, n_select: int) -> Tensor:
+        """`exact_block_scores`: (B, KV, Q, n_select) from the first n_select selection blocks; 0 where a query
+        has no past block before its previous one."""
+        B, KV, G, Q, _ = self.shape
+        acc = torch.promote_types(self.q_heads.dtype, torch.float32)
+        keys = self.k_blocks[:, :, :n_select].to(acc)  # (B, KV, Ns, l', D)
+        best = torch.einsum("bkqd,bknld->bkqnl", self.q_heads.to(acc), keys).amax(-1) * self.scale  # (B, KV, G*Q, Ns)
+        current = (self.q_pos // self.config.nsa_select_block_size).repeat(G)[:, None]  # (G*Q, 1)
+        past = torch.arange(n_select, device=best.device) < current - 1  # (G*Q, Ns): never a key after the query
+        p = best.masked_fill(~past, -math.inf).softmax(-1).nan_to_num(0.0)  # rows without a past block: 0
+        return p.view(B, KV, G, Q, n_select).sum(2)  # (B, KV, Q, Ns)
+
     def _compression(self, n_select: int | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """The compression branch: (out (B, KV, G*Q, D), lse (B, KV, G*Q), and for n_select the importance scores
         (B, KV, Q, n_select) of `_pooled`, else None). The fused path computes the logits once, explicitly, and
         takes the output and the scores from the same probabilities; the Triton kernels recompute the scores from
         the lse without the probabilities in memory."""
         cfg, (B, KV, G, Q, D) = self.config, self.shape
+        if n_select is not None and _forced["exact"]:
+            out, lse, _ = self._compression(None)
+            return out, lse, self._best_token_scores(n_select)
         acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
         importance = None
         if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk

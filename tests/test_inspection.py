@@ -137,7 +137,7 @@ def test_branch_ablation_switches_gates_off(data_dir, tmp_path, capsys):
     torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
     documents = SyntheticDocuments("copy", Tokenizer(data_dir / "tokenizer.model"))
     results = script["ablation"](model, documents, 64, 2, 0, 2)
-    assert list(results) == ["all", "without compression", "without selection", "without window"]
+    assert list(results) == ["all", "exact block scores", "without compression", "without selection", "without window"]
     table = script["report"](results).splitlines()
     assert len(table) == 2 + len(results["all"]["buckets"]) + 1 and table[-1].startswith("| all | ")
     for argv in ([str(tmp_path / "missing")], [str(tmp_path / "missing"), "--samples", "0"]):

@@ -297,6 +297,47 @@ def test_no_compressed_block_gives_zero_and_finite_gradients():
     assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
 
 
+def test_exact_block_scores_select_the_blocks_of_the_best_tokens():
+    """Under exact_block_scores a query takes block 0, its own and the previous block, then the past blocks with
+    the highest softmax over blocks of their best token logit, summed over the group's heads (written out here)."""
+    config = nsa_config(nsa_num_selected=5)  # 2 free slots; 6 blocks of 16 at T = 90
+    B, H, KV, T, D, ls, n = 1, 4, 2, 90, 8, 16, 5
+    q, k_cmp, v_cmp, k, v, k_win, v_win, _ = random_inputs(B, H, KV, T, D, config)
+    blocks = as_blocks(k, ls)
+    compute = ComputeConfig(attention_query_chunk=T)
+    span, = nsa_attention._spans(T, 0, 0, config, compute)
+    with nsa_attention.exact_block_scores():
+        _, _, idx = nsa_attention._chunk(span, q, k_cmp, v_cmp, blocks, as_blocks(v, ls), k_win, v_win, config,
+                                                compute).forward()
+    G = H // KV
+    for t in range(T):
+        own = t // ls
+        for kv in range(KV):
+            score = torch.zeros(own + 1, dtype=torch.float64)
+            if own >= 2:
+                for h in range(kv * G, (kv + 1) * G):
+                    best = torch.stack([(k[0, kv, j * ls:(j + 1) * ls] @ q[0, h, t]).max() for j in range(own - 1)])
+                    score[: own - 1] += (best * D**-0.5).softmax(-1)
+            free = sorted(range(1, max(own - 1, 1)), key=lambda j: -score[j])[: n - 3]
+            want = sorted({0, own, max(own - 1, 0), *free})
+            got = sorted(j for j in idx[0, kv, t].tolist() if j < blocks.shape[2])
+            assert got == want, (t, kv)
+
+
+def test_exact_block_scores_are_causal():
+    config = nsa_config(nsa_num_selected=5)
+    inputs = random_inputs(1, 4, 2, 90, 8, config)
+    compute = ComputeConfig(attention_query_chunk=24)
+    with nsa_attention.exact_block_scores():
+        base = sparse_attention(*inputs, config, compute=compute)
+        for t in (15, 31, 47, 60):
+            changed = [x.clone() for x in inputs]
+            for i in (0, 3, 4, 5, 6):  # q and the token-level keys/values after t
+                changed[i][:, :, t + 1:] = torch.randn_like(changed[i][:, :, t + 1:])
+            out = sparse_attention(*changed, config, compute=compute)
+            torch.testing.assert_close(out[:, :, : t + 1], base[:, :, : t + 1], **EXACT)
+
+
 # ---- causality ----------------------------------------------------------------------------------------------------
 
 
