@@ -1,7 +1,7 @@
 """Which NSA branch carries a model's recall, and how much does its block selection lose? Scores synthetic
 documents (copying or MQAR, synthetic.py) under teacher forcing, by key-query distance (eval.py's log-spaced
 buckets): once as the model is, once with exact block scores (`nsa.attention.exact_block_scores`: each block scored
-by its best token's logit, reading every key: the ceiling of selecting n blocks of l'), and once with each branch
+by its best token's logit, reading every key: a diagnosis of the block scoring), and once with each branch
 switched off: its gate forced to 0 in every layer (sigmoid(-inf) = 0 exactly), the other two gates left as the
 model computes them.
 

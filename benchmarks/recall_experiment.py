@@ -25,9 +25,10 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   most recent among them, so 3 free slots), window w = 64: over the positions of a 2048-token document a query
   visits 309 keys on average (compressed + selected + window), under a third of full attention's 1024.
   `--model_overrides` changes it (e.g. '{"qk_norm": false, "nsa_num_selected": 12}'; the variant that recalls
-  best averages each block's keys over one key/value set, with blocks of 8 and 18 of them selected, 32% of full
-  attention's keys: '{"qk_norm": false, "nsa_separate_kv": false, "nsa_compressor": "mean", "nsa_block_size": 8,
-  "nsa_stride": 8, "nsa_select_block_size": 8, "nsa_num_selected": 18}').
+  best when it learns to copy (2 of 3 CPU seeds did) averages each block's keys over one key/value set, with
+  blocks of 8 and 18 of them selected, 32% of full attention's keys: '{"qk_norm": false, "nsa_separate_kv": false,
+  "nsa_compressor": "mean", "nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8,
+  "nsa_num_selected": 18}').
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
 more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs 14-16% more steps than one
 run at a time on both cores. --control_seeds N trains the control with the first N seeds only: it shows where a

@@ -114,8 +114,9 @@ def exact_block_scores() -> AbstractContextManager[None]:
     query head's score for a past block j (before its own and the previous block, which are always selected) is
     softmax over those blocks of max_{s in j} q . k_s / sqrt(D), with the selection branch's keys, summed over the
     group's heads as Eq. 10 sums the compression probabilities. It reads every key of the prefix (a chunk's logits
-    are Q x T), so it is no sparse attention: it measures the recall a perfect block scorer would give with the
-    model's n and l', the ceiling of its selection (benchmarks/nsa_branch_ablation.py)."""
+    are Q x T), so it is no sparse attention: it measures the recall the model reaches with its n and l' when
+    each block is judged by its best-matching key (a heuristic, not an upper bound;
+    benchmarks/nsa_branch_ablation.py)."""
     return _forcing("exact")
 
 
