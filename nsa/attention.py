@@ -77,8 +77,8 @@ if TYPE_CHECKING:
 # ---- attention with log-sum-exp: the primitive of every branch ---------------------------------------------------
 
 
-_forced = {"explicit": False, "triton": False, "exact": False}  # `explicit_attention`, `triton_kernels`,
-# `exact_block_scores`
+# set by `explicit_attention`, `triton_kernels` and `exact_block_scores`
+_forced = {"explicit": False, "triton": False, "exact": False}
 
 
 def _fused(t: Tensor) -> bool:
