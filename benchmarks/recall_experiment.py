@@ -106,11 +106,18 @@ TYPES = {
 }
 
 
-def stage_args(kind: str, seed: int, stage: Stage, previous: Path | None, out: Path,
+def model_fields(kind: str, stage: Stage, args: argparse.Namespace) -> dict:
+    """The model fields a stage trains with: the type's, then --model_overrides, then --copy_overrides in a copying
+    stage."""
+    return {**TYPES[kind]["model_overrides"], **args.model_overrides,
+            **(args.copy_overrides if stage.task == "copy" else {})}
+
+
+def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] | None, out: Path,
                args: argparse.Namespace) -> tuple[Path, list[str]]:
-    """The stage's run directory and its train.py arguments (`stage.lr` resolved). The model fields of
-    --model_overrides go on top of the type's own in the first stage; later stages start from `previous`'s export
-    and inherit its architecture."""
+    """The stage's run directory and its train.py arguments (`stage.lr` resolved). The first stage builds the
+    type's model with `model_fields`; a later one starts from the export of `previous` (its stage and run
+    directory) and inherits its architecture, but for the model fields that differ between the two stages."""
     run_dir = out / f"{kind}-seed{seed}" / stage_name(stage)
     argv = ["--context_length", str(stage.length), "--max_steps", str(stage.steps), "--synthetic_mix", "1.0",
             "--synthetic_task", stage.task, "--answer_loss", "--lr", str(stage.lr),
@@ -119,12 +126,14 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: Path | None, out: P
             "--checkpoint_interval", "0", "--sample_tokens", "0", "--log_interval", "50", "--seed", str(seed),
             "--data_dir", args.data_dir, "--out_dir", str(run_dir)]
     argv += ["--synthetic_pairs", str(stage.pairs)] if stage.pairs else []
+    fields = model_fields(kind, stage, args)
     if previous is None:
-        spec = TYPES[kind]
-        argv += ["--model_size", "demo", "--attention_type", spec["attention_type"], "--model_overrides",
-                 json.dumps({**spec["model_overrides"], **args.model_overrides})]
+        argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"], "--model_overrides",
+                 json.dumps(fields)]
     else:
-        argv += ["--init_from", str(previous / "model")]
+        before, before_dir = previous
+        argv += ["--init_from", str(before_dir / "model")]
+        argv += ["--model_overrides", json.dumps(fields)] if fields != model_fields(kind, before, args) else []
     return run_dir, argv
 
 
@@ -136,11 +145,11 @@ def stale_stages(kind: str, seed: int, stages: list[Stage], out: Path, args: arg
         record = run_dir / "stage.json"
         if record.is_file() and json.loads(record.read_text())["args"] != argv:
             stale.append(run_dir)
-        previous = run_dir
+        previous = stage, run_dir
     return stale
 
 
-def stage_run(kind: str, seed: int, stage: Stage, previous: Path | None, out: Path,
+def stage_run(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] | None, out: Path,
               args: argparse.Namespace) -> tuple[Path, float]:
     """Train one stage, or reuse it when it finished before with the same arguments (`stale_stages` has ruled out
     others); returns (its run directory, seconds of training)."""
@@ -170,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", type=int, default=32, help="documents scored per stage")
     p.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
                    help='model fields for every type, e.g. \'{"qk_norm": false}\'')
+    p.add_argument("--copy_overrides", type=json.loads, default={}, metavar="JSON",
+                   help="model fields of the copying stages only, over --model_overrides; the stage after one "
+                        "goes back to the others (they must fit the same weights, as NSA's block sizes do with "
+                        'the parameter-free "mean" compressor)')
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of a stage without @LR")
     p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     p.add_argument("--jobs", type=int, default=1,
@@ -180,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--control_seeds must lie between 1 and the {len(args.seeds)} of --seeds, got {args.control_seeds}")
     if args.control_seeds is not None and "swa" not in args.types:
         p.error("--control_seeds applies to the window control: add swa to --types, or leave --control_seeds out")
+    if args.copy_overrides and not any(stage.task == "copy" for stage in args.stages):
+        p.error("--copy_overrides applies to copying stages: add one (copy:LENGTH:STEPS) to --stages, or leave it out")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -222,7 +237,7 @@ def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argpa
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rows.append({**stage._asdict(), "seconds": seconds, "mqar": mqar,
                      "loss_curve": [(m["step"], m["loss"]) for m in metrics if "loss" in m]})
-        previous = run_dir
+        previous = stage, run_dir
     return rows
 
 

@@ -104,3 +104,31 @@ def test_control_seeds(data_dir, tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             SCRIPT["main"]([*common, *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_copy_overrides(data_dir, tmp_path, capsys):
+    """--copy_overrides: the copying stage trains NSA with its own block sizes (the parameter-free mean compressor
+    lets the same weights run with others), the MQAR stage after it goes back to --model_overrides' sizes, and the
+    stage after that inherits them without overrides of its own. Without a copying stage it is refused with exit 2."""
+    out = tmp_path / "coarse_copy"
+    fine = {"nsa_compressor": "mean", "nsa_separate_kv": False, "nsa_block_size": 4, "nsa_stride": 4,
+            "nsa_select_block_size": 4, "nsa_num_selected": 4}
+    common = ["--types", "nsa", "--samples", "2", "--batch_tokens", "64", "--data_dir", str(data_dir),
+              "--out_dir", str(out), "--model_overrides", json.dumps(fine), "--copy_overrides",
+              json.dumps({"nsa_block_size": 16, "nsa_stride": 8, "nsa_select_block_size": 16})]
+    SCRIPT["main"]([*common, "--stages", "copy:32:2", "32:2:2", "48:2:2"])
+
+    def geometry(stage: str) -> tuple[int, int, int, int]:
+        model = json.loads((out / "nsa-seed0" / stage / "model" / "config.json").read_text())["model"]
+        return model["nsa_block_size"], model["nsa_stride"], model["nsa_select_block_size"], model["nsa_num_selected"]
+
+    assert geometry("copy-T32") == (16, 8, 16, 4)
+    assert geometry("T32-p2") == geometry("T48-p2") == (4, 4, 4, 4)
+    first, second = (json.loads((out / "nsa-seed0" / stage / "stage.json").read_text())["args"]
+                     for stage in ("T32-p2", "T48-p2"))
+    assert json.loads(first[first.index("--model_overrides") + 1]) == {**SCRIPT["TYPES"]["nsa"]["model_overrides"],
+                                                                       **fine}
+    assert "--model_overrides" not in second
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPT["main"]([*common, "--stages", "32:2:2"])
+    assert exit_info.value.code == 2 and "--copy_overrides applies to copying stages" in capsys.readouterr().err
