@@ -28,7 +28,9 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   best when it learns to copy (2 of 3 CPU seeds did) averages each block's keys over one key/value set, with
   blocks of 8 and 18 of them selected, 32% of full attention's keys: '{"qk_norm": false, "nsa_separate_kv": false,
   "nsa_compressor": "mean", "nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8,
-  "nsa_num_selected": 18}').
+  "nsa_num_selected": 18}'; copying with the default blocks instead, `--copy_overrides '{"nsa_block_size": 32,
+  "nsa_stride": 16, "nsa_select_block_size": 32, "nsa_num_selected": 6}'`, copies on every seed but recalls less
+  far back at T = 2048).
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
 more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs 14-16% more steps than one
 run at a time on both cores. --control_seeds N trains the control with the first N seeds only: it shows where a
