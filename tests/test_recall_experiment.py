@@ -107,28 +107,52 @@ def test_control_seeds(data_dir, tmp_path, capsys):
 
 
 def test_copy_overrides(data_dir, tmp_path, capsys):
-    """--copy_overrides: the copying stage trains NSA with its own block sizes (the parameter-free mean compressor
-    lets the same weights run with others), the MQAR stage after it goes back to --model_overrides' sizes, and the
-    stage after that inherits them without overrides of its own. Without a copying stage it is refused with exit 2."""
+    """--copy_overrides: the copying stage trains NSA with its own block sizes and RoPE base (the parameter-free mean
+    compressor lets the same weights run with others); the MQAR stage after it goes back to --model_overrides' sizes
+    and, for the base that only --copy_overrides sets, to the preset's; the stage after that inherits them without
+    overrides of its own. Run again, every stage is reused; with other --copy_overrides, refused."""
     out = tmp_path / "coarse_copy"
     fine = {"nsa_compressor": "mean", "nsa_separate_kv": False, "nsa_block_size": 4, "nsa_stride": 4,
             "nsa_select_block_size": 4, "nsa_num_selected": 4}
+    coarse = {"nsa_block_size": 16, "nsa_stride": 8, "nsa_select_block_size": 16, "rope_theta": 1e4}
     common = ["--types", "nsa", "--samples", "2", "--batch_tokens", "64", "--data_dir", str(data_dir),
-              "--out_dir", str(out), "--model_overrides", json.dumps(fine), "--copy_overrides",
-              json.dumps({"nsa_block_size": 16, "nsa_stride": 8, "nsa_select_block_size": 16})]
-    SCRIPT["main"]([*common, "--stages", "copy:32:2", "32:2:2", "48:2:2"])
+              "--out_dir", str(out), "--model_overrides", json.dumps(fine), "--stages", "copy:32:2", "32:2:2", "48:2:2"]
+    SCRIPT["main"]([*common, "--copy_overrides", json.dumps(coarse)])
 
-    def geometry(stage: str) -> tuple[int, int, int, int]:
-        model = json.loads((out / "nsa-seed0" / stage / "model" / "config.json").read_text())["model"]
-        return model["nsa_block_size"], model["nsa_stride"], model["nsa_select_block_size"], model["nsa_num_selected"]
+    def model(stage: str) -> tuple:
+        m = json.loads((out / "nsa-seed0" / stage / "model" / "config.json").read_text())["model"]
+        return m["nsa_block_size"], m["nsa_stride"], m["nsa_select_block_size"], m["nsa_num_selected"], m["rope_theta"]
 
-    assert geometry("copy-T32") == (16, 8, 16, 4)
-    assert geometry("T32-p2") == geometry("T48-p2") == (4, 4, 4, 4)
-    first, second = (json.loads((out / "nsa-seed0" / stage / "stage.json").read_text())["args"]
-                     for stage in ("T32-p2", "T48-p2"))
+    preset_theta = SCRIPT["ModelConfig"].from_preset("demo").rope_theta
+    assert model("copy-T32") == (16, 8, 16, 4, 1e4)
+    assert model("T32-p2") == model("T48-p2") == (4, 4, 4, 4, preset_theta)
+    records = [out / "nsa-seed0" / stage / "stage.json" for stage in ("copy-T32", "T32-p2", "T48-p2")]
+    first, second = (json.loads(record.read_text())["args"] for record in records[1:])
     assert json.loads(first[first.index("--model_overrides") + 1]) == {**SCRIPT["TYPES"]["nsa"]["model_overrides"],
-                                                                       **fine}
+                                                                       **fine, "rope_theta": preset_theta}
     assert "--model_overrides" not in second
+    before = [record.read_text() for record in records]
+    SCRIPT["main"]([*common, "--copy_overrides", json.dumps(coarse)])  # reused: nothing retrained
+    assert [record.read_text() for record in records] == before
     with pytest.raises(SystemExit) as exit_info:
-        SCRIPT["main"]([*common, "--stages", "32:2:2"])
-    assert exit_info.value.code == 2 and "--copy_overrides applies to copying stages" in capsys.readouterr().err
+        SCRIPT["main"]([*common, "--copy_overrides", json.dumps({**coarse, "rope_theta": 1e5})])
+    assert exit_info.value.code == 2 and "copy-T32 finished with other arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--stages", "32:2:2", "--copy_overrides", '{"nsa_window": 16}'], "--copy_overrides applies to copying stages"),
+    (["--copy_overrides", '{"qk_norm": false}'], "--copy_overrides changes the weights (layers.0.attn.k_norm.weight"),
+    (["--copy_overrides", '{"nsa_block_size": 16}'], "nsa: --copy_overrides changes the weights"),
+    (["--copy_overrides", '{"nsa_stride": 3}'], "nsa: NSA blocks need nsa_stride | nsa_block_size"),
+    (["--model_overrides", '{"bogus": 1}'], "unknown ModelConfig field(s) ['bogus']"),
+    (["--copy_overrides", "[]"], "argument --copy_overrides: expected a JSON object"),
+    (["--model_overrides", "{"], "argument --model_overrides: not JSON"),
+])
+def test_bad_overrides_are_refused_before_training(data_dir, tmp_path, capsys, extra, message):
+    """Overrides that build no model, or that the stage after copying could not load, or that are no JSON object:
+    one line, exit 2, nothing trained."""
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPT["main"](["--types", "nsa", "--stages", "copy:32:2", "32:2:2", "--data_dir", str(data_dir),
+                        "--out_dir", str(tmp_path / "bad"), *extra])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
