@@ -145,6 +145,8 @@ def test_copy_overrides(data_dir, tmp_path, capsys):
     (["--copy_overrides", '{"nsa_block_size": 16}'], "nsa: --copy_overrides changes the weights"),
     (["--copy_overrides", '{"nsa_stride": 3}'], "nsa: NSA blocks need nsa_stride | nsa_block_size"),
     (["--model_overrides", '{"bogus": 1}'], "unknown ModelConfig field(s) ['bogus']"),
+    (["--copy_overrides", '{"context_length": 128}'], "--copy_overrides sets context_length: the stages set"),
+    (["--model_overrides", '{"attention_type": "full"}'], "--model_overrides sets attention_type"),
     (["--copy_overrides", "[]"], "argument --copy_overrides: expected a JSON object"),
     (["--model_overrides", "{"], "argument --model_overrides: not JSON"),
 ])
@@ -156,3 +158,12 @@ def test_bad_overrides_are_refused_before_training(data_dir, tmp_path, capsys, e
                         "--out_dir", str(tmp_path / "bad"), *extra])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_copy_overrides_of_a_copying_only_curriculum(data_dir, tmp_path):
+    """Without a stage after copying, --copy_overrides may change the weights: nothing has to load them."""
+    out = tmp_path / "copy_only"
+    SCRIPT["main"](["--types", "nsa", "--stages", "copy:32:2", "--copy_overrides", '{"qk_norm": false}',
+                    "--batch_tokens", "64", "--data_dir", str(data_dir), "--out_dir", str(out)])
+    model = json.loads((out / "nsa-seed0" / "copy-T32" / "model" / "config.json").read_text())["model"]
+    assert model["qk_norm"] is False
