@@ -167,3 +167,18 @@ def test_copy_overrides_of_a_copying_only_curriculum(data_dir, tmp_path):
                     "--batch_tokens", "64", "--data_dir", str(data_dir), "--out_dir", str(out)])
     model = json.loads((out / "nsa-seed0" / "copy-T32" / "model" / "config.json").read_text())["model"]
     assert model["qk_norm"] is False
+
+
+@pytest.mark.parametrize("types, model_overrides, copy_overrides", [
+    (["full", "swa", "nsa"], {"qk_norm": False}, {}),  # the README's command
+    (["nsa"], {"qk_norm": False, "nsa_separate_kv": False, "nsa_compressor": "mean", "nsa_block_size": 8,
+               "nsa_stride": 8, "nsa_select_block_size": 8, "nsa_num_selected": 18},
+     {"nsa_block_size": 32, "nsa_stride": 16, "nsa_select_block_size": 32, "nsa_num_selected": 6}),  # RESULTS'
+])
+def test_documented_overrides_pass_the_checks(types, model_overrides, copy_overrides):
+    """The overrides of the documented commands build every type's model, and their copying weights load into the
+    MQAR stages."""
+    args = argparse.Namespace(model_overrides=model_overrides, copy_overrides=copy_overrides)
+    stages = [SCRIPT["parse_stage"](text) for text in ("copy:64:1000", "64:600:4", "512:400:4", "2048:400:4@3e-4")]
+    SCRIPT["register_attention"]("swa", "sliding_window_attention:SlidingWindowAttention")
+    assert [SCRIPT["override_problem"](kind, stages, args) for kind in types] == [None] * len(types)
