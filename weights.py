@@ -67,10 +67,16 @@ def gather_model(model: Transformer, base_only: bool = False) -> Transformer | N
     return Transformer.from_weights(model.config, full, model.compute)
 
 
-def base_parameter_names(config: ModelConfig) -> set[str]:
-    """The state-dict names of a plain Transformer of `config` (no fine-tuning parameters), read off a meta model."""
+def state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The state-dict names of a plain Transformer of `config` (no fine-tuning parameters) with their shapes, read
+    off a meta model."""
     with torch.device("meta"):
-        return set(Transformer(config).state_dict())
+        return {name: tuple(t.shape) for name, t in Transformer(config).state_dict().items()}
+
+
+def base_parameter_names(config: ModelConfig) -> set[str]:
+    """The state-dict names of a plain Transformer of `config` (no fine-tuning parameters)."""
+    return set(state_shapes(config))
 
 
 def export_model(model: Transformer, out_dir: str | Path, base_only: bool = False,
@@ -209,8 +215,7 @@ def stored_config(path: str | Path) -> ModelConfig:
 def _check_export_shapes(weights: Path, config: ModelConfig) -> None:
     """ValueError unless the tensors in the header of export `weights` are those of `config` (a tied output weight
     omitted), with their shapes; no tensor data is read."""
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in Transformer(config).state_dict().items()}
+    expected = state_shapes(config)
     if config.tie_embeddings:
         del expected["lm_head.weight"]
     with safe_open(weights, framework="pt") as f:

@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the sliding-window control lives with
 import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from config import ModelConfig, register_attention  # noqa: E402
-from model import Transformer  # noqa: E402
+from weights import state_shapes  # noqa: E402
 
 
 class Stage(NamedTuple):
@@ -111,6 +111,11 @@ TYPES = {
 }
 
 
+def register_control() -> None:
+    """Make the test-only sliding-window control the attention type "swa" (in each process that builds one)."""
+    register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
+
+
 def model_fields(kind: str, stage: Stage, args: argparse.Namespace) -> dict:
     """The model fields a stage trains with: the type's, then --model_overrides; then in a copying stage
     --copy_overrides, in any other the demo preset's value of each field that only --copy_overrides sets."""
@@ -124,7 +129,7 @@ def model_fields(kind: str, stage: Stage, args: argparse.Namespace) -> dict:
 def override_problem(kind: str, stages: list[Stage], args: argparse.Namespace) -> str | None:
     """Why the type's model cannot be built with its stages' fields (a field the stages or types set themselves
     included), or why a copying stage and an MQAR stage of the curriculum could not pass weights to each other
-    (their parameter shapes on the meta device differ); None when neither holds."""
+    (their state-dict shapes differ); None when neither holds."""
     for option, fields in (("--model_overrides", args.model_overrides), ("--copy_overrides", args.copy_overrides)):
         fixed = sorted({"context_length", "attention_type"} & fields.keys())
         if fixed:
@@ -136,8 +141,7 @@ def override_problem(kind: str, stages: list[Stage], args: argparse.Namespace) -
             config = ModelConfig.from_preset("demo", attention_type=TYPES[kind]["attention_type"], **fields)
         except (TypeError, ValueError) as error:
             return f"{kind}: {error}"
-        with torch.device("meta"):
-            shapes[task] = {name: p.shape for name, p in Transformer(config).named_parameters()}
+        shapes[task] = state_shapes(config)
     if len(shapes) < 2:
         return None
     copy, mqar = shapes["copy"], shapes["mqar"]
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--control_seeds applies to the window control: add swa to --types, or leave --control_seeds out")
     if args.copy_overrides and not any(stage.task == "copy" for stage in args.stages):
         p.error("--copy_overrides applies to copying stages: add one (copy:LENGTH:STEPS) to --stages, or leave it out")
-    register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
+    register_control()
     for problem in filter(None, (override_problem(kind, args.stages, args) for kind in args.types)):
         p.error(problem)
     out = Path(args.out_dir)
@@ -278,7 +282,7 @@ def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argpa
         os.dup2(log, 2)
         os.close(log)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
-    register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
+    register_control()
     previous, rows = None, []
     for stage in stages:
         run_dir, seconds = stage_run(kind, seed, stage, previous, out, args)

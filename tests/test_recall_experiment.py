@@ -180,5 +180,5 @@ def test_documented_overrides_pass_the_checks(types, model_overrides, copy_overr
     MQAR stages."""
     args = argparse.Namespace(model_overrides=model_overrides, copy_overrides=copy_overrides)
     stages = [SCRIPT["parse_stage"](text) for text in ("copy:64:1000", "64:600:4", "512:400:4", "2048:400:4@3e-4")]
-    SCRIPT["register_attention"]("swa", "sliding_window_attention:SlidingWindowAttention")
+    SCRIPT["register_control"]()
     assert [SCRIPT["override_problem"](kind, stages, args) for kind in types] == [None] * len(types)
