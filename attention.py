@@ -4,6 +4,8 @@ An attention type is a class that satisfies `AttentionLayer`, registered under a
 ("full" is `FullAttention` below, "nsa" is nsa/layer.py). `model.Block` builds `cls(config, compute)` and calls
 only what the protocol lists; train.py's MFU, profile_memory.py's stand-ins and the choices of `--attention_type`
 come from the same class. Adding a type is one file plus one registry line (see README, "Add your own attention").
+A type may also add training-only loss terms during a forward (`add_aux_loss`); `model.Transformer.forward` adds them
+to the loss.
 
 Notation: B batch, T new tokens, S cached tokens (keys visible to a query), C model width, H query heads,
 KV key/value heads, D head dimension.
@@ -12,7 +14,9 @@ KV key/value heads, D head dimension.
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -62,6 +66,29 @@ class AttentionLayer(Protocol):
     @classmethod
     def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
                         dtype: torch.dtype, device: str) -> AbstractContextManager[str]: ...
+
+
+_aux_losses: ContextVar[list[Tensor] | None] = ContextVar("aux_losses", default=None)
+
+
+@contextmanager
+def collect_aux_losses() -> Iterator[list[Tensor]]:
+    """Within the block, the losses passed to `add_aux_loss` are appended to the yielded list."""
+    token = _aux_losses.set([])
+    try:
+        yield _aux_losses.get()
+    finally:
+        _aux_losses.reset(token)
+
+
+def add_aux_loss(loss: Tensor) -> None:
+    """Hand a training-only loss term (a weighted 0-dim tensor) from inside a layer's forward to the innermost
+    `collect_aux_losses` block; outside one it is dropped. A layer computes the term the same way whether or not it
+    is collected, so gradient checkpointing, which recomputes the forward in backward outside any block, finds the
+    same operations."""
+    losses = _aux_losses.get()
+    if losses is not None:
+        losses.append(loss)
 
 
 def projection_flops(config: ModelConfig, kv_sets: int = 1) -> float:

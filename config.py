@@ -159,6 +159,7 @@ class ComputeConfig:
     # data-dependent shape, one host sync on a GPU), which saves most of its cost when few tokens carry a loss.
     loss_rows: Literal["all", "targets"] = "all"
     z_loss_coef: float = 0.0  # weight of the z-loss (lse^2), a training objective term
+    nsa_score_loss_coef: float = 0.0  # weight of each NSA layer's selection-scoring loss (nsa/scoring.py), likewise
     offload_activations: bool = False  # tensors the blocks save for backward live in host memory (offload.py)
 
     def __post_init__(self) -> None:
@@ -170,8 +171,9 @@ class ComputeConfig:
                              f"{self.loss_mode!r}")
         if self.loss_rows not in ("all", "targets"):
             raise ValueError(f"ComputeConfig.loss_rows must be 'all' or 'targets', got {self.loss_rows!r}")
-        if not self.z_loss_coef >= 0:
-            raise ValueError(f"ComputeConfig.z_loss_coef must be >= 0, got {self.z_loss_coef}")
+        for name in ("z_loss_coef", "nsa_score_loss_coef"):
+            if not (_is_real(getattr(self, name)) and 0 <= getattr(self, name) < math.inf):
+                raise ValueError(f"ComputeConfig.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ComputeConfig:

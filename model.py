@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
+from attention import collect_aux_losses
 from config import PRESETS, ComputeConfig, ModelConfig, attention_class
 from layers import FeedForward, RMSNorm, RotaryEmbedding
 from loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, softcap_logits, standard_linear_cross_entropy
@@ -30,6 +31,7 @@ __all__ = ["PRESETS", "ComputeConfig", "ModelConfig", "ModelOutput", "Block", "T
 class ModelOutput(NamedTuple):
     loss: Tensor | None  # float32 scalar when labels were given
     logits: Tensor | None  # (B, T, V); None when the loss was computed without materialising them
+    aux_loss: Tensor | None = None  # the attention's training-only terms included in loss (detached); None: none ran
 
 
 class Block(nn.Module):
@@ -185,20 +187,28 @@ class Transformer(nn.Module):
                 loss_normalizer: Tensor | float | None = None) -> ModelOutput:
         """input_ids (B, T); labels (B, T) unshifted (the model shifts them; -100 is ignored).
 
-        Returns ModelOutput(loss, logits): loss is the summed next-token cross-entropy over non-ignored targets
-        divided by `loss_normalizer` (default: their count, i.e. the mean; a trainer passes the global count over
-        ranks and accumulation steps), None without labels; logits (B, T, V) are None when the chunked loss ran or
-        compute.loss_rows is "targets".
+        Returns ModelOutput(loss, logits, aux_loss): loss is the summed next-token cross-entropy over non-ignored
+        targets divided by `loss_normalizer` (default: their count, i.e. the mean; a trainer passes the global count
+        over ranks and accumulation steps), None without labels; logits (B, T, V) are None when the chunked loss ran
+        or compute.loss_rows is "targets". With gradients enabled, the attention's training-only loss terms
+        (`attention.add_aux_loss`, e.g. NSA's selection-scoring loss) are added to loss, scaled by this call's
+        share of the normalizer (its target count / loss_normalizer; 1 by default), and returned as aux_loss.
         """
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
         if labels is not None:
             check_token_range("labels", labels, self.config.vocab_size, ignore=IGNORE_INDEX)
-        h = self.hidden_states(input_ids, start_pos)
+        with collect_aux_losses() as aux:
+            h = self.hidden_states(input_ids, start_pos)
         if labels is None:
             return ModelOutput(None, self.logits(h))
         loss, logits = self.compute_loss(h, labels, loss_normalizer)
-        return ModelOutput(loss, logits)
+        if not aux:
+            return ModelOutput(loss, logits)
+        # this micro-batch's share of the step's targets: summed over the step, the terms average like the loss
+        share = 1.0 if loss_normalizer is None else (shift_labels(labels) != IGNORE_INDEX).sum() / loss_normalizer
+        aux_loss = torch.stack(aux).sum() * share
+        return ModelOutput(loss + aux_loss, logits, aux_loss.detach())
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Next-token logits (..., V) from final-norm hidden states (..., C), soft-capped when the config says so

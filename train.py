@@ -160,8 +160,10 @@ Loss = Callable[[Transformer, Tensor, Tensor, Tensor, int], tuple[Tensor, dict[s
 def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Tensor, n_micro: int
             ) -> tuple[Tensor, dict[str, Tensor]]:
     """Language modelling: the micro-batch's summed next-token loss divided by `n_tokens`, the predicted tokens of
-    the whole step (all micro-batches on all ranks); no extra metrics."""
-    return model(input_ids, labels, loss_normalizer=n_tokens).loss, {}
+    the whole step (all micro-batches on all ranks), plus the attention's training-only terms (as `aux_loss`, the
+    one extra metric, when there are any: e.g. --model_overrides '{"nsa_score_loss_coef": 0.1}')."""
+    out = model(input_ids, labels, loss_normalizer=n_tokens)
+    return out.loss, {} if out.aux_loss is None else {"aux_loss": out.aux_loss}
 
 
 @dataclass

@@ -67,7 +67,14 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from config import ComputeConfig
-from nsa.blocks import num_compressed_blocks, pairs_by_block, pool_to_selection_blocks, select_blocks
+from nsa.blocks import (
+    as_blocks,
+    best_token_scores,
+    num_compressed_blocks,
+    pairs_by_block,
+    pool_to_selection_blocks,
+    select_blocks,
+)
 
 if TYPE_CHECKING:
     from config import ModelConfig
@@ -235,14 +242,6 @@ def tile_plan(idx: Tensor, current: Tensor, n_blocks: int) -> TilePlan:
         query_of_row=query_of_row[:-1],
         rows_per_tile=R,
     )
-
-
-def _as_blocks(x: Tensor, block: int) -> Tensor:
-    """x (B, KV, S, D) -> contiguous (B, KV, ceil(S / block), block, D), zero-padded at the end (a view when x is
-    contiguous and S is a multiple of block, as for the KV cache)."""
-    B, KV, S, D = x.shape
-    x = F.pad(x, (0, 0, 0, -S % block)).contiguous()
-    return x.view(B, KV, x.shape[2] // block, block, D)
 
 
 class _Selection:
@@ -498,18 +497,6 @@ class _Chunk:
         return pool_to_selection_blocks(p_cmp, cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size,
                                         n_select)
 
-    def _best_token_scores(self, n_select: int) -> Tensor:
-        """`exact_block_scores`: (B, KV, Q, n_select) from the first n_select selection blocks; 0 where a query
-        has no past block before its previous one."""
-        B, KV, G, Q, _ = self.shape
-        acc = torch.promote_types(self.q_heads.dtype, torch.float32)
-        keys = self.k_blocks[:, :, :n_select].to(acc)  # (B, KV, Ns, l', D)
-        best = torch.einsum("bkqd,bknld->bkqnl", self.q_heads.to(acc), keys).amax(-1) * self.scale  # (B, KV, G*Q, Ns)
-        current = (self.q_pos // self.config.nsa_select_block_size).repeat(G)[:, None]  # (G*Q, 1)
-        past = torch.arange(n_select, device=best.device) < current - 1  # (G*Q, Ns): never a key after the query
-        p = best.masked_fill(~past, -math.inf).softmax(-1).nan_to_num(0.0)  # rows without a past block: 0
-        return p.view(B, KV, G, Q, n_select).sum(2)  # (B, KV, Q, Ns)
-
     def _compression(self, n_select: int | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """The compression branch: (out (B, KV, G*Q, D), lse (B, KV, G*Q), and for n_select the importance scores
         (B, KV, Q, n_select) of `_pooled`, else None). The fused path computes the logits once, explicitly, and
@@ -518,7 +505,8 @@ class _Chunk:
         cfg, (B, KV, G, Q, D) = self.config, self.shape
         if n_select is not None and _forced["exact"]:
             out, lse, _ = self._compression(None)
-            return out, lse, self._best_token_scores(n_select)
+            B, KV, G, Q, D = self.shape
+            return out, lse, best_token_scores(self.q_heads.view(B, KV * G, Q, D), self.k_blocks, self.q_pos, n_select)
         acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
         importance = None
         if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk
@@ -616,7 +604,7 @@ def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, compute: C
 def _chunk(span: _Span, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
            v_win: Tensor, config: ModelConfig, compute: ComputeConfig) -> _Chunk:
     """The `_Chunk` of one span; arguments as in `_SparseAttention.forward`, the selection keys/values as blocks
-    (`_as_blocks`)."""
+    (`as_blocks`)."""
     return _Chunk(q[:, :, span.queries], k_cmp[:, :, : span.n_cmp], v_cmp[:, :, : span.n_cmp], k_blocks, v_blocks,
                   k_win[:, :, span.window], v_win[:, :, span.window], span.q_start, span.win_start, config, compute)
 
@@ -676,7 +664,7 @@ class _SparseAttention(torch.autograd.Function):
                 win_start: int) -> Tensor:
         B, H, T, D = q.shape
         KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
-        k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
+        k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
         keep = any(ctx.needs_input_grad)
         out = torch.empty_like(q)  # (B, H, T, D)
         outs = q.new_empty(3, B, H, T, D) if keep else None
@@ -704,7 +692,7 @@ class _SparseAttention(torch.autograd.Function):
         config, compute, l_sel = ctx.config, ctx.compute, ctx.config.nsa_select_block_size
         B, H, T, D = q.shape
         KV = k_cmp.shape[1]
-        k_blocks, v_blocks = _as_blocks(k_slc, l_sel), _as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
+        k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
         g_q = torch.empty_like(q)  # the chunks' queries are disjoint: each written once
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
         spans = _spans(T, ctx.q_start, ctx.win_start, config, compute)

@@ -1,10 +1,13 @@
 """NSA's block geometry and top-n selection (Yuan et al. 2025, sections 3.3.1-3.3.2), 0-based: how many compressed
-blocks are complete, how compressed-block probabilities map onto selection blocks (Eq. 9), and which blocks each
+blocks are complete, how compressed-block probabilities map onto selection blocks (Eq. 9), the importance scores
+computed explicitly (Eqs. 8-10) and the best-token scores that judge a block by its best key, which blocks each
 query selects, and the grouping of (query, selected block) pairs by block that both selection paths use. Used by
-nsa/layer.py (the layer, the decoding cache), nsa/attention.py and nsa/kernels.py.
+nsa/layer.py (the layer, the decoding cache), nsa/attention.py, nsa/kernels.py, nsa/scoring.py and
+nsa/inspection.py.
 
-Notation: B batch, KV key/value heads, Q queries, Nc compressed blocks, Ns selection blocks, n selected blocks per
-query. Block geometry: l (`nsa_block_size`), d (`nsa_stride`), l' (`nsa_select_block_size`).
+Notation: B batch, H query heads, KV key/value heads, G = H // KV, D head dimension, Q queries, S keys, Nc compressed
+blocks, Ns selection blocks, n selected blocks per query. Block geometry: l (`nsa_block_size`), d (`nsa_stride`),
+l' (`nsa_select_block_size`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,56 @@ def pool_to_selection_blocks(p_cmp: Tensor, block_size: int, stride: int, select
     padded = F.pad(p_cmp, (-first, max(right, 0)))[..., : per_sel * (num_select_blocks - 1) + width]
     kernel = torch.tensor(weights, dtype=p_cmp.dtype, device=p_cmp.device)  # (width,)
     return padded.unfold(-1, width, per_sel) @ kernel  # windows (..., Ns, width) -> (..., Ns)
+
+
+def as_blocks(x: Tensor, block: int) -> Tensor:
+    """x (B, KV, S, D) -> contiguous (B, KV, ceil(S / block), block, D), zero-padded at the end (a view when x is
+    contiguous and S is a multiple of block, as for the KV cache)."""
+    B, KV, S, D = x.shape
+    x = F.pad(x, (0, 0, 0, -S % block)).contiguous()
+    return x.view(B, KV, x.shape[2] // block, block, D)
+
+
+def block_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, stride: int, select_block_size: int,
+                     num_select_blocks: int) -> Tensor:
+    """Eqs. 8-10 computed explicitly: queries q (B, H, Q, D) at positions q_pos (Q,) against the compressed keys
+    k_cmp (B, KV, Nc, D) (block i is visible to position t iff i*d + l - 1 <= t); the softmax over the visible
+    blocks, summed over each GQA group and pooled onto the first num_select_blocks selection blocks:
+    (B, KV, Q, num_select_blocks) in at least float32, zero for queries that see no block. Differentiable (finite
+    gradients everywhere)."""
+    B, H, Q, D = q.shape
+    KV, Nc = k_cmp.shape[1], k_cmp.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if Nc == 0:
+        return q.new_zeros(B, KV, Q, num_select_blocks, dtype=acc)
+    sees = q_pos >= block_size - 1  # (Q,) queries that see a block; the others are shown block 0, then zeroed
+    visible = torch.arange(Nc, device=q.device) * stride + block_size - 1 <= q_pos.clamp(min=block_size - 1)[:, None]
+    logits = torch.einsum("bkgqd,bknd->bkgqn", q.to(acc).view(B, KV, H // KV, Q, D), k_cmp.to(acc)) * D**-0.5
+    probs = logits.masked_fill(~visible, -math.inf).softmax(-1).sum(2) * sees[:, None]  # (B, KV, Q, Nc)
+    return pool_to_selection_blocks(probs, block_size, stride, select_block_size, num_select_blocks)
+
+
+_KEY_TILE = 1024  # keys per tile of `best_token_scores`
+
+
+def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blocks: int) -> Tensor:
+    """Selection-block scores that judge each block by its best key: for queries q (B, H, Q, D) at positions q_pos
+    (Q,) and key blocks k_blocks (B, KV, Ns', l', D), a query head's score for a past block j (before the query's
+    previous block) is the softmax over those blocks of max_{s in j} q . k_s / sqrt(D); summed over each GQA group
+    -> (B, KV, Q, num_select_blocks) in at least float32 over the first num_select_blocks blocks, zero where a query
+    has no such block. Reads every key of those blocks, about `_KEY_TILE` at a time (the logits of a tile are
+    (B, H, Q, tile))."""
+    B, H, Q, D = q.shape
+    KV, l_sel = k_blocks.shape[1], k_blocks.shape[3]
+    G, acc, step = H // KV, torch.promote_types(q.dtype, torch.float32), max(1, _KEY_TILE // l_sel)
+    q_rows = q.to(acc).reshape(B, KV, G * Q, D)  # (B, KV, G*Q, D): head-major rows
+    tiles = k_blocks[:, :, :num_select_blocks].split(step, dim=2)  # each (B, KV, <= step, l', D)
+    best = torch.cat([torch.einsum("bkqd,bknld->bkqnl", q_rows, k.to(acc)).amax(-1) for k in tiles],
+                     dim=-1) * D**-0.5  # (B, KV, G*Q, Ns)
+    current = (q_pos // l_sel).repeat(G)[:, None]  # (G*Q, 1)
+    past = torch.arange(num_select_blocks, device=q.device) < current - 1  # (G*Q, Ns): never a key after the query
+    p = best.masked_fill(~past, -math.inf).softmax(-1).nan_to_num(0.0)  # rows without a past block: 0
+    return p.view(B, KV, G, Q, num_select_blocks).sum(2)  # (B, KV, Q, Ns)
 
 
 def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_selected: int) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from model import Transformer
-from nsa.blocks import pool_to_selection_blocks, select_blocks
+from nsa.blocks import block_importance, select_blocks
 from nsa.layer import NativeSparseAttention
 
 if TYPE_CHECKING:
@@ -35,15 +35,10 @@ def selected_blocks(q: Tensor, k_cmp: Tensor, config: object) -> Tensor:
     k_cmp (B, KV, Nc, D): compression probabilities over the visible blocks, summed over each GQA group and pooled
     onto selection blocks (Eq. 9), then top-n with block 0 and the two most recent forced in. Slots beyond the
     blocks that exist yet hold -1."""
-    B, H, T, D = q.shape
-    KV, Nc = k_cmp.shape[1], k_cmp.shape[2]
+    T = q.shape[2]
     l, d, l_sel, n = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_num_selected
     positions = torch.arange(T, device=q.device)
-    visible = torch.arange(Nc, device=q.device)[None, :] * d + l - 1 <= positions[:, None]  # (T, Nc)
-    q_groups = q.float().view(B, KV, H // KV, T, D)
-    logits = torch.einsum("bkgtd,bknd->bkgtn", q_groups, k_cmp.float()) * D**-0.5  # (B, KV, G, T, Nc)
-    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0).sum(2)  # (B, KV, T, Nc)
-    scores = pool_to_selection_blocks(probs, l, d, l_sel, (T - 1) // l_sel + 1)  # (B, KV, T, Ns)
+    scores = block_importance(q, k_cmp, positions, l, d, l_sel, (T - 1) // l_sel + 1)  # (B, KV, T, Ns)
     idx, valid = select_blocks(scores, positions, l_sel, n)
     return idx.masked_fill(~valid, -1).sort(-1).values
 

@@ -349,7 +349,7 @@ def _precision(t: Tensor) -> dict:
 class TritonSelection:
     """Drop-in for `nsa.attention._Selection` on the Triton kernels: queries q (B, KV, Q, G, D) at positions
     [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) among the key/value blocks k_blocks, v_blocks
-    (B, KV, Nsb, l', D) (contiguous, as `nsa.attention._as_blocks` makes them)."""
+    (B, KV, Nsb, l', D) (contiguous, as `nsa.blocks.as_blocks` makes them)."""
 
     def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
         B, KV, Q, G, D = q.shape

@@ -9,6 +9,7 @@ import torch
 from config import ComputeConfig
 from model import ModelConfig, Transformer
 from nsa import attention as nsa_attention
+from nsa.blocks import as_blocks
 from nsa.inspection import inspect, report, selected_blocks
 
 
@@ -20,7 +21,7 @@ def test_reported_selection_is_the_attention_s_own():
     n_cmp = (T - config.nsa_block_size) // config.nsa_stride + 1
     k_cmp, v_cmp = torch.randn(B, KV, n_cmp, D, dtype=torch.float64), torch.randn(B, KV, n_cmp, D, dtype=torch.float64)
     k = torch.randn(B, KV, T, D, dtype=torch.float64)
-    blocks = nsa_attention._as_blocks(k, config.nsa_select_block_size)
+    blocks = as_blocks(k, config.nsa_select_block_size)
     with nsa_attention.explicit_attention():
         compute = ComputeConfig(attention_query_chunk=T)
         span, = nsa_attention._spans(T, 0, 0, config, compute)

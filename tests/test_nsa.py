@@ -24,9 +24,8 @@ from layers import RotaryEmbedding, apply_rope
 from memtrack import LiveBytesTracker
 from model import ModelConfig, Transformer
 from nsa import attention as nsa_attention
-from nsa.attention import _as_blocks as as_blocks
 from nsa.attention import attend, attend_backward, explicit_attention, sparse_attention, tile_plan, triton_kernels
-from nsa.blocks import num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights
+from nsa.blocks import as_blocks, num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights
 from nsa.layer import NativeSparseAttention
 from nsa.reference import naive_nsa
 

@@ -1,0 +1,110 @@
+"""NSA's selection-scoring loss: an auxiliary training loss that teaches the importance scores, which choose the
+selected blocks (paper Eqs. 8-11), to rank blocks by their best-matching key.
+
+Top-n selection has no gradient, so the importance scores (the compression branch's attention probabilities,
+pooled onto selection blocks and summed over a GQA group) learn only through the compression branch's own output:
+nothing tells them which block the selection branch should have read. The loss supplies that signal, as
+SeerAttention (Gao et al. 2024, arXiv 2410.13276) distils block-level attention into its gate, here applied to NSA's
+own scores. For each query with past blocks to choose among (those before its previous block, block 0 included):
+
+    target  t_j  = best-token scores (`nsa.blocks.best_token_scores`, what `nsa.attention.exact_block_scores`
+                   selects by): per query head, softmax over those blocks of max_{s in j} q . k_s / sqrt(D),
+                   averaged over the group's heads; no gradient;
+    predict p_j  = importance of block j (`nsa.blocks.block_importance`), renormalised over the same blocks;
+    loss         = KL(t || p) = sum_j t_j (log t_j - log p_j),
+
+averaged over those (batch, KV head, query) rows. Gradients reach the queries and the compressed keys (so the
+projections and, with the "mlp" compressor, its MLP), not the target's keys. It is a training objective, weighted by
+`ComputeConfig.nsa_score_loss_coef` (off by default) and added by nsa/layer.py through `attention.add_aux_loss`.
+
+Cost and memory: the target reads every key of the prefix (a chunk's best-token logits are Q x T in tiles of keys),
+so each NSA layer pays one full-attention score product (QK^T) more per step. Like loss.py's chunked cross-entropy,
+the loss computes its gradients during forward, chunk by chunk of Q = `ComputeConfig.attention_query_chunk`
+queries, and keeps only the gradients of q and the compressed keys for backward: no chunk's logits outlive it.
+
+Notation: B batch, H query heads, KV key/value heads, D head dimension, T queries, Q queries of a chunk, Nc
+compressed blocks, Ns selection blocks. Block geometry: l (`nsa_block_size`), d (`nsa_stride`), l'
+(`nsa_select_block_size`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from nsa.blocks import as_blocks, best_token_scores, block_importance, num_compressed_blocks
+
+if TYPE_CHECKING:
+    from config import ComputeConfig, ModelConfig
+
+_TINY = 1e-30  # floor of a probability before its log: a block whose importance underflows still has a finite loss
+
+
+def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_start: int, config: ModelConfig) -> Tensor:
+    """Summed KL(t || p) of one chunk's rows: queries q (B, H, Q, D) at positions [q_start, q_start + Q), the
+    compressed keys k_cmp (B, KV, Nc', D) they can see, the key blocks k_blocks (B, KV, Ns', l', D). Rows without a
+    block to choose contribute 0."""
+    l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
+    Q, G = q.shape[2], q.shape[1] // k_cmp.shape[1]
+    q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
+    n_select = (q_start + Q - 1) // l_sel + 1  # blocks up to the last query's own
+    candidate = torch.arange(n_select, device=q.device) < (q_pos // l_sel - 1)[:, None]  # (Q, Ns): before previous
+    with torch.no_grad():
+        target = best_token_scores(q, k_blocks, q_pos, n_select) / G  # (B, KV, Q, Ns): rows sum to 1 or are 0
+    importance = block_importance(q, k_cmp, q_pos, l, d, l_sel, n_select) * candidate  # (B, KV, Q, Ns)
+    log_p = importance.clamp(min=_TINY).log() - importance.sum(-1, keepdim=True).clamp(min=_TINY).log()
+    return (torch.xlogy(target, target) - target * log_p).sum()
+
+
+class _SelectionScoreLoss(torch.autograd.Function):
+    """`selection_score_loss`: gradients computed in forward, chunk by chunk; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int) -> Tensor:
+        B, H, T, _ = q.shape
+        KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
+        first = 2 * l_sel  # the first position with a block to choose (before its previous block)
+        rows = B * KV * max(0, T - first)
+        k_blocks = as_blocks(k_slc, l_sel)  # (B, KV, Ns, l', D)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        total = q.new_zeros((), dtype=acc)
+        grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k_cmp)
+        for q0 in range(first // chunk * chunk, T, chunk):
+            q1 = min(q0 + chunk, T)
+            n_cmp = num_compressed_blocks(q1, l, d)
+            with torch.enable_grad():
+                q_c, k_c = q[:, :, q0:q1].detach().requires_grad_(), k_cmp[:, :, :n_cmp].detach().requires_grad_()
+                kl = _chunk_kl(q_c, k_c, k_blocks, q0, config)
+                dq, dk = torch.autograd.grad(kl, (q_c, k_c))
+            total += kl.detach()
+            grad_q[:, :, q0:q1] = dq
+            grad_k[:, :, :n_cmp] += dk
+        scale = 1 / max(rows, 1)
+        ctx.save_for_backward(grad_q.mul_(scale), grad_k.mul_(scale))
+        return total * scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        grad_q, grad_k = ctx.saved_tensors
+        return grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype), None, None, None
+
+
+def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig,
+                         compute: ComputeConfig) -> Tensor:
+    """The mean KL(target || importance) over the rows that have blocks to choose (module docstring).
+
+    Args:
+        q: `(B, H, T, D)` rotated queries at positions [0, T).
+        k_cmp: `(B, KV, Nc, D)` compressed keys (all blocks complete within the T positions).
+        k_slc: `(B, KV, S, D)` the selection branch's keys at positions [0, S), S >= T; no gradient reaches them
+            through the target.
+        config: block geometry (`nsa_*` fields).
+        compute: `attention_query_chunk` queries are scored at a time.
+    Returns:
+        A 0-dim tensor in at least float32 (0 when T <= 2 l': no query has a block to choose yet), differentiable
+        in q and k_cmp.
+    """
+    return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk)
