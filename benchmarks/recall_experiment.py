@@ -32,6 +32,8 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   "nsa_stride": 16, "nsa_select_block_size": 32, "nsa_num_selected": 6}'`, copies on every seed but recalls fewer
   far pairs at T = 2048: 74% against 84% beyond 64 tokens on the two seeds that copy with blocks of 8; over three
   seeds 72% against 67%, as one seed does not copy from scratch).
+  `--score_loss COEF` adds the selection-scoring loss (nsa/scoring.py), which trains the block scores toward each
+  block's best key, to NSA's MQAR stages.
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
 more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs 14-16% more steps than one
 run at a time on both cores. --control_seeds N trains the control with the first N seeds only: it shows where a
@@ -178,13 +180,16 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
             "--data_dir", args.data_dir, "--out_dir", str(run_dir)]
     argv += ["--synthetic_pairs", str(stage.pairs)] if stage.pairs else []
     fields = model_fields(kind, stage, args)
+    score = {"nsa_score_loss_coef": args.score_loss} if kind == "nsa" and stage.task == "mqar" and args.score_loss \
+        else {}  # a ComputeConfig field, which train.py's --model_overrides also takes
     if previous is None:
         argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"], "--model_overrides",
-                 json.dumps(fields)]
+                 json.dumps({**fields, **score})]
     else:
         before, before_dir = previous
         argv += ["--init_from", str(before_dir / "model")]
-        argv += ["--model_overrides", json.dumps(fields)] if fields != model_fields(kind, before, args) else []
+        overrides = {**(fields if fields != model_fields(kind, before, args) else {}), **score}
+        argv += ["--model_overrides", json.dumps(overrides)] if overrides else []
     return run_dir, argv
 
 
@@ -235,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
                         "one goes back to the type's fields and --model_overrides (the demo preset's value where "
                         "they set none). The weights must fit both, as NSA's block sizes do with the parameter-free "
                         '"mean" compressor')
+    p.add_argument("--score_loss", type=float, default=0.0, metavar="COEF",
+                   help="NSA's MQAR stages add the selection-scoring loss (nsa/scoring.py) with this weight per layer "
+                        "(ComputeConfig.nsa_score_loss_coef; default 0: off)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of a stage without @LR")
     p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     p.add_argument("--jobs", type=int, default=1,
@@ -247,6 +255,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--control_seeds applies to the window control: add swa to --types, or leave --control_seeds out")
     if args.copy_overrides and not any(stage.task == "copy" for stage in args.stages):
         p.error("--copy_overrides applies to copying stages: add one (copy:LENGTH:STEPS) to --stages, or leave it out")
+    if not (math.isfinite(args.score_loss) and args.score_loss >= 0):
+        p.error(f"--score_loss must be a finite number >= 0, got {args.score_loss}")
+    if args.score_loss and "nsa" not in args.types:
+        p.error("--score_loss trains NSA's selection scores: add nsa to --types, or leave --score_loss out")
     register_control()
     for problem in filter(None, (override_problem(kind, args.stages, args) for kind in args.types)):
         p.error(problem)
