@@ -5,11 +5,14 @@
     python benchmarks/bench_train.py --attention_type full nsa --variants default --context_length 2048 --batch_size 2
     python benchmarks/bench_train.py --attention_type full nsa --variants default compile --memory
     python benchmarks/bench_train.py --variants sparse_labels answer_loss --context_length 64 --batch_size 64
+    python benchmarks/bench_train.py --attention_type nsa --variants answer_loss score_loss --context_length 2048 \
+        --batch_size 2 --model_overrides '{"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8}'
 
 Variants (same tokens per step), for each `--attention_type`: the default step; gradient checkpointing; 2
 accumulation micro-steps of half the batch; bf16 autocast; torch.compile of each block (train.py --compile);
 sparse labels (one target in 6, the rest -100, as MQAR documents with --answer_loss have), with the output layer on
-every row ("sparse_labels") or on the target rows only ("answer_loss": what train.py --answer_loss runs). Random
+every row ("sparse_labels") or on the target rows only ("answer_loss": what train.py --answer_loss runs); that
+answer_loss step with NSA's selection-scoring loss at weight 0.1 ("score_loss", nsa/scoring.py). Random
 token ids (the data pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load
 changes on the machine hit all of them alike; the table reports the median step time per variant, tokens/s, the
 time ratio to the first variant, and the first step's time (for compile: the compilation). With --memory, each
@@ -58,10 +61,10 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, s
     return step
 
 
-VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss")
+VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss", "score_loss")
 
 
-SPARSE = ("sparse_labels", "answer_loss")  # the variants whose labels keep one target in 6
+SPARSE = ("sparse_labels", "answer_loss", "score_loss")  # the variants whose labels keep one target in 6
 
 
 def variant_config(base: train_config.TrainConfig, variant: str) -> train_config.TrainConfig:
@@ -69,7 +72,9 @@ def variant_config(base: train_config.TrainConfig, variant: str) -> train_config
     changes = {"default": {}, "checkpointing": {"gradient_checkpointing": True},
                "microsteps": {"batch_size": base.batch_size // 2, "gradient_accumulation_steps": 2},
                "bf16": {"dtype": "bfloat16"}, "compile": {"compile": True}, "sparse_labels": {},
-               "answer_loss": {"answer_loss": True}}[variant]
+               "answer_loss": {"answer_loss": True},
+               "score_loss": {"answer_loss": True,
+                              "model_overrides": {**base.model_overrides, "nsa_score_loss_coef": 0.1}}}[variant]
     return dataclasses.replace(base, **changes)
 
 
@@ -94,6 +99,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
+                        help="ModelConfig/ComputeConfig fields of every variant, as train.py's")
     parser.add_argument("--attention_type", nargs="+", default=["full"], help="one or more of full, nsa")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:4]))
     parser.add_argument("--memory", action="store_true", help="add each variant's peak RSS growth (fresh process)")
@@ -105,7 +112,8 @@ def main() -> None:
 
     def config(attention: str, variant: str) -> train_config.TrainConfig:
         base = train_config.TrainConfig(model_size=args.model_size, context_length=args.context_length,
-                                        batch_size=args.batch_size, attention_type=attention)
+                                        batch_size=args.batch_size, attention_type=attention,
+                                        model_overrides=args.model_overrides)
         return variant_config(train_config.resolve_config(base, rt.device), variant)
 
     if args.child:
