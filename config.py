@@ -1,7 +1,7 @@
 """The model's configuration, in two parts: `ModelConfig`, what the weights mean (geometry, attention type, RoPE),
 and `ComputeConfig`, how a forward runs (tiling, query chunks, kernels, the loss path). A checkpoint is bound to its
 ModelConfig; any ComputeConfig can run it, and changing one never changes the weights' meaning (results agree to
-floating-point rounding; `z_loss_coef` is the one training-objective knob here).
+floating-point rounding; `z_loss_coef` and `nsa_score_loss_coef` are its training-objective knobs).
 
 Attention types are looked up by name in `ATTENTION_TYPES`: "full" (attention.py) and "nsa" (nsa/layer.py); the
 interface a type implements is `attention.AttentionLayer`. `register_attention` adds one at run time, e.g. from a

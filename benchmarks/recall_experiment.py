@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argparse.Namespace,
                own_process: bool = False) -> list[dict]:
-    """Train and score one type and seed through the stages; returns a row per stage. In a process of its own
+    """Train and score one type and seed through the stages; returns a row per stage (its loss curve: the
+    cross-entropy on the answers, without the scoring loss of --score_loss). In a process of its own
     (--jobs > 1) the output goes to OUT_DIR/<type>-seed<s>.log and the process takes its share of the CPU threads."""
     if own_process:
         log = os.open(out / f"{kind}-seed{seed}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -303,7 +304,7 @@ def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argpa
              "--batch_size", "2", "--seed", "1000", *(["--pairs", str(stage.pairs)] if stage.pairs else [])])["mqar"]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rows.append({**stage._asdict(), "seconds": seconds, "mqar": mqar,
-                     "loss_curve": [(m["step"], m["loss"]) for m in metrics if "loss" in m]})
+                     "loss_curve": [(m["step"], m["loss"] - m.get("aux_loss", 0)) for m in metrics if "loss" in m]})
         previous = stage, run_dir
     return rows
 

@@ -120,8 +120,8 @@ def exact_block_scores() -> AbstractContextManager[None]:
     """Within the block, selection blocks are scored by their best token instead of the compression branch: a
     query head's score for a past block j (before its own and the previous block, which are always selected) is
     softmax over those blocks of max_{s in j} q . k_s / sqrt(D), with the selection branch's keys, summed over the
-    group's heads as Eq. 10 sums the compression probabilities. It reads every key of the prefix (a chunk's logits
-    are Q x T), so it is no sparse attention: it measures the recall the model reaches with its n and l' when
+    group's heads as Eq. 10 sums the compression probabilities (`nsa.blocks.best_token_scores`). It reads every key
+    of the prefix, so it is no sparse attention: it measures the recall the model reaches with its n and l' when
     each block is judged by its best-matching key (a heuristic, not an upper bound;
     benchmarks/nsa_branch_ablation.py)."""
     return _forcing("exact")
@@ -505,7 +505,6 @@ class _Chunk:
         cfg, (B, KV, G, Q, D) = self.config, self.shape
         if n_select is not None and _forced["exact"]:
             out, lse, _ = self._compression(None)
-            B, KV, G, Q, D = self.shape
             return out, lse, best_token_scores(self.q_heads.view(B, KV * G, Q, D), self.k_blocks, self.q_pos, n_select)
         acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
         importance = None

@@ -64,8 +64,8 @@ def block_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, s
     """Eqs. 8-10 computed explicitly: queries q (B, H, Q, D) at positions q_pos (Q,) against the compressed keys
     k_cmp (B, KV, Nc, D) (block i is visible to position t iff i*d + l - 1 <= t); the softmax over the visible
     blocks, summed over each GQA group and pooled onto the first num_select_blocks selection blocks:
-    (B, KV, Q, num_select_blocks) in at least float32, zero for queries that see no block. Differentiable (finite
-    gradients everywhere)."""
+    (B, KV, Q, num_select_blocks) in at least float32 (in bfloat16 under a bfloat16 autocast), zero for queries that
+    see no block. Differentiable (finite gradients everywhere)."""
     B, H, Q, D = q.shape
     KV, Nc = k_cmp.shape[1], k_cmp.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)

@@ -187,7 +187,7 @@ class NativeSparseAttention(nn.Module):
             k_cmp, v_cmp = self._compress(k_cmp_raw, v_cmp_raw, 0, cos, sin, 0)
             out = self.sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, compute=self.compute)
             coef = self.compute.nsa_score_loss_coef
-            if coef and torch.is_grad_enabled():
+            if coef and torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad):
                 add_aux_loss(coef * selection_score_loss(q, k_cmp, k_slc, cfg, self.compute))
         else:
             cache = self._check_cache(B, start_pos, T)

@@ -18,7 +18,8 @@ projections and, with the "mlp" compressor, its MLP), not the target's keys. It 
 `ComputeConfig.nsa_score_loss_coef` (off by default) and added by nsa/layer.py through `attention.add_aux_loss`.
 
 Cost and memory: the target reads every key of the prefix (a chunk's best-token logits are Q x T in tiles of keys),
-so each NSA layer pays one full-attention score product (QK^T) more per step. Like loss.py's chunked cross-entropy,
+so each NSA layer pays one full-attention score product (QK^T) more per step (two with gradient checkpointing,
+which recomputes the forward). Like loss.py's chunked cross-entropy,
 the loss computes its gradients during forward, chunk by chunk of Q = `ComputeConfig.attention_query_chunk`
 queries, and keeps only the gradients of q and the compressed keys for backward: no chunk's logits outlive it.
 
@@ -40,6 +41,10 @@ if TYPE_CHECKING:
     from config import ComputeConfig, ModelConfig
 
 _TINY = 1e-30  # floor of a probability before its log: a block whose importance underflows still has a finite loss
+
+
+def _as_is(t: Tensor) -> Tensor:
+    return t
 
 
 def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_start: int, config: ModelConfig) -> Tensor:
@@ -70,11 +75,13 @@ class _SelectionScoreLoss(torch.autograd.Function):
         k_blocks = as_blocks(k_slc, l_sel)  # (B, KV, Ns, l', D)
         acc = torch.promote_types(q.dtype, torch.float32)
         total = q.new_zeros((), dtype=acc)
-        grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k_cmp)
+        grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k_cmp, dtype=acc)  # k's summed over chunks
         for q0 in range(first // chunk * chunk, T, chunk):
             q1 = min(q0 + chunk, T)
             n_cmp = num_compressed_blocks(q1, l, d)
-            with torch.enable_grad():
+            # The chunk's own graph lives only in this block: its tensors bypass an enclosing checkpoint's or
+            # offload's saved-tensor hooks (a checkpoint would recompute the whole block to unpack them).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
                 q_c, k_c = q[:, :, q0:q1].detach().requires_grad_(), k_cmp[:, :, :n_cmp].detach().requires_grad_()
                 kl = _chunk_kl(q_c, k_c, k_blocks, q0, config)
                 dq, dk = torch.autograd.grad(kl, (q_c, k_c))
@@ -82,7 +89,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
             grad_q[:, :, q0:q1] = dq
             grad_k[:, :, :n_cmp] += dk
         scale = 1 / max(rows, 1)
-        ctx.save_for_backward(grad_q.mul_(scale), grad_k.mul_(scale))
+        ctx.save_for_backward(grad_q.mul_(scale), grad_k.mul_(scale).to(k_cmp.dtype))
         return total * scale
 
     @staticmethod
@@ -92,6 +99,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
         return grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype), None, None, None
 
 
+@torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
 def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig,
                          compute: ComputeConfig) -> Tensor:
     """The mean KL(target || importance) over the rows that have blocks to choose (module docstring).

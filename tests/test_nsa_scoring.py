@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from config import ComputeConfig, ModelConfig
 from memtrack import LiveBytesTracker
 from model import Transformer
+from nsa import blocks, scoring
 from nsa.blocks import num_compressed_blocks, selection_pool_weights
 from nsa.scoring import selection_score_loss
 
@@ -56,10 +57,13 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
     return total / rows
 
 
-@pytest.mark.parametrize("l,d,l_sel", [(8, 4, 16), (8, 8, 8)])
-def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_sel: int) -> None:
-    """Chunks of 24 queries (not dividing T = 100, nor the blocks) give the loop's value and gradients to 1e-12;
-    no gradient reaches the selection keys."""
+@pytest.mark.parametrize("l,d,l_sel,key_tile", [(8, 4, 16, 1024), (8, 8, 8, 1024), (8, 4, 16, 24)])
+def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_sel: int, key_tile: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 24 queries (not dividing T = 100, nor the blocks) give the loop's value and gradients to 1e-12,
+    with the best-token scores in one tile of keys or in tiles of one block (24 // 16); no gradient reaches the
+    selection keys."""
+    monkeypatch.setattr(blocks, "_KEY_TILE", key_tile)
     config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel)
     g = torch.Generator().manual_seed(0)
     B, H, KV, T, D = 2, 4, 2, 100, 8
@@ -171,6 +175,24 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_gradient_checkpointing_recomputes_the_loss_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunks' own graphs bypass the block's checkpoint: with checkpointing each chunk is scored twice (forward,
+    and the one recomputation in backward), not once more per chunk scored before it."""
+    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(4))
+    calls = []
+    chunk_kl = scoring._chunk_kl
+    monkeypatch.setattr(scoring, "_chunk_kl", lambda *args: calls.append(1) or chunk_kl(*args))
+    counts = []
+    for checkpointing in (False, True):
+        model = nsa_model(0.5)
+        for block in model.layers:
+            block.checkpointing = checkpointing
+        calls.clear()
+        model(ids, ids).loss.backward()
+        counts.append(len(calls))
+    assert counts == [2 * 4, 2 * 2 * 4]  # 2 layers x 4 chunks of 64, all with blocks to choose (from position 32)
 
 
 @pytest.mark.parametrize("bad", [-0.1, math.inf, math.nan, "0.1"])
