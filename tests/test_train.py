@@ -136,8 +136,8 @@ def test_two_rank_checkpoint_resumes_on_one_rank(fsdp_run: Path, data_dir: Path,
 
 def _gradient_parity(data_dir: str) -> None:
     """In each of 2 ranks: FSDP gradients of one step equal a single-process model's on the whole global batch,
-    with the standard and with the chunked loss; the bf16 mixed-precision variant keeps float32 RoPE tables and a
-    close loss."""
+    with the standard and with the chunked loss, and for NSA with its selection-scoring loss; the bf16
+    mixed-precision variant keeps float32 RoPE tables and a close loss."""
     rt = parallel.init_runtime()
     cfg = train_config.TrainConfig(model_size="tiny", context_length=32, batch_size=2)
     cfg = train_config.resolve_config(cfg, rt.device)
@@ -165,6 +165,21 @@ def _gradient_parity(data_dir: str) -> None:
         torch.testing.assert_close(loss_other, loss, rtol=1e-6, atol=0)
         for (name, p), q in zip(other.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=f"{variant} {name}")
+    # NSA with its selection-scoring loss: each rank's term, scaled by its share of the step's targets, sums to the
+    # single-process term over the global batch; so do the gradients.
+    nsa_config = dataclasses.replace(config, attention_type="nsa", context_length=64)
+    nsa_compute = dataclasses.replace(compute, nsa_score_loss_coef=0.5)
+    nsa_sharded = train.build_model(nsa_config, nsa_compute, cfg, rt)
+    nsa_reference = train.build_model(nsa_config, nsa_compute, cfg, parallel.Runtime(0, 1, rt.device, None))
+    local_64 = next(TokenLoader(data_dir, 64, 2, rt.rank, 2))  # (2, 64) each: past position 2 l' = 32
+    loss_nsa, extras = train.forward_backward(nsa_sharded, [list(local_64)], torch.autocast("cpu", enabled=False))
+    stats = torch.stack([loss_nsa, extras["aux_loss"]])
+    dist.all_reduce(stats)
+    expected = nsa_reference(*next(TokenLoader(data_dir, 64, 4, 0, 1)))
+    expected.loss.backward()
+    torch.testing.assert_close(stats, torch.stack([expected.loss, expected.aux_loss]).detach(), rtol=1e-6, atol=0)
+    for (name, p), q in zip(nsa_sharded.named_parameters(), nsa_reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=f"nsa {name}")
     # bf16 mixed precision: the blocks still get float32 RoPE tables, and the loss stays close to float32's.
     bf16 = train.build_model(config, compute, dataclasses.replace(cfg, dtype="bfloat16"), rt)
     seen = []
