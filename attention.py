@@ -84,8 +84,9 @@ def collect_aux_losses() -> Iterator[list[Tensor]]:
 @torch.compiler.disable  # reads a ContextVar, which torch.compile cannot trace
 def add_aux_loss(loss: Tensor) -> None:
     """Hand a training-only loss term (a weighted 0-dim tensor) from inside a layer's forward to the innermost
-    `collect_aux_losses` block (`model.Transformer.forward` with labels opens one); outside one it is dropped, as
-    when a caller runs `hidden_states` with gradients for a loss of its own. A layer computes the term the same way
+    `collect_aux_losses` block (`model.Transformer.forward` opens one, and adds the terms to the loss when labels
+    are given); outside one it is dropped, as when a caller runs `hidden_states` with gradients for a loss of its
+    own. train.py's MFU does not count a term's FLOPs. A layer computes the term the same way
     whether or not it is collected, so gradient checkpointing, which recomputes the forward in backward outside any
     block, finds the same operations."""
     losses = _aux_losses.get()

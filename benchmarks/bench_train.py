@@ -9,16 +9,16 @@
         --batch_size 2 --model_overrides '{"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8}'
 
 Variants (same tokens per step), for each `--attention_type`: the default step; gradient checkpointing; 2
-accumulation micro-steps of half the batch; bf16 autocast; torch.compile of each block (train.py --compile);
-sparse labels (one target in 6, the rest -100, as MQAR documents with --answer_loss have), with the output layer on
-every row ("sparse_labels") or on the target rows only ("answer_loss": what train.py --answer_loss runs); that
-answer_loss step with NSA's selection-scoring loss at weight 0.1 ("score_loss", nsa/scoring.py; for NSA only,
-with full attention it is the answer_loss step). Random
-token ids (the data pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load
-changes on the machine hit all of them alike; the table reports the median step time per variant, tokens/s, the
-time ratio to the first variant, and the first step's time (for compile: the compilation). With --memory, each
-variant also runs alone in a fresh process: the growth of its peak RSS, over two steps, above its RSS before the
-model was built (weights, optimizer state and activations; for compile also the compiler's own memory).
+accumulation micro-steps of half the batch; bf16 autocast; torch.compile of each block (train.py --compile); sparse
+labels (one target in 6, the rest -100, as MQAR documents with --answer_loss have), with the output layer on every
+row ("sparse_labels") or on the target rows only ("answer_loss": what train.py --answer_loss runs); that answer_loss
+step with NSA's selection-scoring loss at weight 0.1 ("score_loss", nsa/scoring.py; for NSA only, with full
+attention it is the answer_loss step). Random token ids (the data pipeline is measured in data.py's benchmark).
+Rounds interleave the variants so that load changes on the machine hit all of them alike; the table reports the
+median step time per variant, tokens/s, the time ratio to the first variant, and the first step's time (for compile:
+the compilation). With --memory, each variant also runs alone in a fresh process: the growth of its peak RSS, over
+two steps, above its RSS before the model was built (weights, optimizer state and activations; for compile also the
+compiler's own memory).
 """
 
 from __future__ import annotations

@@ -180,8 +180,8 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
             "--data_dir", args.data_dir, "--out_dir", str(run_dir)]
     argv += ["--synthetic_pairs", str(stage.pairs)] if stage.pairs else []
     fields = model_fields(kind, stage, args)
-    score = {"nsa_score_loss_coef": args.score_loss} if kind == "nsa" and stage.task == "mqar" and args.score_loss \
-        else {}  # a ComputeConfig field, which train.py's --model_overrides also takes
+    scored = kind == "nsa" and stage.task == "mqar" and args.score_loss
+    score = {"nsa_score_loss_coef": args.score_loss} if scored else {}  # a ComputeConfig field train.py also takes
     if previous is None:
         argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"], "--model_overrides",
                  json.dumps({**fields, **score})]

@@ -505,7 +505,8 @@ class _Chunk:
         cfg, (B, KV, G, Q, D) = self.config, self.shape
         if n_select is not None and _forced["exact"]:
             out, lse, _ = self._compression(None)
-            return out, lse, best_token_scores(self.q_heads.view(B, KV * G, Q, D), self.k_blocks, self.q_pos, n_select)
+            q = self.q_heads.view(B, KV * G, Q, D)  # (B, H, Q, D)
+            return out, lse, best_token_scores(q, self.k_blocks, self.q_pos, n_select)
         acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
         importance = None
         if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk

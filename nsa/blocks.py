@@ -72,8 +72,10 @@ def block_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, s
     if Nc == 0:
         return q.new_zeros(B, KV, Q, num_select_blocks, dtype=acc)
     sees = q_pos >= block_size - 1  # (Q,) queries that see a block; the others are shown block 0, then zeroed
-    visible = torch.arange(Nc, device=q.device) * stride + block_size - 1 <= q_pos.clamp(min=block_size - 1)[:, None]
-    logits = torch.einsum("bkgqd,bknd->bkgqn", q.to(acc).view(B, KV, H // KV, Q, D), k_cmp.to(acc)) * D**-0.5
+    block_end = torch.arange(Nc, device=q.device) * stride + block_size - 1  # (Nc,)
+    visible = block_end <= q_pos.clamp(min=block_size - 1)[:, None]  # (Q, Nc)
+    q_groups = q.to(acc).view(B, KV, H // KV, Q, D)  # (B, KV, G, Q, D)
+    logits = torch.einsum("bkgqd,bknd->bkgqn", q_groups, k_cmp.to(acc)) * D**-0.5  # (B, KV, G, Q, Nc)
     probs = logits.masked_fill(~visible, -math.inf).softmax(-1).sum(2) * sees[:, None]  # (B, KV, Q, Nc)
     return pool_to_selection_blocks(probs, block_size, stride, select_block_size, num_select_blocks)
 

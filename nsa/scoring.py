@@ -19,9 +19,9 @@ projections and, with the "mlp" compressor, its MLP), not the target's keys. It 
 
 Cost and memory: the target reads every key of the prefix (a chunk's best-token logits are Q x T in tiles of keys),
 so each NSA layer pays one full-attention score product (QK^T) more per step (two with gradient checkpointing,
-which recomputes the forward). Like loss.py's chunked cross-entropy,
-the loss computes its gradients during forward, chunk by chunk of Q = `ComputeConfig.attention_query_chunk`
-queries, and keeps only the gradients of q and the compressed keys for backward: no chunk's logits outlive it.
+which recomputes the forward). Like loss.py's chunked cross-entropy, the loss computes its gradients during forward,
+chunk by chunk of Q = `ComputeConfig.attention_query_chunk` queries, and keeps only the gradients of q and the
+compressed keys for backward: no chunk's logits outlive it.
 
 Notation: B batch, H query heads, KV key/value heads, D head dimension, T queries, Q queries of a chunk, Nc
 compressed blocks, Ns selection blocks. Block geometry: l (`nsa_block_size`), d (`nsa_stride`), l'
@@ -68,7 +68,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int) -> Tensor:
-        B, H, T, _ = q.shape
+        B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
         first = 2 * l_sel  # the first position with a block to choose (before its previous block)
         rows = B * KV * max(0, T - first)
