@@ -80,13 +80,20 @@ def block_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, s
     return pool_to_selection_blocks(probs, block_size, stride, select_block_size, num_select_blocks)
 
 
+def choosable_blocks(q_pos: Tensor, select_block_size: int, num_select_blocks: int) -> Tensor:
+    """(Q, num_select_blocks) bool: for queries at positions q_pos (Q,), the past blocks they choose among by score,
+    those before the query's previous block (block 0 included; the own and previous blocks are always selected,
+    later ones never). None before position 2 l'."""
+    return torch.arange(num_select_blocks, device=q_pos.device) < (q_pos // select_block_size - 1)[:, None]
+
+
 _KEY_TILE = 1024  # keys per tile of `best_token_scores`
 
 
 def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blocks: int) -> Tensor:
     """Selection-block scores that judge each block by its best key: for queries q (B, H, Q, D) at positions q_pos
-    (Q,) and key blocks k_blocks (B, KV, Ns', l', D), a query head's score for a past block j (before the query's
-    previous block) is the softmax over those blocks of max_{s in j} q . k_s / sqrt(D); summed over each GQA group
+    (Q,) and key blocks k_blocks (B, KV, Ns', l', D), a query head's score for a past block j (`choosable_blocks`)
+    is the softmax over those blocks of max_{s in j} q . k_s / sqrt(D); summed over each GQA group
     -> (B, KV, Q, num_select_blocks) in at least float32 over the first num_select_blocks blocks, zero where a query
     has no such block. Reads every key of those blocks, about `_KEY_TILE` at a time (the logits of a tile are
     (B, H, Q, tile))."""
@@ -97,8 +104,7 @@ def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blo
     tiles = k_blocks[:, :, :num_select_blocks].split(step, dim=2)  # each (B, KV, <= step, l', D)
     best = torch.cat([torch.einsum("bkqd,bknld->bkqnl", q_rows, k.to(acc)).amax(-1) for k in tiles],
                      dim=-1) * D**-0.5  # (B, KV, G*Q, Ns)
-    current = (q_pos // l_sel).repeat(G)[:, None]  # (G*Q, 1)
-    past = torch.arange(num_select_blocks, device=q.device) < current - 1  # (G*Q, Ns): never a key after the query
+    past = choosable_blocks(q_pos, l_sel, num_select_blocks).repeat(G, 1)  # (G*Q, Ns): never a key after the query
     p = best.masked_fill(~past, -math.inf).softmax(-1).nan_to_num(0.0)  # rows without a past block: 0
     return p.view(B, KV, G, Q, num_select_blocks).sum(2)  # (B, KV, Q, Ns)
 

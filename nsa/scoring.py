@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from nsa.blocks import as_blocks, best_token_scores, block_importance, num_compressed_blocks
+from nsa.blocks import as_blocks, best_token_scores, block_importance, choosable_blocks, num_compressed_blocks
 
 if TYPE_CHECKING:
     from config import ComputeConfig, ModelConfig
@@ -55,7 +55,7 @@ def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_start: int, config: 
     Q, G = q.shape[2], q.shape[1] // k_cmp.shape[1]
     q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
     n_select = (q_start + Q - 1) // l_sel + 1  # blocks up to the last query's own
-    candidate = torch.arange(n_select, device=q.device) < (q_pos // l_sel - 1)[:, None]  # (Q, Ns): before previous
+    candidate = choosable_blocks(q_pos, l_sel, n_select)  # (Q, Ns)
     with torch.no_grad():
         target = best_token_scores(q, k_blocks, q_pos, n_select) / G  # (B, KV, Q, Ns): rows sum to 1 or are 0
     importance = block_importance(q, k_cmp, q_pos, l, d, l_sel, n_select) * candidate  # (B, KV, Q, Ns)
@@ -70,7 +70,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int) -> Tensor:
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
-        first = 2 * l_sel  # the first position with a block to choose (before its previous block)
+        first = 2 * l_sel  # the first position with a block to choose (`choosable_blocks`)
         rows = B * KV * max(0, T - first)
         k_blocks = as_blocks(k_slc, l_sel)  # (B, KV, Ns, l', D)
         acc = torch.promote_types(q.dtype, torch.float32)
