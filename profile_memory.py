@@ -49,7 +49,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +86,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # as train.py
 PHASES = ("forward", "backward", "optimizer step")
 PROFILED_QUANTIZED = ("int8", "nf4")  # --quantize_base kinds whose layout is the same on every device
 MAX_CONTEXT = 2**22  # tokens per sequence the estimate accepts (4M: 1024 loss chunks of 4096)
+MAX_WORLD_SIZE = 1024  # FSDP2 ranks the estimate accepts (its cost grows with the ranks: 1024 take about 30 s)
 _HARMLESS_WARNINGS = ("DTensor random operators may not have complete support on cpu device mesh",
                       "FSDP2-wrapped module .* returned a view tensor")
 
@@ -107,8 +108,10 @@ class StepConfig:
 
     def __post_init__(self) -> None:
         cfg = self.train
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
-            raise ValueError(f"--world_size must be a positive integer, got {self.world_size!r}")
+        if (not isinstance(self.world_size, int) or isinstance(self.world_size, bool)
+                or not 1 <= self.world_size <= MAX_WORLD_SIZE):
+            raise ValueError(f"--world_size must be an integer in [1, {MAX_WORLD_SIZE}] (the ranks FSDP2 shards over; "
+                             f"the estimate's cost grows with them), got {self.world_size!r}")
         if not cfg.context_length <= MAX_CONTEXT:
             raise ValueError(f"--context_length must be in [2, {MAX_CONTEXT:,}] (longer sequences would loop over "
                              f"more than {MAX_CONTEXT // 4096:,} loss chunks under fake tensors), got "
@@ -278,9 +281,10 @@ def _warm_up(model: Transformer, optimizer: torch.optim.Optimizer, seq_len: int,
 
 
 def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_ids: Tensor, labels: Tensor,
-                   autocast: AbstractContextManager, probe: Probe) -> tuple[dict[str, dict[str, int]], str]:
+                   autocast: AbstractContextManager, probe: Probe, progress: Callable[[str], None] = _quiet
+                   ) -> tuple[dict[str, dict[str, int]], str]:
     """One training step as train.py runs it (forward + loss under `autocast`, backward, gradient clipping, AdamW
-    step, zero_grad) with `probe` read at each stage.
+    step, zero_grad) with `probe` read at each stage; `progress` is called with each phase's name as it starts.
 
     Returns ({stage: {"total": bytes, category: bytes, ...}} in time order with the peak of each phase, the loss
     path taken: "standard" or "chunked").
@@ -296,6 +300,7 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
                model.layers[0].register_forward_hook(mark("after first layer")),
                model.norm.register_forward_hook(mark("after forward"))]
     try:
+        progress("forward")
         probe.start_phase("forward")
         with autocast:
             output = model(input_ids, labels=labels)
@@ -303,11 +308,13 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
         del output  # the logits of the standard path are not kept
         stages["after loss"] = probe.current()
         stages["peak during forward"] = probe.phase_peak()
+        progress("backward")
         probe.start_phase("backward")
         loss.backward()
         del loss
         stages["peak during backward"] = probe.phase_peak()
         stages["after backward"] = probe.current()
+        progress("optimizer step")
         probe.start_phase("optimizer step")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -320,7 +327,8 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
     return stages, loss_path
 
 
-def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, stand_in: bool = True) -> dict:
+def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, stand_in: bool = True,
+                 progress: Callable[[str], None] = _quiet) -> dict:
     """Memory of one steady-state training step of `config` at every stage, per rank: {"stages": {stage: {"total",
     category: bytes}}, "loss_path": "standard" | "chunked", "num_parameters": int, "stand_in": description}.
 
@@ -328,6 +336,7 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
     with fake=False the memory comes from torch.cuda statistics (totals only), otherwise from the trackers.
     `stand_in` (fake only): enter the attention type's `memory_stand_in` around the step (NSA: a memory double of
     its attention calibrated on the real function, nsa/memory.py); without it every operator runs as in training.
+    `progress` is called with the name of each part as it starts.
     """
     with warnings.catch_warnings(), fake_process_group(config.world_size):
         for message in _HARMLESS_WARNINGS:
@@ -339,9 +348,11 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
             B, T = config.train.batch_size, config.train.context_length
             description = f"{model_config.attention_type} attention: runs as in training (no stand-in)"
             if fake and stand_in:
+                progress(f"calibrating the {model_config.attention_type} attention's stand-in")
                 cls = attention_class(model_config.attention_type)
                 description = stack.enter_context(cls.memory_stand_in(model_config, compute, B, T,
                                                                       DTYPES[config.train.dtype], device))
+            progress("building the model and optimizer")
             model, optimizer = build(config, device, mesh)
             _warm_up(model, optimizer, T, device)
             input_ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
@@ -352,7 +363,7 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
                 probe = _Tracked(model, optimizer, (input_ids, labels))
             with probe:
                 stages, loss_path = _training_step(model, optimizer, input_ids, labels, _autocast(config, device),
-                                                   probe)
+                                                   probe, progress)
             return {"stages": stages, "loss_path": loss_path, "num_parameters": model.num_parameters(),
                     "stand_in": description}
 
@@ -373,15 +384,16 @@ def _summarize(config: StepConfig, profile: dict, seconds: float, method: str) -
     }
 
 
-def estimate(config: StepConfig) -> dict:
-    """Estimated per-rank memory of one training step of `config`, on the CPU with fake tensors.
+def estimate(config: StepConfig, progress: Callable[[str], None] = _quiet) -> dict:
+    """Estimated per-rank memory of one training step of `config`, on the CPU with fake tensors (`progress`: see
+    `profile_step`).
 
     Returns a JSON-ready dict: "config", "num_parameters", "loss_path" ("standard" | "chunked"), "method",
     "stand_in", "stages" {stage: {"total", "parameters", "gradients", "optimizer", "activations", "temporaries"}} in
     bytes and in time order, "peak" (the highest phase peak, with "phase"), "seconds". Can be called repeatedly.
     """
     start = time.perf_counter()
-    profile = profile_step(config, "cpu", fake=True)
+    profile = profile_step(config, "cpu", fake=True, progress=progress)
     method = "estimate: fake tensors on CPU, memtrack.LiveBytesTracker"
     return _summarize(config, profile, time.perf_counter() - start, method)
 
@@ -397,28 +409,28 @@ def measure(config: StepConfig) -> dict:
 
 # ---- will it fit? -----------------------------------------------------------------------------------------------
 
-def _cheaper_steps(config: StepConfig, result: dict) -> Iterator[tuple[str, StepConfig]]:
-    """Changes that lower memory, cheapest first, each on top of the previous ones, as train.py options: chunked
+def _recipe_steps(config: StepConfig, result: dict) -> Iterator[tuple[str, StepConfig]]:
+    """Changes of the memory recipe, cheapest first, each on top of the previous ones, as train.py options: chunked
     loss (almost free), checkpointing (~1/3 more compute), a tiled FFN (one more FFN forward), activation offload
-    (host memory and PCIe traffic, overlapped with compute), more GPUs (shards parameters, gradients and optimizer
-    state), a smaller batch (fewer tokens per step unless accumulated), a shorter context (changes the task)."""
-    model_config, compute = config.configs()
-    T = config.train.context_length
+    (host memory and PCIe traffic, overlapped with compute)."""
+    compute = config.configs()[1]
     if result["loss_path"] == "standard":
         config = config.replace(loss="chunked")
         yield "--loss chunked", config
     if not config.train.gradient_checkpointing:
         config = config.replace(gradient_checkpointing=True)
         yield "--gradient_checkpointing", config
-    if compute.ffn_chunk_size is None and T > TILED_FFN_CHUNK:
+    if compute.ffn_chunk_size is None and config.train.context_length > TILED_FFN_CHUNK:
         config = config.replace(ffn_chunk_size=TILED_FFN_CHUNK)
         yield f"--ffn_chunk_size {TILED_FFN_CHUNK}", config
     if not compute.offload_activations:
         config = config.replace(offload_activations=True)
         yield "--offload_activations", config
-    for _ in range(6):
-        config = config.replace(world_size=config.world_size * 2)
-        yield f"--world_size {config.world_size}", config
+
+
+def _task_steps(config: StepConfig) -> Iterator[tuple[str, StepConfig]]:
+    """Changes of what a step computes: a smaller batch (fewer tokens per step unless accumulated), then a shorter
+    context (changes the task), halving each time."""
     while config.train.batch_size > 1:
         config = config.replace(batch_size=config.train.batch_size // 2)
         yield f"--batch_size {config.train.batch_size}", config
@@ -427,29 +439,84 @@ def _cheaper_steps(config: StepConfig, result: dict) -> Iterator[tuple[str, Step
         yield f"--context_length {config.train.context_length}", config
 
 
-def check_fit(result: dict, gpu_memory_gib: float, reserve_gib: float = 2.0, log=print) -> dict:
+def peak_at_world_size(results: dict[int, dict], world_size: int) -> int:
+    """The peak (bytes per rank) at `world_size` from estimates at two FSDP world sizes ({world size: estimate}):
+    each phase's peak is affine in 1 / world size (FSDP2 divides the fp32 weights, their gradients and the AdamW
+    moments by it; activations, temporaries and the unsharded compute copies of a block do not change)."""
+    (w1, r1), (w2, r2) = results.items()
+    peaks = []
+    for phase in PHASES:
+        v1, v2 = (r["stages"][f"peak during {phase}"]["total"] for r in (r1, r2))
+        slope = (v1 - v2) / (1 / w1 - 1 / w2)
+        peaks.append(v1 + slope * (1 / world_size - 1 / w1))
+    return round(max(peaks))
+
+
+def _more_ranks(config: StepConfig, result: dict, sizes: list[int], fits: Callable[[float], bool],
+                log: Callable[[str], None], progress: Callable[[str], None]) -> tuple[int, float, str] | None:
+    """The smallest of the world sizes `sizes` (increasing, above config's) at which the step of `result` fits:
+    (world size, peak bytes, how it was found), or None. Costs at most two estimates: the first larger world size is
+    estimated (with world size 1, the first two: one process does not shard), the rest derived from two FSDP points
+    by `peak_at_world_size`."""
+    points = {config.world_size: result} if config.world_size > 1 else {}
+    for W in sizes:
+        if len(points) < 2:
+            progress(f"estimating --world_size {W}")
+            points[W] = estimate(config.replace(world_size=W), progress)
+            peak, how = points[W]["peak"]["total"], "estimated"
+            log(f"  trying --world_size {W}: peak {peak / GiB:.2f} GiB")
+        else:
+            peak = peak_at_world_size(points, W)
+            how = f"derived from the estimates at world sizes {' and '.join(map(str, points))}"
+        if fits(peak):
+            return W, peak, how
+    return None
+
+
+def check_fit(result: dict, gpu_memory_gib: float, reserve_gib: float = 2.0, log: Callable[[str], None] = print,
+              progress: Callable[[str], None] | None = None) -> dict:
     """Whether the step of `result` fits a GPU of `gpu_memory_gib` GiB, keeping `reserve_gib` for what the tracker
-    does not see. If not, re-run the estimate along `_cheaper_steps` until it fits and report the changes."""
+    does not see. If not, the cheapest change that fits, searched in order of cost: the memory recipe
+    (`_recipe_steps`, one estimate each), more GPUs (`_more_ranks`: at most two estimates for every world size up
+    to 64 times the asked one), then a smaller batch or a shorter context at the asked world size (`_task_steps`,
+    one estimate each, each step cheaper than the last). The report names the change as flags, each once
+    ("change"), with the peak it gives ("fitting_peak_gib", "how": estimated or derived)."""
+    progress = progress or _quiet
     budget = (gpu_memory_gib - reserve_gib) * GiB
     report = {"gpu_memory_gib": gpu_memory_gib, "reserve_gib": reserve_gib, "fits": result["peak"]["total"] <= budget,
-              "margin_gib": (budget - result["peak"]["total"]) / GiB, "changes": [], "fitting_config": None}
+              "margin_gib": (budget - result["peak"]["total"]) / GiB, "change": None, "tried": [],
+              "fitting_config": None}
     if report["fits"]:
         return report
-    config, current = StepConfig.from_dict(result["config"]), result
-    for flag, candidate in _cheaper_steps(config, result):
-        if candidate.world_size > current["config"]["world_size"]:
-            # Sharding more only shrinks parameters, gradients and optimizer state: skip when the rest cannot fit.
-            unshardable = current["peak"]["total"] - sum(current["peak"][k] for k in CATEGORIES[:3])
-            if unshardable > budget:
-                report["changes"].append(flag)
-                continue
-        report["changes"].append(flag)
-        current = estimate(candidate)
-        log(f"  trying {' '.join(report['changes'])}: peak {current['peak']['total'] / GiB:.2f} GiB")
+
+    def found(flags: list[str], config: StepConfig, peak: float, how: str) -> dict:
+        return {**report, "change": flags, "fitting_config": config.to_dict(), "fitting_peak_gib": peak / GiB,
+                "how": how}
+
+    config, current, flags = StepConfig.from_dict(result["config"]), result, []
+    for flag, candidate in _recipe_steps(config, result):
+        flags.append(flag)
+        report["tried"].append(" ".join(flags))
+        progress(f"estimating {' '.join(flags)}")
+        config, current = candidate, estimate(candidate, progress)
+        log(f"  trying {' '.join(flags)}: peak {current['peak']['total'] / GiB:.2f} GiB")
         if current["peak"]["total"] <= budget:
-            report["fitting_config"] = current["config"]
-            report["fitting_peak_gib"] = current["peak"]["total"] / GiB
-            return report
+            return found(flags, config, current["peak"]["total"], "estimated")
+    unshardable = current["peak"]["total"] - sum(current["peak"][k] for k in CATEGORIES[:3])
+    sizes = [config.world_size * 2**k for k in range(1, 7) if config.world_size * 2**k <= MAX_WORLD_SIZE]
+    if sizes and (config.world_size == 1 or unshardable <= budget):  # more ranks shrink only the sharded state
+        report["tried"].append(" ".join([*flags, f"--world_size {sizes[0]} to {sizes[-1]}"]))
+        more = _more_ranks(config, current, sizes, lambda peak: peak <= budget, log, progress)
+        if more:
+            W, peak, how = more
+            return found([*flags, f"--world_size {W}"], config.replace(world_size=W), peak, how)
+    for flag, candidate in _task_steps(config):
+        report["tried"].append(" ".join([*flags, flag]))
+        progress(f"estimating {' '.join([*flags, flag])}")
+        estimated = estimate(candidate, progress)
+        log(f"  trying {' '.join([*flags, flag])}: peak {estimated['peak']['total'] / GiB:.2f} GiB")
+        if estimated["peak"]["total"] <= budget:
+            return found([*flags, flag], candidate, estimated["peak"]["total"], "estimated")
     return report
 
 
@@ -496,10 +563,10 @@ def report_text(result: dict, measured: dict | None = None, fit: dict | None = N
                      f"GiB reserve (CUDA context, NCCL, fragmentation); margin {fit['margin_gib']:+.2f} GiB")
         if not fit["fits"]:
             if fit["fitting_config"]:
-                lines.append(f"cheapest change that fits: {' '.join(fit['changes'])} (peak "
-                             f"{fit['fitting_peak_gib']:.2f} GiB)")
+                lines.append(f"cheapest change that fits: {' '.join(fit['change'])} (peak "
+                             f"{fit['fitting_peak_gib']:.2f} GiB, {fit['how']})")
             else:
-                lines.append(f"nothing tried fits (tried {' '.join(fit['changes'])})")
+                lines.append(f"nothing tried fits (tried {'; '.join(fit['tried'])})")
     lines.append("Not included: CUDA context, NCCL buffers, allocator fragmentation, kernel workspaces.")
     return "\n".join(lines)
 
@@ -529,6 +596,18 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def progress_lines(after: float = 10.0) -> Callable[[str], None]:
+    """A `progress` callback that prints "profile_memory: <part> (N s)" on stderr, from `after` seconds on (a short
+    estimate prints nothing)."""
+    start = time.perf_counter()
+
+    def progress(part: str) -> None:
+        elapsed = time.perf_counter() - start
+        if elapsed >= after:
+            print(f"profile_memory: {part} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+    return progress
+
+
 def build_parser() -> argparse.ArgumentParser:
     """train.py's options (the same names; those that do not change memory are accepted and ignored), then the
     profiler's own."""
@@ -551,8 +630,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     cfg, args = parse_options(parser, argv)
+    if args["gpu_memory"] is not None and not args["gpu_memory"] > 0:
+        parser.error(f"--gpu_memory must be a positive number of GiB, got {args['gpu_memory']}")
     if args["gpu_memory"] is not None and not 0 <= args["reserve"] < args["gpu_memory"]:
-        parser.error(f"--reserve must be in [0, --gpu_memory), got {args['reserve']} and {args['gpu_memory']}")
+        parser.error(f"--reserve ({args['reserve']:g} GiB kept free) must be at least 0 and less than --gpu_memory "
+                     f"({args['gpu_memory']:g} GiB)")
     if args["plot"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["plot"]))):
         parser.error(f"--plot {args['plot']}: directory {os.path.dirname(os.path.abspath(args['plot']))} does not "
                      "exist")
@@ -563,10 +645,12 @@ def main(argv: list[str] | None = None) -> None:
                             args["gpu_memory"])
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    result = estimate(config)
+    progress = progress_lines()
+    result = estimate(config, progress)
     measured = measure(config) if args["measure"] else None
     log = (lambda msg: print(msg, file=sys.stderr)) if args["json"] else print
-    fit = check_fit(result, args["gpu_memory"], args["reserve"], log) if args["gpu_memory"] is not None else None
+    fit = (check_fit(result, args["gpu_memory"], args["reserve"], log, progress) if args["gpu_memory"] is not None
+           else None)
     if args["plot"]:
         plot(result, args["plot"])
     if args["json"]:

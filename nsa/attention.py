@@ -111,8 +111,9 @@ def explicit_attention() -> AbstractContextManager[None]:
 
 def triton_kernels() -> AbstractContextManager[None]:
     """Within the block, the branches run on the Triton kernels (nsa/kernels.py) on every device, as they do on
-    CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa.kernels is imported), for tests; on
-    fake tensors without launching them (their outputs are allocated), for profile_memory.py's estimates."""
+    CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa.triton_kernels is imported), for
+    tests; on fake tensors without launching them (their outputs are allocated; Triton need not be installed), for
+    profile_memory.py's estimates."""
     return _forcing("triton")
 
 
@@ -128,15 +129,17 @@ def exact_block_scores() -> AbstractContextManager[None]:
 
 
 def triton_installed() -> bool:
-    """Whether Triton can be imported here (nsa/kernels.py needs it)."""
+    """Whether Triton can be imported here (nsa/triton_kernels.py needs it to launch a kernel)."""
     return importlib.util.find_spec("triton") is not None
 
 
 def _triton_ready(t: Tensor, compute: ComputeConfig) -> bool:
-    """Whether the Triton kernels run for t: real CUDA tensors when `compute.triton_kernels` (any tensors under
-    `triton_kernels()`), and Triton installed."""
-    on_gpu = compute.triton_kernels and t.is_cuda and not is_fake(t)
-    return (on_gpu or _forced["triton"]) and triton_installed()
+    """Whether the Triton kernels' path runs for t: real CUDA tensors when `compute.triton_kernels` and Triton is
+    installed; under `triton_kernels()` any tensors, real ones only with Triton installed (fake ones launch nothing,
+    so they need no Triton: nsa/kernels.py)."""
+    if _forced["triton"]:
+        return is_fake(t) or triton_installed()
+    return compute.triton_kernels and t.is_cuda and not is_fake(t) and triton_installed()
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:

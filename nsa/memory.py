@@ -3,11 +3,12 @@
 The attention itself (nsa/attention.py) runs hundreds of small operators per query chunk: at 131k tokens, thousands
 of chunks per step, which would take hours under fake tensors. Its memory is affine in T for a fixed query chunk
 (see the nsa/attention.py docstring), so `sparse_attention_stand_in` measures one layer's call (forward and
-backward, fake tensors, memtrack.LiveBytesTracker) at T itself, or at 2 and 4 query chunks and extrapolates
-linearly, and swaps `NativeSparseAttention.sparse_attention` (the layer's one seam for its attention) for
-`_SparseAttentionDouble` while the profiled step runs. It calibrates on the path a CUDA run takes: the Triton
-kernels' when `ComputeConfig.triton_kernels` and Triton is installed here, else the explicit one. Projections,
-compression and gates still run for real.
+backward, fake tensors, memtrack.LiveBytesTracker) at T itself, or at two lengths past the all-selected prefix
+(`calibration_lengths`) and extrapolates linearly, and swaps `NativeSparseAttention.sparse_attention` (the layer's
+one seam for its attention) for `_SparseAttentionDouble` while the profiled step runs. It calibrates on the path a
+CUDA run takes: the Triton kernels' when `ComputeConfig.triton_kernels` (on fake tensors that path allocates what it
+does on a GPU without Triton installed, nsa/kernels.py, so the estimate is the same on every machine), else the
+explicit one. Projections, compression and gates still run for real.
 
 Notation: B batch, T tokens, H query heads, D head dimension, Q query chunk.
 """
@@ -106,34 +107,52 @@ def _swapped(layer_class: type, fn: object) -> Iterator[None]:
         layer_class.sparse_attention = real
 
 
+def calibration_lengths(config: ModelConfig, compute: ComputeConfig, seq_len: int) -> list[int]:
+    """The lengths the double is measured at for `seq_len` tokens: seq_len itself when it is at most 8 query chunks
+    past the all-selected prefix, else 4 and 8 chunks past it. The prefix (queries with at most n blocks, which
+    select them all: one causal attention, no scores) is another regime, so both points lie beyond it, where every
+    term of the peak is affine in T (the nsa/attention.py docstring)."""
+    Q = compute.attention_query_chunk
+    prefix = -(-config.nsa_num_selected * config.nsa_select_block_size // Q) * Q  # chunks that select every block
+    points = [prefix + 4 * Q, prefix + 8 * Q]
+    return [seq_len] if seq_len <= points[1] else points
+
+
+def calibrated_spec(layer_class: type, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
+                    dtype: torch.dtype, device: str, points: list[int] | None = None) -> Spec:
+    """The double's spec for `batch_size` x `seq_len` tokens: measured on the path a CUDA run takes at each of
+    `points` (default `calibration_lengths`) and, for two points, extrapolated linearly to seq_len (call it under
+    FakeTensorMode)."""
+    points = points or calibration_lengths(config, compute, seq_len)
+    autocast = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    # What a CUDA run takes: PyTorch's CUDA builds bring Triton.
+    path = nsa_attention.triton_kernels() if compute.triton_kernels else nsa_attention.explicit_attention()
+    with path:  # not the CPU kernels
+        measured = [_measure(*_arguments(layer_class, config, compute, batch_size, t, dtype, device, autocast),
+                             autocast)
+                    for t in points]
+    if len(points) == 1:
+        return measured[0]
+    (t1, t2), (m1, m2) = points, measured
+    return (*(max(0, round(a + (b - a) * (seq_len - t1) / (t2 - t1))) for a, b in zip(m1[:3], m2[:3], strict=True)),
+            m2[3])
+
+
 @contextmanager
 def sparse_attention_stand_in(layer_class: type, config: ModelConfig, compute: ComputeConfig, batch_size: int,
                               seq_len: int, dtype: torch.dtype, device: str) -> Iterator[str]:
     """While inside, the attention of every `layer_class` (NativeSparseAttention) layer is `_SparseAttentionDouble`,
-    calibrated for
-    `batch_size` x `seq_len` tokens computing in `dtype` on `device` (call it under FakeTensorMode); yields a
-    one-line description."""
-    Q = compute.attention_query_chunk
-    points = [seq_len] if seq_len <= 4 * Q else [2 * Q, 4 * Q]
-    autocast = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    triton = compute.triton_kernels and nsa_attention.triton_installed()
-    path = nsa_attention.triton_kernels() if triton else nsa_attention.explicit_attention()  # not the CPU kernels
-    with path:
-        measured = [_measure(*_arguments(layer_class, config, compute, batch_size, t, dtype, device, autocast),
-                                  autocast)
-                    for t in points]
-    spec = measured[-1]
-    if len(points) == 2:
-        (t1, t2), (m1, m2) = points, measured
-        spec = (*(max(0, round(a + (b - a) * (seq_len - t1) / (t2 - t1))) for a, b in zip(m1[:3], m2[:3],
-                                                                                             strict=True)), m2[3])
+    calibrated for `batch_size` x `seq_len` tokens computing in `dtype` on `device` (call it under FakeTensorMode);
+    yields a one-line description."""
+    points = calibration_lengths(config, compute, seq_len)
+    spec = calibrated_spec(layer_class, config, compute, batch_size, seq_len, dtype, device, points)
 
     def stand_in(*args: object, **kwargs: object) -> Tensor:
         return _SparseAttentionDouble.apply(spec, *(a for a in args if isinstance(a, Tensor)))
 
     with _swapped(layer_class, stand_in):
         yield (f"NSA: the attention (three gated branches) is a memory double calibrated on the real function "
-               f"({'Triton kernels' if triton else 'explicit path'}, as on CUDA) for one layer at "
+               f"({'Triton kernels' if compute.triton_kernels else 'explicit path'}, as on CUDA) for one layer at "
                f"T = {' and '.join(map(str, points))} (fake tensors), "
                f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}projections, compression and gates run "
                f"as in training")

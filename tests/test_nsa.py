@@ -702,19 +702,19 @@ _COMPILE_FOR_GPUS = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nsa import kernels as nt
+from nsa import triton_kernels as nt
 types = dict(IDX="*i64", LSE="*fp32", DELTA="*fp32", PTR="*i64", ROW="*i64", LO="*i32", HI="*i32", QA="*i32",
              QB="*i32", NVIS="*i32", W="*fp32", IMP="*fp32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32",
              NC="i32", NS="i32", scale="fp32")
 for D in (64, 128):
     common = dict(G=4, D=D, L_SEL=64, BLOCK_D=D, ACC=tl.float32)
     ranged = dict(D=D, BLOCK_M=64, BLOCK_N=64, BLOCK_D=D, ACC=tl.float32)
-    for fn, consts in ((nt._forward_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
-                       (nt._dq_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
-                       (nt._dkdv_kernel, dict(common, QB=16, BLOCK_R=64)),
-                       (nt._range_forward_kernel, ranged), (nt._range_dq_kernel, ranged),
-                       (nt._range_dkdv_kernel, dict(ranged, G=4)),
-                       (nt._importance_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, BLOCK_M=64,
+    for fn, consts in ((nt.selection_forward_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
+                       (nt.selection_dq_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
+                       (nt.selection_dkdv_kernel, dict(common, QB=16, BLOCK_R=64)),
+                       (nt.range_forward_kernel, ranged), (nt.range_dq_kernel, ranged),
+                       (nt.range_dkdv_kernel, dict(ranged, G=4)),
+                       (nt.importance_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, BLOCK_M=64,
                                                     BLOCK_J=16, BLOCK_C=64, BLOCK_D=D, ACC=tl.float32))):
         # bf16 for the H100 (training's dtype); float32 at D = 128, the largest tiles, for the A100 with the
         # 2 pipeline stages nsa.kernels._precision gives it

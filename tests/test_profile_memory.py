@@ -4,6 +4,7 @@ the fit advice and the command line. Memory in bytes; GiB = 2**30.
 """
 
 import json
+import sys
 
 import pytest
 import torch
@@ -124,12 +125,53 @@ def test_nsa_double_replaces_the_layer_seam_only_while_active():
 
 
 def test_nsa_double_matches_reference_path():
-    # 5 query chunks of 64: the double is calibrated at 2 and 4 chunks and extrapolated.
+    # 20 query chunks of 16: the double is calibrated at 4 and 8 chunks past the all-selected prefix (n l' = 64
+    # tokens) and extrapolated.
     config = pm.StepConfig.of(model_size="tiny", context_length=320, attention_type="nsa", world_size=2,
-                              loss="standard", attention_query_chunk=64, batch_size=1)
+                              loss="standard", attention_query_chunk=16, batch_size=1)
     double = pm.profile_step(config, stand_in=True)
-    assert "extrapolated" in double["stand_in"]
+    assert "at T = 128 and 192" in double["stand_in"] and "extrapolated" in double["stand_in"]
     assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton-path", "explicit-path"])
+def test_nsa_double_extrapolates_to_a_third_length(triton):
+    """One 4B NSA layer (l' = 64, n = 16, query chunks of 512, bf16): the double's spec extrapolated from its two
+    calibration lengths (3072 and 5120, past the 1024-token all-selected prefix) agrees within 2% with a direct
+    measurement at T = 8192, on the Triton kernels' path and on the explicit one."""
+    from config import ComputeConfig, ModelConfig
+    from nsa.layer import NativeSparseAttention
+    from nsa.memory import calibrated_spec, calibration_lengths
+
+    model = ModelConfig.from_preset("4B", attention_type="nsa")
+    compute = ComputeConfig(attention_query_chunk=512, triton_kernels=triton)
+    assert calibration_lengths(model, compute, 8192) == [3072, 5120]
+    args = (NativeSparseAttention, model, compute, 1, 8192, torch.bfloat16, "cpu")
+    with FakeTensorMode():
+        extrapolated = calibrated_spec(*args)
+        direct = calibrated_spec(*args, points=[8192])
+    for name, got, expected in zip(("kept", "forward peak", "backward peak"), extrapolated, direct, strict=False):
+        assert abs(got - expected) <= 0.02 * expected, (name, got, expected)
+    assert extrapolated[3] == direct[3]
+
+
+def test_nsa_estimate_is_the_same_without_triton(monkeypatch):
+    """The estimate models the Triton kernels' path (what a CUDA run takes) whether Triton is installed here or
+    not: on fake tensors that path allocates its outputs and launches nothing (nsa/kernels.py). With Triton's import
+    blocked, every stage equals the estimate with Triton, byte for byte."""
+    import nsa.attention
+
+    config = pm.StepConfig.of(model_size="tiny", context_length=320, attention_type="nsa", attention_query_chunk=16,
+                              gradient_checkpointing=True, loss="chunked")
+    with_triton = pm.estimate(config)
+    assert "Triton kernels" in with_triton["stand_in"]
+    monkeypatch.setattr(nsa.attention, "triton_installed", lambda: False)
+    for name in [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "nsa.triton_kernels"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    without = pm.estimate(config)
+    assert without["stages"] == with_triton["stages"] and without["stand_in"] == with_triton["stand_in"]
+    assert "nsa.triton_kernels" not in sys.modules
 
 
 # ---- full size: Qwen3-4B geometry, 131,072 tokens, 2 ranks, checkpointing (about 10 s per estimate) --------------
@@ -189,12 +231,36 @@ def test_fit_verdict_and_cheapest_change():
     roomy = pm.check_fit(result, gpu_memory_gib=2 * peak / GiB, reserve_gib=0)
     assert roomy["fits"] and roomy["margin_gib"] == pytest.approx(peak / GiB)
     tight = pm.check_fit(result, gpu_memory_gib=(peak - 1) / GiB, reserve_gib=0, log=lambda msg: None)
-    assert not tight["fits"] and tight["changes"][0] == "--loss chunked"
+    assert not tight["fits"] and tight["change"] == ["--loss chunked"] and tight["how"] == "estimated"
     assert tight["fitting_config"] is not None and tight["fitting_peak_gib"] * GiB <= peak - 1
     hopeless = pm.check_fit(result, gpu_memory_gib=1e-6, reserve_gib=0, log=lambda msg: None)
-    assert not hopeless["fits"] and hopeless["fitting_config"] is None
-    assert hopeless["changes"][:4] == ["--loss chunked", "--gradient_checkpointing", "--offload_activations",
-                                       "--world_size 2"]
+    assert not hopeless["fits"] and hopeless["fitting_config"] is None and hopeless["change"] is None
+    recipe = "--loss chunked --gradient_checkpointing --offload_activations"
+    assert hopeless["tried"][:4] == ["--loss chunked", "--loss chunked --gradient_checkpointing", recipe,
+                                     f"{recipe} --world_size 2 to 64"]
+    assert hopeless["tried"][-1] == f"{recipe} --batch_size 1"
+    assert "nothing tried fits (tried --loss chunked; " in pm.report_text(result, fit=hopeless)
+
+
+def test_more_gpus_are_derived_from_two_estimates(monkeypatch):
+    """Per-rank memory is affine in 1 / world size (FSDP2 divides the fp32 weights, gradients and AdamW moments):
+    two estimates give every world size. The search for a step that needs 16 ranks runs one estimate beyond the
+    asked one (at 4 ranks), derives 8 and 16, and names one change. The derived peak equals a direct estimate."""
+    config = pm.StepConfig.of(model_size="tiny", context_length=128, world_size=2, gradient_checkpointing=True,
+                              loss="chunked", offload_activations=True)
+    result = pm.estimate(config)
+    direct = {W: pm.estimate(config.replace(world_size=W))["peak"]["total"] for W in (4, 8, 16)}
+    assert pm.peak_at_world_size({2: result, 4: pm.estimate(config.replace(world_size=4))}, 16) == direct[16]
+    calls, real_estimate = [], pm.estimate
+    monkeypatch.setattr(pm, "estimate", lambda config, *args: calls.append(config.world_size) or real_estimate(config,
+                                                                                                            *args))
+    budget = (direct[8] + direct[16]) / 2  # 16 ranks fit, 8 do not
+    fit = pm.check_fit(result, gpu_memory_gib=budget / GiB, reserve_gib=0, log=lambda msg: None)
+    assert fit["change"] == ["--world_size 16"] and fit["fitting_config"]["world_size"] == 16
+    assert fit["fitting_peak_gib"] * GiB == direct[16] and fit["how"].startswith("derived")
+    assert calls == [4]
+    line = pm.report_text(result, fit=fit).splitlines()[-2]
+    assert line.startswith("cheapest change that fits: --world_size 16 (peak") and line.count("--") == 1
 
 
 # ---- command line and errors ---------------------------------------------------------------------------------------
@@ -214,6 +280,18 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     beside = pm.format_table(out, measured=out)  # --measure's layout: measured totals beside the estimate
     assert beside.splitlines()[0].split()[:3] == ["stage", "total", "measured"]
+
+
+def test_progress_lines_once_an_estimate_takes_a_while(capsys):
+    """Long estimates (the 4B ones take half a minute) say on stderr which part runs, from `after` seconds on."""
+    config = pm.StepConfig.of(model_size="tiny", context_length=64, attention_type="nsa")
+    pm.estimate(config, pm.progress_lines(after=0))
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in err] == [
+        "profile_memory: calibrating the nsa attention's stand-in", "profile_memory: building the model and optimizer",
+        "profile_memory: forward", "profile_memory: backward", "profile_memory: optimizer step"]
+    pm.estimate(config, pm.progress_lines())
+    assert capsys.readouterr().err == ""
 
 
 def test_bad_input_is_rejected_before_anything_is_built():
@@ -241,7 +319,10 @@ def test_one_command_one_answer_with_train_py():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--world_size", "0"], "--world_size must be a positive integer"),
+    (["--world_size", "0"], "--world_size must be an integer in [1, 1024]"),
+    (["--world_size", "100000"], "--world_size must be an integer in [1, 1024]"),
+    (["--gpu_memory", "-1"], "--gpu_memory must be a positive number of GiB, got -1"),
+    (["--gpu_memory", "1", "--reserve", "2"], "--reserve (2 GiB kept free) must be at least 0 and less than"),
     (["--context_length", "100000000"], "context_length must be in [2, 4,194,304]"),
     (["--plot", "no/such/dir/memory.png"], "--plot no/such/dir/memory.png: directory"),
     (["--attention_type", "sparse"], "--attention_type must be one of"),

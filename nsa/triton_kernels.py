@@ -1,0 +1,284 @@
+"""The Triton kernels of NSA's branches (paper section 3.4), the device code behind nsa/kernels.py, which launches
+them and allocates what they read and write (read it first: shapes, grids and the algorithm are described there).
+Imported only to launch a kernel on real tensors, so nothing else in the project needs Triton.
+
+Accumulation is in ACC (float32, or float64 for float64 inputs, so the tests compare exactly); float32 inputs use
+IEEE products, not TF32. Without a GPU the kernels run in Triton's interpreter if TRITON_INTERPRET=1 is set before
+this module is imported (tests/conftest.py does so).
+
+Notation: B batch, KV key/value heads, G query heads per KV head, NQ queries of the call, NR = G * NQ rows
+(head-major), D head dimension, S key positions, N_SEL selected blocks per query, NB blocks a query can select.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, ACC: tl.constexpr):
+    """a @ b accumulated in ACC (float32 or float64), IEEE products."""
+    return tl.dot(a, b, input_precision="ieee", out_dtype=ACC)
+
+
+@triton.jit
+def _online_softmax(m, denom, acc, logits, v, ACC: tl.constexpr):
+    """One key tile of flash attention's forward: the running row max m, denominator and unnormalised output acc
+    updated with the tile's masked logits (-inf where not visible) and values v. Returns (m, denom, acc)."""
+    m_new = tl.maximum(m, tl.max(logits, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key so far: p = 0, not NaN
+    p = tl.exp(logits - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    return m_new, denom * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, ACC)
+
+
+@triton.jit
+def _backward_rows(Q, DO, LSE, DELTA, off, io_mask, row, row_ok):
+    """A tile of query rows for backward: q and dO at offsets off (masked by io_mask), lse and delta = rowsum(dO * O)
+    at row (masked by row_ok)."""
+    return (tl.load(Q + off, mask=io_mask, other=0.0), tl.load(DO + off, mask=io_mask, other=0.0),
+            tl.load(LSE + row, mask=row_ok, other=0.0), tl.load(DELTA + row, mask=row_ok, other=0.0))
+
+
+@triton.jit
+def _probs(q, k, lse, visible, scale, ACC: tl.constexpr):
+    """Attention probabilities of a tile from its rows' saved lse: exp(q k^T * scale - lse) where visible, else 0."""
+    return tl.where(visible, tl.exp(_dot(q, tl.trans(k), ACC) * scale - lse[:, None]), 0.0)
+
+
+@triton.jit
+def _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC: tl.constexpr):
+    """The flash-attention backward of one tile: P (`_probs`) and dS = P * (dO v^T - delta)."""
+    p = _probs(q, k, lse, visible, scale, ACC)
+    return p, p * (_dot(do, tl.trans(v), ACC) - delta[:, None])
+
+
+@triton.jit
+def _key_block(K, V, bh, S, k0, cols, col_ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions k0 + [0, BLOCK_N), their offsets into (BKV, S, D) and mask (nothing past S), and their keys and
+    values (BLOCK_N, BLOCK_D)."""
+    pos = k0 + tl.arange(0, BLOCK_N)
+    off = (bh * S + pos[:, None]) * D + cols[None, :]
+    mask = (pos < S)[:, None] & col_ok[None, :]
+    return pos, off, mask, tl.load(K + off, mask=mask, other=0.0), tl.load(V + off, mask=mask, other=0.0)
+
+
+@triton.jit
+def _block(K, V, bh, S, j, t, cols, col_ok, D: tl.constexpr, L_SEL: tl.constexpr):
+    """Keys and values (L_SEL, BLOCK_D) of block j of batch x KV head bh, zero where not visible from position t,
+    and the visibility (L_SEL,)."""
+    pos = j * L_SEL + tl.arange(0, L_SEL)
+    visible = pos <= t
+    off = (bh * S + pos[:, None]) * D + cols[None, :]  # into (BKV, S, D)
+    mask = visible[:, None] & col_ok[None, :]
+    return tl.load(K + off, mask=mask, other=0.0), tl.load(V + off, mask=mask, other=0.0), visible
+
+
+@triton.jit
+def selection_forward_kernel(Q, K, V, IDX, O, LSE, q_start, NQ, S, scale,
+                    G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N_SEL: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t = q_start + i  # the query's position
+    rows, cols = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    row_ok, col_ok = rows < G, cols < D
+    q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]  # (BLOCK_G, BLOCK_D) into (BKV, NQ, G, D)
+    q = tl.load(Q + q_off, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), ACC)
+    denom = tl.zeros([BLOCK_G], ACC)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], ACC)
+    for s in range(N_SEL):
+        j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
+        if j * L_SEL <= t:  # a used slot: the block starts at or before the query
+            k, v, visible = _block(K, V, bh, S, j, t, cols, col_ok, D, L_SEL)
+            logits = tl.where(visible[None, :], _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
+            m, denom, acc = _online_softmax(m, denom, acc, logits, v, ACC)
+    tl.store(O + q_off, (acc / denom[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(LSE + (bh * NQ + i) * G + rows, m + tl.log(denom), mask=row_ok)
+
+
+@triton.jit
+def selection_dq_kernel(Q, K, V, IDX, DO, LSE, DELTA, DQ, q_start, NQ, S, scale,
+               G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N_SEL: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    t = q_start + i
+    rows, cols = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    row_ok, col_ok = rows < G, cols < D
+    q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]
+    io_mask = row_ok[:, None] & col_ok[None, :]
+    q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, q_off, io_mask, (bh * NQ + i) * G + rows, row_ok)
+    dq = tl.zeros([BLOCK_G, BLOCK_D], ACC)
+    for s in range(N_SEL):
+        j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
+        if j * L_SEL <= t:
+            k, v, visible = _block(K, V, bh, S, j, t, cols, col_ok, D, L_SEL)
+            _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible[None, :], scale, ACC)  # (BLOCK_G, L_SEL)
+            dq += _dot(ds.to(k.dtype), k, ACC)
+    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def selection_dkdv_kernel(Q, K, V, DO, LSE, DELTA, PTR, ROW, DK, DV, q_start, NQ, S, NB, scale,
+                 G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    jb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    start = tl.load(PTR + bh * NB + jb)  # the block's (query, slot) pairs: ROW[start:end]
+    end = tl.load(PTR + bh * NB + jb + 1)
+    if start < end:
+        r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, jb * L_SEL, cols, col_ok, D, L_SEL)
+        dk = tl.zeros([L_SEL, BLOCK_D], ACC)
+        dv = tl.zeros([L_SEL, BLOCK_D], ACC)
+        head = r % G
+        for base in range(start, end, QB):  # QB queries, G rows each
+            slot = base + r // G
+            ok = (r < QB * G) & (slot < end)
+            query = tl.load(ROW + slot, mask=ok, other=0)  # index into the (BKV * NQ) queries
+            t = q_start + query - bh * NQ
+            row_off = query * G + head
+            io_mask = ok[:, None] & col_ok[None, :]
+            q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, row_off[:, None] * D + cols[None, :], io_mask,
+                                               row_off, ok)
+            visible = ok[:, None] & (pos[None, :] <= t[:, None])  # (BLOCK_R, L_SEL)
+            p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
+            dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
+            dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
+        dk_old = tl.load(DK + kv_off, mask=kv_mask, other=0.0)
+        dv_old = tl.load(DV + kv_off, mask=kv_mask, other=0.0)
+        tl.store(DK + kv_off, (dk_old + dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + kv_off, (dv_old + dv).to(DV.dtype.element_ty), mask=kv_mask)
+
+
+# ---- attention over a contiguous key range per query: the compression and window branches ----------------------
+
+
+@triton.jit
+def _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows pid * BLOCK_M + [0, BLOCK_M) of the head-major (G * NQ) rows: (rows, in range, each row's key range
+    lo, hi, and the union of the ranges as [start, end) with start a multiple of BLOCK_N)."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < NR
+    lo = tl.load(LO + rows % NQ, mask=row_ok, other=0)
+    hi = tl.load(HI + rows % NQ, mask=row_ok, other=0)
+    start = tl.min(tl.where(row_ok, lo, S)) // BLOCK_N * BLOCK_N
+    return rows, row_ok, lo, hi, start, tl.max(tl.where(row_ok, hi, 0))
+
+
+@triton.jit
+def _row_tile(bh, NR, rows, row_ok, cols, col_ok, D: tl.constexpr):
+    """Offsets into (BKV, NR, D) and mask of the tile of rows x cols of batch x KV head bh."""
+    return (bh * NR + rows[:, None]) * D + cols[None, :], row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
+    q = tl.load(Q + io_off, mask=io_mask, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), ACC)
+    denom = tl.zeros([BLOCK_M], ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    for k0 in range(start, end, BLOCK_N):
+        pos, _, _, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
+        visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+        logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
+        m, denom, acc = _online_softmax(m, denom, acc, logits, v, ACC)
+    denom = tl.where(row_ok, denom, 1.0)  # padding rows saw nothing
+    tl.store(O + io_off, (acc / denom[:, None]).to(O.dtype.element_ty), mask=io_mask)
+    tl.store(LSE + bh * NR + rows, m + tl.log(denom), mask=row_ok)
+
+
+@triton.jit
+def range_dq_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, DQ, NR, NQ, S, scale,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
+    q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    for k0 in range(start, end, BLOCK_N):
+        pos, _, _, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
+        visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+        _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
+        dq += _dot(ds.to(k.dtype), k, ACC)
+    tl.store(DQ + io_off, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, S, scale,
+                       G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    kb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, kb * BLOCK_N, cols, col_ok, D, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
+    q_first = tl.load(QA + kb)  # the queries [q_first, q_last) see a key of this block
+    q_last = tl.load(QB + kb)
+    for g in range(G):
+        for q0 in range(q_first, q_last, BLOCK_M):
+            qi = q0 + tl.arange(0, BLOCK_M)
+            row_ok = qi < q_last
+            rows = g * NQ + qi
+            io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
+            q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok)
+            lo = tl.load(LO + qi, mask=row_ok, other=0)
+            hi = tl.load(HI + qi, mask=row_ok, other=0)
+            visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])  # (BLOCK_M, BLOCK_N)
+            p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
+            dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
+            dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
+    tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+# ---- importance scores (paper Eqs. 8-10) without the compression probabilities in memory -----------------------
+
+
+@triton.jit
+def importance_kernel(Q, K, LSE, NVIS, W, IMP, NQ, NC, NS, scale,
+                       G: tl.constexpr, D: tl.constexpr, PER_SEL: tl.constexpr, FIRST: tl.constexpr,
+                       WIDTH: tl.constexpr, J_STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+                       BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    j0 = tl.program_id(2) * J_STEP  # this program's selection blocks: j0 .. j0 + J_STEP - 1
+    qi = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = qi < NQ
+    n_visible = tl.load(NVIS + qi, mask=q_ok, other=0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    cc = tl.arange(0, BLOCK_C)
+    c = j0 * PER_SEL + FIRST + cc  # the compressed blocks that feed them
+    c_ok = (c >= 0) & (c < NC)
+    k = tl.load(K + (bh * NC + c[:, None]) * D + cols[None, :], mask=c_ok[:, None] & col_ok[None, :], other=0.0)
+    visible = c_ok[None, :] & (c[None, :] < n_visible[:, None])  # (BLOCK_M, BLOCK_C)
+    p = tl.zeros([BLOCK_M, BLOCK_C], ACC)  # compression probabilities summed over the group's heads (Eq. 10)
+    for g in range(G):
+        rows = bh * G * NQ + g * NQ + qi  # into (BKV * G * NQ) head-major rows
+        q = tl.load(Q + rows[:, None] * D + cols[None, :], mask=q_ok[:, None] & col_ok[None, :], other=0.0)
+        lse = tl.load(LSE + rows, mask=q_ok, other=0.0)
+        p += _probs(q, k, lse, visible, scale, ACC)
+    jj = tl.arange(0, BLOCK_J)
+    offset = cc[:, None] - PER_SEL * jj[None, :]  # (BLOCK_C, BLOCK_J): Eq. 9's weight index of (c, j)
+    w = tl.load(W + offset, mask=(offset >= 0) & (offset < WIDTH), other=0.0)
+    importance = _dot(p, w.to(ACC), ACC)  # (BLOCK_M, BLOCK_J)
+    j = j0 + jj
+    tl.store(IMP + (bh * NQ + qi[:, None]) * NS + j[None, :], importance,
+             mask=q_ok[:, None] & ((jj < J_STEP) & (j < NS))[None, :])
