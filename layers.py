@@ -140,9 +140,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     chunks = range(0, min(x.shape[-2], ROPE_CHUNK) if fake else x.shape[-2], ROPE_CHUNK)
     for t0 in chunks:
         t1 = t0 + ROPE_CHUNK
-        xs = x[..., t0:t1, :].to(compute_dtype)  # (B, H, c, D)
-        rotated = torch.cat([-xs[..., half:], xs[..., :half]], dim=-1)  # (B, H, c, D)
-        out[..., t0:t1, :] = xs * cos[t0:t1] + rotated * sin[t0:t1]
+        xs, c, s = x[..., t0:t1, :].to(compute_dtype), cos[t0:t1], sin[t0:t1]  # (B, H, c, D), (c, D), (c, D)
+        y = xs * c  # (B, H, c, D); then rotate_half(xs) * s added half by half, with no rotated copy of xs
+        y[..., :half].addcmul_(xs[..., half:], s[..., :half], value=-1)
+        y[..., half:].addcmul_(xs[..., :half], s[..., half:])
+        out[..., t0:t1, :] = y
     return out
 
 

@@ -38,7 +38,8 @@ def run(model_dir: Path, data_dir: Path, out_dir: Path, *extra: str) -> dict:
 def test_first_step_loss_equals_transformers(qwen3: tuple[Path, Path], tmp_path: Path):
     model_dir, data_dir = qwen3
     first = run(model_dir, data_dir, tmp_path / "run")
-    assert first["loss"] == pytest.approx(transformers_first_loss(model_dir, data_dir), abs=1e-5)
+    # float32 in both (different kernels): a mean of per-token losses of about 6, relatively within 1e-5
+    assert first["loss"] == pytest.approx(transformers_first_loss(model_dir, data_dir), rel=1e-5, abs=0)
     resolved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert resolved["model"]["vocab_size"] == 448 and resolved["model"]["context_length"] == T
     assert resolved["train"]["tokenizer"] == str(model_dir / "tokenizer.json") and resolved["train"]["lr"] == 2e-5
@@ -58,7 +59,7 @@ def test_sharded_start_broadcasts_the_weights(qwen3: tuple[Path, Path], tmp_path
     results = tmp_path / "metrics.json"
     run_distributed(_sharded_first_loss, str(model_dir), str(data_dir), str(tmp_path / "run"), str(results))
     loss = json.loads(results.read_text())["loss"]
-    assert loss == pytest.approx(transformers_first_loss(model_dir, data_dir), abs=1e-5)
+    assert loss == pytest.approx(transformers_first_loss(model_dir, data_dir), rel=1e-5, abs=0)
 
 
 def test_rope_theta_and_context_change_only_rope(qwen3: tuple[Path, Path], tmp_path: Path):

@@ -174,7 +174,7 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
         model(ids, ids).loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # float32 sums of the same terms in another order
 
 
 def test_gradient_checkpointing_recomputes_the_loss_once(monkeypatch: pytest.MonkeyPatch) -> None:
