@@ -125,12 +125,12 @@ def test_nsa_double_replaces_the_layer_seam_only_while_active():
 
 
 def test_nsa_double_matches_reference_path():
-    # 20 query chunks of 16: the double is calibrated at 4 and 8 chunks past the all-selected prefix (n l' = 64
+    # 11 query chunks of 32: the double is calibrated at 4 and 8 chunks past the all-selected prefix (n l' = 64
     # tokens) and extrapolated.
-    config = pm.StepConfig.of(model_size="tiny", context_length=320, attention_type="nsa", world_size=2,
-                              loss="standard", attention_query_chunk=16, batch_size=1)
+    config = pm.StepConfig.of(model_size="tiny", context_length=352, attention_type="nsa", world_size=2,
+                              loss="standard", attention_query_chunk=32, batch_size=1)
     double = pm.profile_step(config, stand_in=True)
-    assert "at T = 128 and 192" in double["stand_in"] and "extrapolated" in double["stand_in"]
+    assert "at T = 192 and 320" in double["stand_in"] and "extrapolated" in double["stand_in"]
     assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])
 
 
@@ -226,7 +226,7 @@ def test_4b_131k_standard_loss_shows_the_logits_blow_up(estimates_4b_131k):
 # ---- will it fit? ----------------------------------------------------------------------------------------------------
 
 def test_fit_verdict_and_cheapest_change():
-    result = pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=128, loss="standard"))
+    result = pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=128, batch_size=2, loss="standard"))
     peak = result["peak"]["total"]
     roomy = pm.check_fit(result, gpu_memory_gib=2 * peak / GiB, reserve_gib=0)
     assert roomy["fits"] and roomy["margin_gib"] == pytest.approx(peak / GiB)
