@@ -5,7 +5,6 @@ the memory budget, and the signals that stop a run cleanly.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import itertools
 import json
@@ -21,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from config import GiB, ModelConfig, attention_class
-from train_config import TrainConfig
+from train_config import TrainConfig, record
 
 # Dense bf16 peak FLOP/s per GPU for the MFU estimate, matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -268,7 +267,7 @@ def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_siz
     kill cut short, and record the options that changed (`changed`: {option: [checkpoint value, new value]}) as a
     metrics line {"step", "resumed_with"}. A run started without a checkpoint begins a fresh metrics.jsonl."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    resolved = {"train": dataclasses.asdict(cfg), "model": model.config.to_dict(),
+    resolved = {"train": record(cfg), "model": model.config.to_dict(),
                 "compute": model.compute.to_dict(), "world_size": world_size,
                 "parameters": model.num_parameters(), **task_state}
     print(json.dumps(resolved, indent=1) if cfg.verbose else summary(cfg, model, world_size))
@@ -281,7 +280,8 @@ def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_siz
             kept = [ln for ln in lines if (row := _json_line(ln)) is not None and row.get("step", step + 1) <= step]
             metrics_file.write_text("".join(f"{ln}\n" for ln in kept))
         for name, (old, new) in changed.items():
-            print(f"--{name} {new} takes effect from step {step + 1} (the checkpoint was trained with {old})")
+            option = "world size" if name == "world_size" else f"--{name}"  # ranks: not an option
+            print(f"{option} {new} takes effect from step {step + 1} (the checkpoint was trained with {old})")
         if changed:
             with metrics_file.open("a") as f:
                 f.write(json.dumps({"step": step, "resumed_with": changed}) + "\n")

@@ -166,10 +166,10 @@ def _quiet(message: str) -> None:
 def tokenizer_vocab(cfg: TrainConfig) -> int:
     """The vocabulary of the tokenizer train.py would use: --tokenizer, DATA_DIR/tokenizer.model when it exists, or
     the one it trains for the default corpus (TOKENIZER_VOCAB); 0 (the preset's vocabulary) otherwise."""
-    path = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.data_dir) / "tokenizer.model"
+    path = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.data_dir or DEFAULT_DATA_DIR) / "tokenizer.model"
     if path.is_file():
         return load_tokenizer(path).vocab_size
-    return TOKENIZER_VOCAB if cfg.data_dir == DEFAULT_DATA_DIR and not cfg.init_from else 0
+    return TOKENIZER_VOCAB if cfg.data_dir is None and not cfg.init_from else 0
 
 
 # ---- memory probes: the same interface over the trackers (fake or real tensors) and over torch.cuda statistics ----
@@ -629,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    cfg, args = parse_options(parser, argv)
+    cfg, args, _ = parse_options(parser, argv)
     if args["gpu_memory"] is not None and not args["gpu_memory"] > 0:
         parser.error(f"--gpu_memory must be a positive number of GiB, got {args['gpu_memory']}")
     if args["gpu_memory"] is not None and not 0 <= args["reserve"] < args["gpu_memory"]:

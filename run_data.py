@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -32,15 +33,19 @@ from train_config import DEFAULT_DATA_DIR, TOKENIZER_VOCAB, TrainConfig
 
 def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, stored: ModelConfig | None
                  ) -> tuple[TrainConfig, Tokenizer | HFTokenizer, TokenLoader | SyntheticMix]:
-    """(cfg with its tokenizer file named, the tokenizer, this rank's loader): the tokenizer chosen and checked
-    (`resolve_tokenizer`), the default corpus prepared when it is missing, the tokenizer checked against the
-    data's, the sample checked against the context, the synthetic mix."""
+    """(cfg with its tokenizer file and data directory named, absolute, the tokenizer, this rank's loader): the
+    tokenizer chosen and checked (`resolve_tokenizer`), the default corpus prepared when it is missing, the tokenizer
+    checked against the data's, the sample checked against the context, the synthetic mix."""
     cfg = resolve_tokenizer(cfg, resume_from, stored)
+    data_dir = Path(cfg.data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        raise ValueError(f"--data_dir {data_dir} is a file; pass a directory of prepared data (python data.py "
+                         "prepare --out_dir DIR)")
     ensure_default_data(cfg, rt)
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     check_tokenizer(loader.index, tokenizer)
-    cfg = dataclasses.replace(cfg, tokenizer=str(tokenizer.path))  # config.json names the tokenizer used
+    cfg = dataclasses.replace(cfg, tokenizer=str(Path(tokenizer.path).resolve()))  # config.json names it
     prompt = len(tokenizer.encode(cfg.sample_prompt))
     if cfg.sample_tokens and prompt + cfg.sample_tokens > cfg.context_length:
         raise ValueError(f"--sample_tokens {cfg.sample_tokens} after the --sample_prompt's {prompt} tokens exceed "
@@ -89,9 +94,9 @@ def recorded_tokenizer(cfg: TrainConfig, resume_from: Path | None) -> Tokenizer 
 def resolve_tokenizer(cfg: TrainConfig, resume_from: Path | None, stored: ModelConfig | None) -> TrainConfig:
     """cfg with the run's tokenizer named: --tokenizer, which must have the recorded one's vocabulary
     (`recorded_tokenizer`, `same_vocabulary`); else the recorded one; else the data's. Checked against the stored
-    model's vocabulary before any data is prepared. The data's own copy is named when it is the same file; a
-    tokenizer other than the default corpus's gets a default data directory of its own
-    (DEFAULT_DATA_DIR-<sha256[:12]>)."""
+    model's vocabulary before any data is prepared. The data's own copy is named when it is the same file. The data
+    directory is named too (absolute): --data_dir, else the default corpus's, DEFAULT_DATA_DIR, or for a tokenizer
+    other than its own a directory of its own (DEFAULT_DATA_DIR-<sha256[:12]>)."""
     recorded = recorded_tokenizer(cfg, resume_from)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else recorded
     if cfg.tokenizer and recorded and not same_vocabulary(tokenizer, recorded):
@@ -100,12 +105,25 @@ def resolve_tokenizer(cfg: TrainConfig, resume_from: Path | None, stored: ModelC
                          f"{recorded.eod_id}), the tokenizer the weights were trained with: leave --tokenizer out")
     if stored is not None and tokenizer is not None:
         check_vocab(tokenizer, stored.vocab_size)
+    data_dir = cfg.data_dir
+    if data_dir is None:
+        data_dir = DEFAULT_DATA_DIR
+        if tokenizer is not None and not same_file(data_tokenizer(DEFAULT_DATA_DIR), tokenizer):
+            data_dir = f"{DEFAULT_DATA_DIR}-{tokenizer.sha256[:12]}"
+    cfg = dataclasses.replace(cfg, data_dir=str(Path(data_dir).resolve()))
     if tokenizer is None:
         return cfg
-    if cfg.data_dir == DEFAULT_DATA_DIR and not same_file(data_tokenizer(cfg.data_dir), tokenizer):
-        cfg = dataclasses.replace(cfg, data_dir=f"{DEFAULT_DATA_DIR}-{tokenizer.sha256[:12]}")
     own = data_tokenizer(cfg.data_dir)  # the data's copy when it is the same file: a path that stays
-    return dataclasses.replace(cfg, tokenizer=str(own if same_file(own, tokenizer) else tokenizer.path))
+    return dataclasses.replace(cfg, tokenizer=str((own if same_file(own, tokenizer) else tokenizer.path).resolve()))
+
+
+def default_corpus(data_dir: str | Path) -> bool:
+    """Whether `data_dir` is a directory of the default corpus, which train.py prepares when it is missing:
+    DEFAULT_DATA_DIR, or its variant for another tokenizer (DEFAULT_DATA_DIR-<12 hex digits>), compared as
+    resolved paths."""
+    path, default = Path(data_dir).resolve(), Path(DEFAULT_DATA_DIR).resolve()
+    return path == default or (path.parent == default.parent
+                               and re.fullmatch(rf"{re.escape(default.name)}-[0-9a-f]{{12}}", path.name) is not None)
 
 
 def same_file(path: Path, tokenizer: Tokenizer | HFTokenizer) -> bool:
@@ -114,11 +132,11 @@ def same_file(path: Path, tokenizer: Tokenizer | HFTokenizer) -> bool:
 
 
 def ensure_default_data(cfg: TrainConfig, rt: Runtime) -> None:
-    """Make `python train.py` work out of the box: if the default data directory (DEFAULT_DATA_DIR, or its
-    per-tokenizer variant) is selected and empty, tokenize this interpreter's standard library into it (~20 s), with
-    the run's tokenizer (copied into it) or one trained for it there. Rank 0 works while the others wait."""
+    """Make `python train.py` work out of the box: if the default corpus's directory (`default_corpus`) is selected
+    and empty, tokenize this interpreter's standard library into it (~20 s), with the run's tokenizer (copied into
+    it) or one trained for it there. Rank 0 works while the others wait."""
     data_dir = Path(cfg.data_dir)
-    if rt.rank == 0 and cfg.data_dir.startswith(DEFAULT_DATA_DIR) and not (data_dir / INDEX_NAME).exists():
+    if rt.rank == 0 and default_corpus(data_dir) and not (data_dir / INDEX_NAME).exists():
         files = stdlib_files()
         tok_file = tokenizer_path(cfg)
         if not tok_file.exists():  # the tokenizer trains on a sample of lines: shuffle the files to show it all

@@ -78,12 +78,36 @@ def holds_run(out_dir: Path) -> bool:
     return any((out_dir / name).exists() for name in RUN_FILES) or latest_checkpoint(out_dir) is not None
 
 
-def check_run_directory(out_dir: Path, resume: str | None) -> None:
+def run_record(out_dir: Path) -> dict | None:
+    """The options the run in `out_dir` recorded (the "train" section of its config.json), or None when it holds
+    no config.json. FileExistsError when that config.json is not a training run's (a model's: an export, a Hugging
+    Face directory), which a run would overwrite."""
+    file = out_dir / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        values = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        values = None
+    if not (isinstance(values, dict) and isinstance(values.get("train"), dict)):
+        raise FileExistsError(f"{out_dir} holds a config.json that is not a training run's (a model's?), which a run "
+                              "would overwrite; choose another --out_dir")
+    return values["train"]
+
+
+def check_run_directory(out_dir: Path, resume: str | None, init_from: str | None = None) -> None:
     """FileExistsError (one line, naming what to pass) unless starting or resuming into `out_dir` leaves every other
-    run's files alone: a fresh run needs a directory without a run (config.json, metrics.jsonl or step-N), and a
-    checkpoint resumed from another directory may not be continued in one that holds a run."""
+    run's files and every model alone: `out_dir` is not --init_from and holds no model (weights, or a config.json
+    that is not a run's: `run_record`); a fresh run needs a directory without a run (config.json, metrics.jsonl or
+    step-N), and a checkpoint resumed from another directory may not be continued in one that holds a run."""
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"--out_dir {out_dir} is a file; pass a directory")
+    if init_from and out_dir.resolve() == Path(init_from).resolve():
+        raise FileExistsError(f"--out_dir {out_dir} is the --init_from model: a run would overwrite it; choose "
+                              "another --out_dir")
+    if run_record(out_dir) is None and out_dir.is_dir() and (weights := next(out_dir.glob("*.safetensors"), None)):
+        raise FileExistsError(f"{out_dir} holds a model ({weights.name}), which a run would overwrite; choose another "
+                              "--out_dir")
     if resume is None and holds_run(out_dir):
         what = latest_checkpoint(out_dir).name if latest_checkpoint(out_dir) else "a run without a checkpoint"
         raise FileExistsError(f"{out_dir} already holds a run ({what}); pass --resume to continue it (from scratch "

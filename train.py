@@ -72,16 +72,19 @@ from monitor import (
 from nsa.convert import FRESH, nsa_state_from_dense
 from parallel import Runtime, apply_fsdp, init_runtime, init_sharded_weights
 from run_data import prepare_data
-from rundir import RunLock, check_run_directory, start_timeline
+from rundir import RunLock, check_run_directory, run_record, start_timeline
 from synthetic import SyntheticMix
 from tokenizer import HFTokenizer, Tokenizer, check_vocab
 from tracking import check_tracker, tracking
 from train_config import (
     TrainConfig,
+    absolute_paths,
     build_model_config,
+    continue_options,
     default_out_dir,
     exit_with_error,
-    parse_config,
+    parse_run,
+    record,
     resolve_config,
 )
 from weights import load_initial_weights, stored_config, weights_fingerprint
@@ -207,7 +210,7 @@ class Run:
     def save(self) -> Path:
         """Checkpoint this step (collective), then delete checkpoints beyond --keep_checkpoints."""
         train_state = {"step": self.step, "bad_steps": self.bad_steps, "scheduler": self.scheduler.state_dict(),
-                       "loader": self.loader.state_dict(), "config": dataclasses.asdict(self.cfg),
+                       "loader": self.loader.state_dict(), "config": record(self.cfg),
                        "model_config": self.model.config.to_dict(), "compute": self.model.compute.to_dict(),
                        "world_size": self.rt.world_size, "base": self.base, "tokenizer": self.tokenizer.record(),
                        **self.task_state}
@@ -254,9 +257,11 @@ class NothingToTrain(Exception):
         self.step = step
 
 
-def resolve_run(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
+def resolve_run(cfg: TrainConfig, rt: Runtime, given: frozenset[str] | None = None) -> TrainConfig:
     """The options resolved for this device (resolve_config), and the run directory: --out_dir, or its default,
-    decided by rank 0 (the other ranks could see its directory appear)."""
+    decided by rank 0 (the other ranks could see its directory appear). A resumed run continues with the options
+    its directory recorded, except those `given` (`continue_options`; None: all are given). Paths are made
+    absolute, so that the run's record holds from any working directory."""
     say = print if rt.rank == 0 else (lambda message: None)
     cfg = resolve_config(cfg, rt.device, say)
     if cfg.out_dir == "auto":
@@ -264,7 +269,10 @@ def resolve_run(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
         if dist.is_initialized():
             dist.broadcast_object_list(out_dir, src=0)
         cfg = dataclasses.replace(cfg, out_dir=out_dir[0])
-    return cfg
+    check_run_directory(Path(cfg.out_dir), cfg.resume, cfg.init_from)
+    if cfg.resume and given is not None and (recorded := run_record(Path(cfg.out_dir))):
+        cfg = continue_options(cfg, given, recorded)
+    return absolute_paths(cfg)
 
 
 @contextlib.contextmanager
@@ -291,8 +299,8 @@ def run_directory_lock(out_dir: Path, rt: Runtime) -> Iterator[None]:
 
 def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     """Everything a run needs, in this order (NothingToTrain when the checkpoint to resume has reached --max_steps):
-    1. (resolved options, the run directory locked: `resolve_run`, `run_directory_lock`) the fine-tuning mode
-       checked, the run directory checked (before anything is written or allocated);
+    1. (resolved options, the run directory checked and locked: `resolve_run`, `run_directory_lock`) the
+       fine-tuning mode checked (before anything is written or allocated);
     2. the architecture stored at --init_from and the checkpoint to resume (`resume_point`), verified before
        anything is built;
     3. tokenizer and data (`prepare_data`): the tokenizer recorded with those weights, and the vocabulary sizes
@@ -306,7 +314,6 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     mode = finetune_mode(cfg)
     mode.check(rt.world_size)
     check_tracker(cfg.tracker)
-    check_run_directory(Path(cfg.out_dir), cfg.resume)
     stored = stored_config(cfg.init_from) if cfg.init_from else None
     resume_from = resume_point(cfg, rt)
     cfg, tokenizer, loader = prepare_data(cfg, rt, resume_from, stored)
@@ -382,8 +389,9 @@ def load_base(model: Transformer, cfg: TrainConfig, stored: ModelConfig | None, 
 
 
 def resume(run: Run) -> dict:
-    """Load the checkpoint `run.resume_from` into the run (collective); returns the options that changed since it
-    was saved ({option: [checkpoint value, new value]}), which take effect (`apply_optimizer_options`)."""
+    """Load the checkpoint `run.resume_from` into the run (collective); returns what changed since it was saved
+    ({option: [checkpoint value, new value]}): the optimizer options, which take effect
+    (`apply_optimizer_options`), and what makes a step (batch size, accumulation, ranks)."""
     state = load_checkpoint(run.resume_from, run.model, run.optimizer)
     if run.mode.frozen_base and state.get("base") != run.base:
         def name(base: dict | None) -> str:
@@ -393,7 +401,12 @@ def resume(run: Run) -> dict:
     run.step, run.bad_steps = state["step"], state["bad_steps"]
     run.scheduler.load_state_dict(state["scheduler"])
     run.loader.load_state_dict(state["loader"])
-    return apply_optimizer_options(run.optimizer, run.scheduler, run.cfg, state["config"])
+    changed = apply_optimizer_options(run.optimizer, run.scheduler, run.cfg, state["config"])
+    # What a step is: the tokens it trains on (a checkpoint of W ranks resumes on any number of ranks).
+    now = {"batch_size": run.cfg.batch_size, "gradient_accumulation_steps": run.cfg.gradient_accumulation_steps,
+           "world_size": run.rt.world_size}
+    saved = {**state["config"], "world_size": state["world_size"]}
+    return {**changed, **{k: [saved.get(k), v] for k, v in now.items() if saved.get(k) != v}}
 
 
 # ---- one step ------------------------------------------------------------------------------------------------
@@ -506,9 +519,10 @@ def observe(run: Run, step_metrics: dict, dt: float, previous: dict, leaks: Leak
 # ---- the loop ------------------------------------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None) -> dict:
-    """Run (or resume) training as configured; returns the last step's metrics."""
-    cfg = resolve_run(cfg, rt)
+def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None, given: frozenset[str] | None = None) -> dict:
+    """Run (or resume) training as configured; returns the last step's metrics. `given`: the options given on the
+    command line (a resumed run takes the others from its record); None: all of them."""
+    cfg = resolve_run(cfg, rt, given)
     with run_directory_lock(Path(cfg.out_dir), rt):
         try:
             run = prepare_run(cfg, rt, task or Task())
@@ -588,10 +602,10 @@ def generate_sample(model: Transformer, tokenizer: Tokenizer, cfg: TrainConfig, 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv)
+    cfg, given = parse_run(argv)
     rt = init_runtime()
     try:
-        metrics = train(cfg, rt)
+        metrics = train(cfg, rt, given=given)
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()  # no barrier: the other ranks may never reach it

@@ -109,7 +109,9 @@ class TrainConfig:
     max_bad_steps: int = option(5, "stop after this many consecutive steps with a non-finite loss or gradient norm")
     seed: int = option(0, "seed of the initialisation, the data order and the sample")
     # data
-    data_dir: str = option(DEFAULT_DATA_DIR, f"prepared data (data.py); {DEFAULT_DATA_DIR} is created if missing")
+    data_dir: str | None = option(None, f"prepared data (data.py); default: {DEFAULT_DATA_DIR}, this Python's "
+                                        "standard library, tokenized there on first use (with another tokenizer: "
+                                        f"{DEFAULT_DATA_DIR}-<its hash>)")
     tokenizer: str | None = option(None, "tokenizer: a SentencePiece .model, a tokenizer.json or a directory "
                                          "holding one (default: the one stored with the checkpoint resumed or "
                                          "the --init_from weights, else DATA_DIR's)")
@@ -131,7 +133,8 @@ class TrainConfig:
     out_dir: str = option("auto", "run directory: config.json, metrics.jsonl, step-N/, model/, hf/; 'auto' = "
                                   "runs/<model>-<attention>-<T>[-<finetune>], or the next free -2, -3, ... when that "
                                   "holds another run (with --resume: the newest of them)")
-    resume: str | None = option(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path")
+    resume: str | None = option(None, "'auto' (or no value): newest complete OUT_DIR/step-N; or a step-N path. "
+                                      "The run continues with the options it recorded; those given change it")
     checkpoint_interval: int = option(100, "save every this many steps (0: only at the end)")
     checkpoint_minutes: float = option(0.0, "also save at the first step boundary this many minutes after the last "
                                             "save (0: off); bounds the work a kill or a preemption can lose")
@@ -309,17 +312,71 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     return parse_options(build_parser(), argv)[0]
 
 
-def parse_options(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[TrainConfig, dict]:
-    """(TrainConfig, the tool's own options) from `parser`: build_parser()'s options plus those a tool added
-    (profile_memory.py); bad options exit with a usage error naming the option."""
+def parse_run(argv: list[str] | None = None) -> tuple[TrainConfig, frozenset[str]]:
+    """(TrainConfig, the options given in --config or on the command line) for train.py: a resumed run takes the
+    others from its record (`continue_options`)."""
+    cfg, _, given = parse_options(build_parser(), argv)
+    return cfg, given
+
+
+def parse_options(parser: argparse.ArgumentParser, argv: list[str] | None = None
+                  ) -> tuple[TrainConfig, dict, frozenset[str]]:
+    """(TrainConfig, the tool's own options, the TrainConfig options given) from `parser`: build_parser()'s options
+    plus those a tool added (profile_memory.py); bad options exit with a usage error naming the option."""
     args = vars(parser.parse_args(argv))
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     own = {k: v for k, v in args.items() if k not in names and k != "config"}
     try:
-        values = load_config_file(args["config"]) if "config" in args else {}
-        return TrainConfig(**{**values, **{k: v for k, v in args.items() if k in names}}), own
+        values = {**(load_config_file(args["config"]) if "config" in args else {}),
+                  **{k: v for k, v in args.items() if k in names}}
+        return TrainConfig(**values), own, frozenset(values)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+
+
+# ---- a run's record: absolute paths, and what a resumed run continues ---------------------------------------------
+
+PATH_OPTIONS = ("data_dir", "tokenizer", "init_from", "adapter")  # a file or a directory each (and out_dir)
+# What a resumed run cannot change: they define its data, and the loader's position is a position in that data
+# (its tokenizer is checked against the checkpoint's: run_data.resolve_tokenizer).
+DATA_OPTIONS = ("data_dir", "seed", "synthetic_mix", "synthetic_task", "synthetic_pairs", "answer_loss")
+NOT_CONTINUED = ("resume", "out_dir", "verbose")  # about one invocation, never taken from the record
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """cfg with the files and directories it reads (PATH_OPTIONS, and a --resume path) absolute, so that what a
+    run records holds from any working directory (`record`)."""
+    names = [*PATH_OPTIONS, *(["resume"] if cfg.resume not in (None, "auto") else [])]
+    values = {name: str(Path(getattr(cfg, name)).resolve()) for name in names if getattr(cfg, name) is not None}
+    return dataclasses.replace(cfg, **values)
+
+
+def record(cfg: TrainConfig) -> dict:
+    """The options as a run records them (config.json, every checkpoint): every path absolute, the run directory
+    included."""
+    return {**dataclasses.asdict(absolute_paths(cfg)), "out_dir": str(Path(cfg.out_dir).resolve())}
+
+
+def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) -> TrainConfig:
+    """The options of a resumed run: those given (`given`: in --config or on the command line) as they are, the
+    others as the run recorded them (`recorded`: the "train" section of its config.json), so that --resume
+    continues a run as it was, from any working directory. ValueError, naming the option, when a given one would
+    change the run's data (DATA_OPTIONS)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name in DATA_OPTIONS:
+        if name in given and name in recorded and not _same_value(name, getattr(cfg, name), recorded[name]):
+            raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with {recorded[name]}, "
+                             f"and a resumed run continues its data; leave --{name} out, or start a new run from its "
+                             f"weights (--init_from {Path(cfg.out_dir) / 'step-N'})")
+    continued = {k: v for k, v in recorded.items() if k in names and k not in given and k not in NOT_CONTINUED}
+    return dataclasses.replace(cfg, **continued)
+
+
+def _same_value(name: str, value: object, recorded: object) -> bool:
+    """Whether an option's value is what the run recorded: the same path (resolved), else equal."""
+    if name in PATH_OPTIONS and value is not None and recorded is not None:
+        return Path(value).resolve() == Path(recorded).resolve()
+    return value == recorded
 
 
 def resolve_config(cfg: TrainConfig, device: torch.device, log: typing.Callable[[str], None] = print) -> TrainConfig:

@@ -42,7 +42,7 @@ def test_default_directories_do_not_collide(data_dir, tmp_path, monkeypatch, cap
 
 @pytest.mark.slow
 def test_a_refusal_under_torchrun_is_one_line_at_the_end(data_dir, tmp_path):
-    (tmp_path / "config.json").write_text("{}")  # a directory that holds a run
+    (tmp_path / "config.json").write_text('{"train": {}}')  # a directory that holds a run
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

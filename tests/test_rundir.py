@@ -58,3 +58,50 @@ def test_resuming_an_older_checkpoint_starts_a_new_timeline(data_dir, tmp_path, 
     assert [row["step"] for row in rows] == sorted(row["step"] for row in rows)  # monotonic
     assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4, 5, 6]
     assert [p.name for p in checkpoints(tmp_path)] == ["step-5", "step-6"]  # + the one resumed from
+
+
+# ---- a run holds from any working directory --------------------------------------------------------------------
+
+def test_a_run_resumes_and_evaluates_from_another_directory(data_dir, tmp_path, monkeypatch, capsys):
+    """A run started with relative paths records them absolute (config.json, checkpoints), so that from another
+    working directory `--resume` continues it with its own options and data (nothing prepared there), and eval.py
+    scores its validation data without --data_dir."""
+    import eval as evaluation
+
+    (tmp_path / "start").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "start")
+    train.main(["--model_size", "tiny", "--context_length", "32", "--batch_size", "3", "--max_steps", "2",
+                "--lr", "1e-3", "--sample_tokens", "0", "--data_dir", os.path.relpath(data_dir),
+                "--out_dir", "runs/a"])
+    run = tmp_path / "start" / "runs" / "a"
+    recorded = json.loads((run / "config.json").read_text())["train"]
+    assert recorded["data_dir"] == str(data_dir.resolve()) and recorded["out_dir"] == str(run)
+    assert Path(recorded["tokenizer"]).is_absolute() and Path(recorded["tokenizer"]).is_file()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    train.main(["--resume", "--out_dir", str(run), "--max_steps", "3"])
+    out = capsys.readouterr().out
+    assert "--max_steps 3 takes effect from step 3" in out and "--lr" not in out and "--batch_size" not in out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-2:][0] == {"step": 2, "resumed_with": {"max_steps": [2, 3]}} and rows[-1]["step"] == 3
+    assert rows[-1]["lr"] < 1e-3 and not (tmp_path / "elsewhere" / "data").exists()
+    results = evaluation.main([str(run / "model"), "--tasks", "loss", "--eval_tokens", "256"])
+    assert results["loss"]["tokens"] > 0 and (run / "eval-model" / "eval.json").is_file()
+
+
+def test_a_resumed_run_records_what_changes_its_steps_and_keeps_its_data(data_dir, tmp_path, capsys):
+    """Options given on resume take effect and are recorded; the batch size changes what a step is, so it is
+    printed and recorded too. Options that define the run's data cannot change: one line naming the option."""
+    run = ["--model_size", "tiny", "--context_length", "32", "--max_steps", "2", "--sample_tokens", "0",
+           "--data_dir", str(data_dir), "--out_dir", str(tmp_path)]
+    train.main([*run, "--batch_size", "4"])
+    capsys.readouterr()
+    train.main([*run, "--batch_size", "2", "--max_steps", "4", "--resume"])
+    assert "--batch_size 2 takes effect from step 3 (the checkpoint was trained with 4)" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 2, "resumed_with": {"max_steps": [2, 4], "batch_size": [4, 2]}} in rows
+    for option, value in (("seed", "1"), ("data_dir", str(tmp_path / "other")), ("synthetic_mix", "0.5")):
+        with pytest.raises(ValueError, match=f"--{option} .*: the run in .* trains with .*leave --{option} out"):
+            train.main([*run, "--max_steps", "5", "--resume", f"--{option}", value])
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4  # nothing trained

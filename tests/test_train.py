@@ -127,11 +127,13 @@ def test_two_process_fsdp_run_matches_single_process(fsdp_run: Path, single_run:
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(fsdp_run: Path, data_dir: Path, tmp_path: Path) -> None:
-    """DCP reshards the 2-rank checkpoint; 1 process x 2 micro-steps continues with bitwise the same loss."""
+    """DCP reshards the 2-rank checkpoint; 1 process x 2 micro-steps continues with bitwise the same loss, and the
+    record says what makes its steps now."""
     shutil.copytree(fsdp_run / "step-2", tmp_path / "step-2")
     run(data_dir, tmp_path, "--gradient_accumulation_steps", "2", "--resume", str(tmp_path / "step-2"))
-    assert metrics(tmp_path)[0]["step"] == 3
-    assert metrics(tmp_path)[0]["loss"] == metrics(fsdp_run)[2]["loss"]
+    changed, first = metrics(tmp_path)[:2]
+    assert changed == {"step": 2, "resumed_with": {"gradient_accumulation_steps": [1, 2], "world_size": [2, 1]}}
+    assert first["step"] == 3 and first["loss"] == metrics(fsdp_run)[2]["loss"]
 
 
 def _gradient_parity(data_dir: str) -> None:
