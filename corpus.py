@@ -9,13 +9,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import sysconfig
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # files picked up when walking a directory, besides records:
 RECORD_SUFFIXES = (".jsonl", ".parquet")  # one document per line / row
+# Formats that would be misread as text, refused when named: what to do instead.
+UNSUPPORTED = {".json": "a JSON document, not records: write one record per line as .jsonl",
+               ".csv": "a table: convert it to .jsonl or .parquet records", ".tsv": "a table: convert it to .jsonl "
+               "or .parquet records", **{s: "compressed: decompress it first" for s in (".gz", ".bz2", ".xz", ".zst",
+                                                                                      ".zip", ".tar", ".7z")}}
 NUL = b"\0"  # in a file that should be text: a binary file
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -30,18 +37,30 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP & set(p.relative_to(root).parts[:-1]))
 
 
-def find_input_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Expand `paths` into files: a file is kept as given; a directory is walked (sorted) for `.jsonl`, `.parquet`
-    and `TEXT_SUFFIXES` files. Raises FileNotFoundError for a missing path, ValueError if nothing is found."""
+def find_input_files(paths: Iterable[str | os.PathLike], log: Callable[[str], None] | None = None) -> list[Path]:
+    """Expand `paths` into files: a file is kept as given (one of the UNSUPPORTED formats is a ValueError saying what
+    to do); a directory is walked (sorted) for `.jsonl`, `.parquet` and `TEXT_SUFFIXES` files, and the other files
+    it holds are named in one line through `log` (default: stderr). Raises FileNotFoundError for a missing path,
+    ValueError if nothing is found."""
+    log = log or (lambda message: print(message, file=sys.stderr))
     files: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*RECORD_SUFFIXES,
-                                                                                         *TEXT_SUFFIXES))
-        elif path.is_file():
-            files.append(path)
-        else:
+            found = sorted(p for p in path.rglob("*") if p.is_file())
+            files += [p for p in found if p.suffix in (*RECORD_SUFFIXES, *TEXT_SUFFIXES)]
+            if skipped := Counter(p.suffix or "no suffix" for p in found
+                                  if p.suffix not in (*RECORD_SUFFIXES, *TEXT_SUFFIXES)):
+                kinds = ", ".join(f"{n} {suffix}" for suffix, n in sorted(skipped.items(), key=lambda s: (-s[1], s[0])))
+                log(f"{path}: skipped {sum(skipped.values())} files of other formats ({kinds}): documents are "
+                    f"records in .jsonl or .parquet, or text in {' '.join(TEXT_SUFFIXES)}; name a text file to read "
+                    "it as one document")
+        elif not path.is_file():
             raise FileNotFoundError(f"input {path} does not exist")
+        elif path.suffix in UNSUPPORTED:
+            raise ValueError(f"input {path} is {UNSUPPORTED[path.suffix]} (read: .jsonl and .parquet records, text "
+                             "files)")
+        else:
+            files.append(path)
     if not files:
         raise ValueError(f"no input files found in {[str(p) for p in paths]} (looked for .jsonl, .parquet and "
                          f"{', '.join(TEXT_SUFFIXES)})")

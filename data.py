@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cli import Parser
 from corpus import (
     Decoder,
     Document,
@@ -175,7 +177,9 @@ def prepare(
             (tokenizer.chat_turn), and the corpus then gets a loss mask (mask_XXXXX.bin beside each shard: 1 for
             the response's tokens and the end-of-document id, 0 for the prompt's; 1 for other documents), which
             the loader applies to the labels.
-        out_dir: created if needed. An existing index is replaced only with `overwrite=True`.
+        out_dir: created if needed. Prepared data it holds is replaced only with `overwrite=True`, and only once
+            the new data is complete: it is prepared in a staging directory beside `out_dir` and moved in at the end
+            (the old index goes first, the new one last). A failed prepare leaves `out_dir` as it was.
         shard_tokens: ids per shard file (the last one is shorter).
         text_field: the field holding the text in `.jsonl` and `.parquet` records.
         progress: show a progress bar over input bytes.
@@ -186,15 +190,49 @@ def prepare(
     """
     if not 0 <= validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
-    files = stdlib_files() if inputs is None else find_input_files(inputs)
     out_dir = Path(out_dir)
-    if (out_dir / INDEX_NAME).exists():
-        if not overwrite:
-            raise FileExistsError(f"{out_dir} already holds prepared data ({INDEX_NAME}); pass overwrite=True "
-                                  "(--overwrite) to replace it")
-        (out_dir / INDEX_NAME).unlink()  # first, so an interrupted rewrite leaves no loadable index
-        for old in [*out_dir.glob("shard_*.bin"), *out_dir.glob("mask_*.bin"), *out_dir.glob(f"{VALIDATION_DIR}/*")]:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"--out_dir {out_dir} is a file; pass a directory")
+    if (out_dir / INDEX_NAME).exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds prepared data ({INDEX_NAME}); pass overwrite=True "
+                              "(--overwrite) to replace it")
+    files = stdlib_files() if inputs is None else find_input_files(inputs)
+    staging = out_dir.parent / f".{out_dir.name}.preparing-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        index = _prepare(files, tokenizer, staging, shard_tokens, text_field, progress, validation_fraction, errors)
+        _install(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return index
+
+
+def _data_files(data_dir: Path) -> list[Path]:
+    """The files and directories of prepared data in `data_dir` (its index, shards, masks, validation split)."""
+    return [p for p in (data_dir / INDEX_NAME, data_dir / VALIDATION_DIR) if p.exists()] + sorted(
+        [*data_dir.glob("shard_*.bin"), *data_dir.glob("mask_*.bin")])
+
+
+def _install(staging: Path, out_dir: Path) -> None:
+    """Move the complete prepared data in `staging` to `out_dir`, replacing the prepared data there (other files,
+    such as a tokenizer, stay): the old index goes first, so no half-replaced directory is ever loadable, and the
+    new index comes last."""
+    if not out_dir.exists():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(out_dir)
+        return
+    for old in _data_files(out_dir):  # the index first
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
             old.unlink()
+    for new in reversed(_data_files(staging)):  # the index last
+        new.rename(out_dir / new.name)
+
+
+def _prepare(files: list[Path], tokenizer: Tokenizer | HFTokenizer, out_dir: Path, shard_tokens: int,
+             text_field: str, progress: bool, validation_fraction: float, errors: str) -> dict:
+    """`prepare` into a new directory `out_dir`."""
     masked = any(has_pairs(f, text_field) for f in files)
     writer = ShardWriter(out_dir, tokenizer.vocab_size, shard_tokens, masked)
     every = round(1 / validation_fraction) if validation_fraction else 0
@@ -442,8 +480,8 @@ class TokenLoader:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     inputs_help = ("files or directories (.jsonl and .parquet records: a text field, or prompt and response; text "
                    "files); default: the Python standard library source")
     errors_help = ("a file that is not UTF-8 text: 'strict' stops with its name, 'replace' reads invalid bytes as "

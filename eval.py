@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from cli import Parser
 from config import ComputeConfig
 from corpus import find_input_files, iter_documents
 from data import TokenLoader, validation_dir
@@ -389,7 +390,7 @@ def _run_config(checkpoint: Path) -> tuple[Path | None, dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a step-N directory, a run's model/ export (or its model.safetensors), or a "
                                       "Hugging Face directory")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS[:3]),
@@ -510,6 +511,9 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
         raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if not checkpoint.exists():
         raise FileNotFoundError(f"{checkpoint} does not exist")
+    if (checkpoint / "metrics.jsonl").is_file():
+        raise ValueError(f"{checkpoint} is a run directory, not a model: pass {checkpoint / 'model'} (its export) or "
+                         f"{checkpoint / 'step-N'} (a checkpoint)")
     run_dir, run = _run_config(checkpoint)
     data_dir = args.data_dir or run.get("data_dir")
     tokenizer = model_tokenizer(checkpoint, args.tokenizer, (run.get("tokenizer"),

@@ -26,9 +26,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
+from safetensors import safe_open
 
-from hf import ExportInfo
-from lora import ADAPTER_CONFIG, TARGETS, apply_lora, init_lora, load_adapter, merge_lora_, save_adapter
+from hf import ADAPTED_KEY, ExportInfo
+from lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    TARGETS,
+    apply_lora,
+    init_lora,
+    load_adapter,
+    merge_lora_,
+    save_adapter,
+)
 from model import Transformer
 from npt.adapters import ADAPTERS_NAME, load_adapters, save_adapters
 from npt.convert import convert
@@ -177,7 +187,7 @@ class NPT:
             load_adapters(model, adapter / ADAPTERS_NAME if adapter.is_dir() else adapter)
 
     def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
-        save_adapters(model, out_dir / ADAPTERS_NAME)  # one file beside the run's config.json
+        save_adapters(model, out_dir / ADAPTERS_NAME, info.adapter_metadata())  # beside the run's config.json
         return [out_dir / ADAPTERS_NAME]
 
 
@@ -202,6 +212,32 @@ def finetune_class(name: str) -> type:
         module, _, cls = entry.partition(":")
         entry = FINETUNE_MODES[name] = getattr(importlib.import_module(module), cls)
     return entry
+
+
+def adapter_base(path: str | Path) -> dict | None:
+    """The base that the adapters at `path` (a LoRA directory, an NPT run directory or adapter file) were trained
+    on, as their file records it (hf.ExportInfo.adapted); None when it records none (peft's own adapters)."""
+    path = Path(path)
+    file = next((f for f in (path / ADAPTER_WEIGHTS, path / ADAPTERS_NAME, path) if f.is_file()), None)
+    if file is None:
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        recorded = (f.metadata() or {}).get(ADAPTED_KEY)
+    return json.loads(recorded) if recorded else None
+
+
+def check_adapter_base(path: str | Path, base: dict) -> None:
+    """ValueError, one line, unless the adapters at `path` were trained on `base` ({"checksum", "tokenizer"}: this
+    run's frozen base) or record no base."""
+    recorded = adapter_base(path)
+    if recorded is None or recorded == base:
+        return
+
+    def name(record: dict) -> str:
+        weights = f"weights {record['checksum']}" if record.get("checksum") else "a random base"
+        return f"{weights}, tokenizer {str(record.get('tokenizer'))[:12]}"
+    raise ValueError(f"--adapter {path} was trained on another base ({name(recorded)}) than this run's "
+                     f"({name(base)}): pass the --init_from (and tokenizer) it was trained on")
 
 
 def finetune_mode(cfg: TrainConfig) -> FinetuneMode:

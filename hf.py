@@ -66,6 +66,8 @@ def our_name(name: str) -> str:
 
 # ---- config --------------------------------------------------------------------------------------------------------
 
+ADAPTED_KEY = "longctx_base"  # adapter files: the base they were trained on (ExportInfo.adapted)
+
 
 @dataclass(frozen=True)
 class ExportInfo:
@@ -76,12 +78,20 @@ class ExportInfo:
     context_length: the context the export declares (`max_position_embeddings`): the base's, or the context
         trained when that is longer (a context extension); None: the model config's.
     dtype: of the weights written; None: as the model holds them.
+    adapted: for adapters on a frozen base, that base: {"checksum": of its weights (None: a random base),
+        "tokenizer": its tokenizer's sha256}, written into the adapter file's metadata under ADAPTED_KEY, so that
+        `--adapter` can refuse another base.
     """
 
     tokenizer: Tokenizer | HFTokenizer | None = None
     base: Path | None = None
     context_length: int | None = None
     dtype: torch.dtype | None = None
+    adapted: dict | None = None
+
+    def adapter_metadata(self) -> dict[str, str]:
+        """What an adapter file's safetensors metadata records of its base (`adapted`)."""
+        return {ADAPTED_KEY: json.dumps(self.adapted)} if self.adapted is not None else {}
 
     def model_config(self, config: ModelConfig) -> ModelConfig:
         """`config` with the context length this export declares."""

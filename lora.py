@@ -120,7 +120,7 @@ def save_adapter(model: nn.Module, path: str | Path, base: str | None = None,
               "target_modules": sorted({name.rsplit(".", 1)[1] for name in layers}), "fan_in_fan_out": False,
               "base_model_name_or_path": base, "inference_mode": True}
     with written_directory(path) as tmp:  # whole or not at all, with a manifest.json
-        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt", **info.adapter_metadata()})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
         info.write_tokenizer(tmp, info.model_config(model.config).context_length)
     return path

@@ -14,6 +14,7 @@ and workers that do not outlive their launcher.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import errno
@@ -24,7 +25,7 @@ import signal
 import socket
 from pathlib import Path
 
-from checkpoint import checkpoints, latest_checkpoint
+from checkpoint import STATE_NAME, checkpoints, latest_checkpoint
 
 LOCK_NAME = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # with step-N/, what makes a directory hold a run
@@ -36,6 +37,7 @@ class RunLock:
     def __init__(self, out_dir: Path) -> None:
         self.path = out_dir / LOCK_NAME
         self.fd: int | None = None
+        self.created = False  # whether acquire made the directory (release removes it again if nothing was written)
 
     def acquire(self) -> str | None:
         """Take the lock; returns a note when a dead run's lock file was taken over. FileExistsError (one line,
@@ -43,6 +45,7 @@ class RunLock:
         if self.path.parent.exists() and not self.path.parent.is_dir():
             raise NotADirectoryError(f"--out_dir {self.path.parent} is a file; pass a directory")
         try:
+            self.created = not self.path.parent.exists()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -66,9 +69,15 @@ class RunLock:
         return f"took over the lock of a run that is no longer running ({previous})" if previous else None
 
     def release(self) -> None:
-        """Remove the lock file (a run that ended leaves none) and drop the lock."""
+        """Remove the lock file (a run that ended leaves none), and the directory when `acquire` made it and nothing
+        else was written there (a run refused at its start leaves nothing), and drop the lock. What cannot be
+        removed (the directory became read-only) stays, harmless (a dead run's lock is taken over), and raises
+        nothing: release runs while an error may be on its way out, and that error is the one to see."""
         if self.fd is not None:
-            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)
+                if self.created:
+                    self.path.parent.rmdir()  # only when empty
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None
 
@@ -102,6 +111,9 @@ def check_run_directory(out_dir: Path, resume: str | None, init_from: str | None
     step-N), and a checkpoint resumed from another directory may not be continued in one that holds a run."""
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"--out_dir {out_dir} is a file; pass a directory")
+    if resume not in (None, "auto") and not (Path(resume) / STATE_NAME).exists() and holds_run(Path(resume)):
+        raise ValueError(f"--resume {resume} is a run directory, not a checkpoint: pass --resume --out_dir {resume} "
+                         f"(its newest checkpoint), or --resume {Path(resume) / 'step-N'}")
     if init_from and out_dir.resolve() == Path(init_from).resolve():
         raise FileExistsError(f"--out_dir {out_dir} is the --init_from model: a run would overwrite it; choose "
                               "another --out_dir")

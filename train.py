@@ -45,10 +45,11 @@ from checkpoint import (
     read_train_state,
     save_checkpoint,
 )
+from cli import exit_with_error
 from config import ComputeConfig, GiB, ModelConfig
 from data import TokenLoader
 from eval import validation_loss, validation_windows
-from finetune import FinetuneMode, cast_frozen_base, finetune_mode
+from finetune import FinetuneMode, cast_frozen_base, check_adapter_base, finetune_mode
 from hf import ExportInfo, export_refusal
 from loss import IGNORE_INDEX, shift_labels
 from model import Transformer
@@ -80,9 +81,9 @@ from train_config import (
     TrainConfig,
     absolute_paths,
     build_model_config,
+    check_model_size,
     continue_options,
     default_out_dir,
-    exit_with_error,
     parse_run,
     record,
     resolve_config,
@@ -315,8 +316,15 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     mode.check(rt.world_size)
     check_tracker(cfg.tracker)
     stored = stored_config(cfg.init_from) if cfg.init_from else None
+    if stored is not None:
+        check_model_size(cfg, stored)
     resume_from = resume_point(cfg, rt)
     cfg, tokenizer, loader = prepare_data(cfg, rt, resume_from, stored)
+    base = {"path": str(Path(cfg.init_from).resolve()), "checksum": weights_fingerprint(cfg.init_from)} \
+        if mode.frozen_base and cfg.init_from else None
+    adapted = {"checksum": base and base["checksum"], "tokenizer": tokenizer.sha256} if mode.frozen_base else None
+    if cfg.adapter:
+        check_adapter_base(cfg.adapter, adapted)
 
     device_memory = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
     model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size, stored)
@@ -328,9 +336,8 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     mode.initialise(model, cfg.seed)
     run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
               torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
-              else contextlib.nullcontext(), resume_from, {}, None, export_info(cfg, tokenizer, stored))
-    if mode.frozen_base and cfg.init_from:
-        run.base = {"path": str(Path(cfg.init_from).resolve()), "checksum": weights_fingerprint(cfg.init_from)}
+              else contextlib.nullcontext(), resume_from, {}, None, export_info(cfg, tokenizer, stored, adapted),
+              base)
     changed = resume(run) if resume_from else {}
 
     if rt.device.type == "cuda" and cfg.max_memory:
@@ -344,13 +351,15 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     return run
 
 
-def export_info(cfg: TrainConfig, tokenizer: Tokenizer | HFTokenizer, stored: ModelConfig | None) -> ExportInfo:
+def export_info(cfg: TrainConfig, tokenizer: Tokenizer | HFTokenizer, stored: ModelConfig | None,
+                adapted: dict | None = None) -> ExportInfo:
     """What this run's exports carry: its tokenizer; from --init_from, the base's special ids and generation
-    config, and its context unless this run trained a longer one (a context extension); --export_dtype."""
+    config, and its context unless this run trained a longer one (a context extension); --export_dtype; for
+    adapters, the frozen base they adapt (`adapted`)."""
     base = None if not cfg.init_from else Path(cfg.init_from) if Path(cfg.init_from).is_dir() else \
         Path(cfg.init_from).parent
     context = max(cfg.context_length, stored.context_length if stored else 0)
-    return ExportInfo(tokenizer, base, context, getattr(torch, cfg.export_dtype))
+    return ExportInfo(tokenizer, base, context, getattr(torch, cfg.export_dtype), adapted)
 
 
 def resume_point(cfg: TrainConfig, rt: Runtime) -> Path | None:

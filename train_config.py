@@ -6,20 +6,17 @@ and resolved from the device and the context length (`resolve_config`, `build_mo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import json
 import math
-import os
-import sys
-import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from cli import Parser, json_object
 from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_overrides
 from finetune import FINETUNE_MODES, finetune_mode
 from quantize import QUANTIZED
@@ -237,25 +234,6 @@ def field_help(f: dataclasses.Field) -> str:
     return f.metadata["help"].replace("%", "%%") + ("" if default is None else f" (default: {default})")
 
 
-def exit_with_error(message: str, code: int = 2) -> typing.NoReturn:
-    """End a command-line run on a user error with one line: printed by rank 0 only (every rank of a torchrun job
-    fails the same check) and written to torchrun's error file (TORCHELASTIC_ERROR_FILE), so that the launcher's
-    report ends with it ("Root Cause ... traceback : <message>"); exit `code` (2: bad input, 1: a run stopped)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(message, file=sys.stderr, flush=True)
-        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            with contextlib.suppress(OSError):
-                Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
-    raise SystemExit(code)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (exit_with_error), once per torchrun job."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        exit_with_error(f"{self.prog}: error: {message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """Command-line options generated from TrainConfig; options not given are absent from the result."""
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -267,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool:  # --name / --no-name
             kwargs.update(action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         elif kind is dict:
-            kwargs.update(type=json.loads, metavar="JSON")
+            kwargs.update(type=json_object, metavar="JSON")
         else:
             kwargs["type"] = kind
         if f.name == "resume":
@@ -456,6 +434,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     theta = {"rope_theta": cfg.rope_theta} if cfg.rope_theta else {}
     theta |= {"rope_scaling": cfg.rope_scaling} if cfg.rope_scaling else {}
     if stored is not None:
+        check_model_size(cfg, stored)
         attention = stored.attention_type if cfg.attention_type == "auto" else cfg.attention_type
         if attention != stored.attention_type and (stored.attention_type, attention) != ("full", "nsa"):
             raise ValueError(f"--attention_type {cfg.attention_type}: the --init_from model has "
@@ -472,6 +451,17 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
         offload = bool(device_memory and cfg.gradient_checkpointing
                        and checkpointed_bytes(model_config, cfg, world_size) > OFFLOAD_SHARE * device_memory)
     return model_config, ComputeConfig(**{**compute, "offload_activations": offload, **compute_overrides})
+
+
+def check_model_size(cfg: TrainConfig, stored: ModelConfig) -> None:
+    """ValueError unless --model_size is "auto" or the size of the --init_from model (`stored`), whose architecture
+    is the one trained."""
+    geometry = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim")
+    preset = ModelConfig.from_preset(cfg.model_size) if cfg.model_size != "auto" else stored
+    if any(getattr(preset, name) != getattr(stored, name) for name in geometry):
+        shape = ", ".join(f"{name} {getattr(stored, name)}" for name in geometry)
+        raise ValueError(f"--model_size {cfg.model_size}: the --init_from model is another size ({shape}), and its "
+                         "architecture is the one trained; leave --model_size out")
 
 
 def checkpointed_bytes(model_config: ModelConfig, cfg: TrainConfig, world_size: int) -> int:

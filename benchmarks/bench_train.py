@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import parallel  # noqa: E402
 import train  # noqa: E402
 import train_config  # noqa: E402
+from cli import json_object  # noqa: E402
 from loss import IGNORE_INDEX  # noqa: E402
 
 
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--model_overrides", type=json.loads, default={}, metavar="JSON",
+    parser.add_argument("--model_overrides", type=json_object, default={}, metavar="JSON",
                         help="ModelConfig/ComputeConfig fields of every variant, as train.py's")
     parser.add_argument("--attention_type", nargs="+", default=["full"], help="one or more of full, nsa")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS[:4]))

@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the sliding-window control lives with the tests
 import eval as evaluation  # noqa: E402
 import train  # noqa: E402
+from cli import json_object  # noqa: E402
 from config import ModelConfig, register_attention  # noqa: E402
 from weights import state_shapes  # noqa: E402
 
@@ -153,17 +154,6 @@ def override_problem(kind: str, stages: list[Stage], args: argparse.Namespace) -
         return (f"{kind}: --copy_overrides changes the weights ({names}), so copying and MQAR stages could not pass "
                 f"them on: override only fields that keep them")
     return None
-
-
-def json_object(text: str) -> dict:
-    """A JSON object from the command line -> the dict; an ArgumentTypeError otherwise."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f'expected a JSON object such as \'{{"qk_norm": false}}\', got {text}')
-    return value
 
 
 def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] | None, out: Path,

@@ -37,9 +37,10 @@ def adapter_metadata(model: Transformer) -> dict[str, str]:
             "dim": str(model.config.dim), "ffn_dim": str(model.config.ffn_dim)}
 
 
-def save_adapters(model: Transformer, path: str | os.PathLike) -> None:
-    """Write the NP parameters of `model` (only those) to `path` (.safetensors)."""
-    meta = adapter_metadata(model)
+def save_adapters(model: Transformer, path: str | os.PathLike, base: dict[str, str] | None = None) -> None:
+    """Write the NP parameters of `model` (only those) to `path` (.safetensors); `base`: more metadata (the base
+    they adapt: hf.ExportInfo.adapter_metadata)."""
+    meta = {**adapter_metadata(model), **(base or {})}
     tensors = {name: p.detach().contiguous().cpu() for name, p in np_parameters(model).items()}
     save_file(tensors, str(path), metadata=meta)
 
@@ -67,9 +68,8 @@ def load_adapters(model: Transformer, path: str | os.PathLike) -> list[int]:
     rank, targets, mode = int(meta["rank"]), tuple(meta["targets"].split(",")), meta["residual_mode"]
     if not np_blocks(model):
         convert(model, layers, rank=rank, targets=targets, residual_mode=mode)
-    elif adapter_metadata(model) != meta:
-        have = adapter_metadata(model)
-        diff = {k: (have[k], meta[k]) for k in meta if have.get(k) != meta[k]}
+    elif (have := adapter_metadata(model)) != {k: meta.get(k) for k in have}:  # the conversion; not other keys
+        diff = {k: (have[k], meta.get(k)) for k in have if have[k] != meta.get(k)}
         raise ValueError(f"model is converted differently from {path}: (model, file) = {diff}")
     params = np_parameters(model)
     if set(params) != set(tensors):

@@ -65,7 +65,16 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig]
         kwargs = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
         group.add_argument(f"--{f.name}", help=field_help(f), **kwargs)
     args = vars(parser.parse_args(argv))
-    values = {"finetune": "npt", **(json.loads(Path(args.pop("config")).read_text()) if "config" in args else {})}
+    values = {"finetune": "npt"}
+    if "config" in args:
+        path = Path(args.pop("config"))
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            parser.error(f"--config {path}: {getattr(e, 'strerror', None) or e}")
+        if not isinstance(loaded, dict):
+            parser.error(f"--config {path} must hold a JSON object of options, got {type(loaded).__name__}")
+        values |= loaded
     values.update(args)
     if values["finetune"] != "npt":
         parser.error(f"equivalence training trains NPT layers: --finetune must be npt, got {values['finetune']!r}")
@@ -103,7 +112,7 @@ def equivalence_task(npt_cfg: NPTConfig) -> Task:
         return {"npt": npt_state}
 
     def finish(run: Run) -> None:
-        save_adapters(run.model, run.out_dir / ADAPTERS_NAME)
+        save_adapters(run.model, run.out_dir / ADAPTERS_NAME, run.export.adapter_metadata())
         print(f"saved the NP parameters to {run.out_dir / ADAPTERS_NAME}")
 
     return Task(build=build, loss=loss, start=start, finish=finish)

@@ -135,7 +135,8 @@ def test_equivalence_training_starts_from_pretrained_weights(qwen3: tuple[Path, 
 
     monkeypatch.setattr(train, "load_initial_weights", spy)
     model_dir, data_dir = qwen3
-    main(["--config", "configs/npt_tiny.json", "--init_from", str(model_dir), "--data_dir", str(data_dir),
+    main(["--config", "configs/npt_tiny.json", "--model_size", "auto", "--init_from", str(model_dir),  # its size
+          "--data_dir", str(data_dir),
           "--out_dir", str(tmp_path), "--context_length", str(T), "--batch_size", "2", "--max_steps", "2",
           "--sample_tokens", "0"])
     stored = load_model(model_dir).state_dict()

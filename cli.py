@@ -1,0 +1,52 @@
+"""The command line's conventions, shared by every entry script: a bad input is one line naming it and the fix,
+exit code 2, printed once per torchrun job (`exit_with_error`, `Parser`); JSON options are objects
+(`json_object`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+import typing
+from pathlib import Path
+
+
+def exit_with_error(message: str, code: int = 2) -> typing.NoReturn:
+    """End a command-line run on a user error with one line: printed by rank 0 only (every rank of a torchrun job
+    fails the same check) and written to torchrun's error file (TORCHELASTIC_ERROR_FILE), so that the launcher's
+    report ends with it ("Root Cause ... traceback : <message>"); exit `code` (2: bad input, 1: a run stopped)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            with contextlib.suppress(OSError):
+                Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    raise SystemExit(code)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (exit_with_error), once per torchrun job, and which reads a value in
+    scientific notation such as `--lr -1e-3` as a number (plain argparse takes it for an option and reports
+    "expected one argument")."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$|^-nan$")
+
+    def error(self, message: str) -> typing.NoReturn:
+        exit_with_error(f"{self.prog}: error: {message} (see --help)")
+
+
+def json_object(text: str) -> dict:
+    """A JSON object from the command line -> the dict; an ArgumentTypeError (a usage error naming the option)
+    otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ('{{\"key\": value, ...}}'), got {text}")
+    return value
