@@ -20,11 +20,17 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-from attention import collect_aux_losses
-from config import PRESETS, ComputeConfig, ModelConfig, attention_class
-from layers import FeedForward, RMSNorm, RotaryEmbedding
-from loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, softcap_logits, standard_linear_cross_entropy
-from offload import OffloadSavedTensors
+from modeling.attention import collect_aux_losses
+from modeling.config import PRESETS, ComputeConfig, ModelConfig, attention_class
+from modeling.layers import FeedForward, RMSNorm, RotaryEmbedding
+from modeling.loss import (
+    IGNORE_INDEX,
+    chunked_linear_cross_entropy,
+    shift_labels,
+    softcap_logits,
+    standard_linear_cross_entropy,
+)
+from modeling.offload import OffloadSavedTensors
 
 __all__ = ["PRESETS", "ComputeConfig", "ModelConfig", "ModelOutput", "Block", "Transformer", "sample_next_token"]
 

@@ -17,10 +17,10 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from config import GiB
-from loss import IGNORE_INDEX, chunked_linear_cross_entropy, standard_linear_cross_entropy
-from memtrack import LiveBytesTracker
 from model import ComputeConfig, ModelConfig, Transformer
+from modeling.config import GiB
+from modeling.loss import IGNORE_INDEX, chunked_linear_cross_entropy, standard_linear_cross_entropy
+from modeling.memtrack import LiveBytesTracker
 
 SEQ_LENS = (4096, 40_000, 131_072)
 

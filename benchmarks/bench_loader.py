@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from corpus import stdlib_files  # noqa: E402
-from data import TokenLoader, prepare  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from text.corpus import stdlib_files  # noqa: E402
+from text.shards import TokenLoader, prepare  # noqa: E402
+from text.tokenizer import Tokenizer  # noqa: E402
 
 SHAPES = [(256, 32), (1024, 8), (4096, 2), (32768, 1), (131072, 1)]  # (T, B)
 MAX_MODEL_T = 4096  # the tiny model's CPU step is timed only up to this length (attention is O(T^2))

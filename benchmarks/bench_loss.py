@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: loss.py, memtrack.py, ...
 
-from config import GiB  # noqa: E402
-from loss import IGNORE_INDEX, chunked_linear_cross_entropy, standard_linear_cross_entropy  # noqa: E402
+from modeling.config import GiB  # noqa: E402
+from modeling.loss import IGNORE_INDEX, chunked_linear_cross_entropy, standard_linear_cross_entropy  # noqa: E402
 from verify_chunked_loss import fake_loss_peak  # noqa: E402
 
 

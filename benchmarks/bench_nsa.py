@@ -40,9 +40,9 @@ IMPLS = ("sdpa", "nsa", "lucidrains")
 def build(impl: str, args: argparse.Namespace, **compute: object):
     """(layer, the layer as a function x (1, T, dim) -> (1, T, dim)); `compute`: ComputeConfig fields."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from attention import FullAttention
-    from config import ComputeConfig, ModelConfig
-    from layers import RotaryEmbedding
+    from modeling.attention import FullAttention
+    from modeling.config import ComputeConfig, ModelConfig
+    from modeling.layers import RotaryEmbedding
 
     cfg = ModelConfig(dim=args.dim, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim,
                       n_layers=1, attention_type="nsa" if impl == "nsa" else "full", context_length=65536)

@@ -36,17 +36,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import parallel  # noqa: E402
-import train  # noqa: E402
-import train_config  # noqa: E402
-from cli import json_object  # noqa: E402
-from loss import IGNORE_INDEX  # noqa: E402
+from modeling.loss import IGNORE_INDEX  # noqa: E402
+from training import options as train_config  # noqa: E402
+from training import (
+    parallel,  # noqa: E402
+    trainer,  # noqa: E402
+)
+from training.cli import json_object  # noqa: E402
 
 
 def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, sparse_labels: bool = False):
     """A closure running one optimizer step of `cfg` on random tokens (with `sparse_labels`, one target in 6)."""
-    model = train.build_model(*train_config.build_model_config(cfg, vocab), cfg, rt)
-    optimizer, _ = train.build_optimizer(model, cfg)
+    model = trainer.build_model(*train_config.build_model_config(cfg, vocab), cfg, rt)
+    optimizer, _ = trainer.build_optimizer(model, cfg)
     A, B, T = cfg.gradient_accumulation_steps, cfg.batch_size, cfg.context_length
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (A, B, T), generator=gen)  # (A, B, T)
@@ -55,7 +57,7 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, s
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
 
     def step() -> None:
-        train.forward_backward(model, batches, autocast)
+        trainer.forward_backward(model, batches, autocast)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

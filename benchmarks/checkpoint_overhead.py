@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import checkpoint  # noqa: E402
-from config import ModelConfig  # noqa: E402
 from model import Transformer  # noqa: E402
+from modeling.config import ModelConfig  # noqa: E402
+from storage import checkpoint  # noqa: E402
 
 GB = 1e9
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from checkpoint import latest_checkpoint  # noqa: E402
+from storage.checkpoint import latest_checkpoint  # noqa: E402
 
 RUN = ["--model_size", "tiny", "--context_length", "64", "--batch_size", "2", "--warmup_steps", "5",
        "--checkpoint_interval", "1", "--keep_checkpoints", "2", "--sample_tokens", "0", "--log_interval", "1000"]

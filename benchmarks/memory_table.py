@@ -15,13 +15,29 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from config import PRESETS, GiB  # noqa: E402
-from memtrack import CATEGORIES  # noqa: E402
-from profile_memory import StepConfig, estimate  # noqa: E402
+from modeling.config import PRESETS, GiB  # noqa: E402
+from modeling.memtrack import CATEGORIES  # noqa: E402
+from training.estimate import StepConfig, estimate  # noqa: E402
 
 RECIPES = {"no checkpointing": dict(gradient_checkpointing=False, ffn_chunk_size=0),
            "checkpointing": dict(gradient_checkpointing=True, ffn_chunk_size=0),
            "checkpointing + tiled FFN": dict(gradient_checkpointing=True, ffn_chunk_size=8192)}
+
+
+def table_row(model_size: str, T: int, gpus: int, attention: str, gpu_memory: float = 80.0, reserve: float = 2.0
+              ) -> str:
+    """One row of the table: the peaks of the three recipes, the split of the last one's peak, its margin."""
+    peaks, last = [], None
+    for options in RECIPES.values():
+        last = estimate(StepConfig.of(model_size=model_size, context_length=T, world_size=gpus,
+                                      attention_type=attention, batch_size=1, **options))
+        peaks.append(last["peak"]["total"] / GiB)
+    peak = last["peak"]
+    state = sum(peak[c] for c in CATEGORIES[:3]) / GiB
+    split = f"{state:.1f} / {peak['activations'] / GiB:.1f} / {peak['temporaries'] / GiB:.1f}"
+    margin = gpu_memory - reserve - peaks[-1]
+    return (f"| {T:,} | {gpus} | {attention} | {last['loss_path']} | " + " | ".join(f"{p:.1f}" for p in peaks)
+            + f" | {split} | {margin:+.1f} |")
 
 
 def main() -> None:
@@ -38,17 +54,7 @@ def main() -> None:
     for T in args.lengths:
         for gpus in (1, 2):
             for attention in ("full", "nsa"):
-                peaks, last = [], None
-                for options in RECIPES.values():
-                    last = estimate(StepConfig.of(model_size=args.model_size, context_length=T, world_size=gpus,
-                                                  attention_type=attention, batch_size=1, **options))
-                    peaks.append(last["peak"]["total"] / GiB)
-                peak = last["peak"]
-                state = sum(peak[c] for c in CATEGORIES[:3]) / GiB
-                split = f"{state:.1f} / {peak['activations'] / GiB:.1f} / {peak['temporaries'] / GiB:.1f}"
-                margin = args.gpu_memory - args.reserve - peaks[-1]
-                print(f"| {T:,} | {gpus} | {attention} | {last['loss_path']} | "
-                      + " | ".join(f"{p:.1f}" for p in peaks) + f" | {split} | {margin:+.1f} |", flush=True)
+                print(table_row(args.model_size, T, gpus, attention, args.gpu_memory, args.reserve), flush=True)
     print(f"\n({time.perf_counter() - start:.0f} s)")
 
 

@@ -22,8 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from anywhere: the repository's modules
-from config import GiB  # noqa: E402
 from model import Block, ModelConfig, Transformer  # noqa: E402
+from modeling.config import GiB  # noqa: E402
 from npt.convert import convert, np_parameters  # noqa: E402
 from npt.layer import NPBlock  # noqa: E402
 from npt.memory import layer_memory, llama_like_config, offload_memory

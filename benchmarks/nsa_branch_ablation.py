@@ -27,12 +27,12 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eval import recall_scores  # noqa: E402
+from evaluation.tasks import recall_scores  # noqa: E402
 from nsa.attention import exact_block_scores  # noqa: E402
 from nsa.inspection import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
-from synthetic import TOKEN_TASKS, SyntheticDocuments  # noqa: E402
-from weights import load_model  # noqa: E402
+from storage.weights import load_model  # noqa: E402
+from text.synthetic import TOKEN_TASKS, SyntheticDocuments  # noqa: E402
 
 BRANCHES = ("compression", "selection", "window")  # the order of gate_proj's 3 outputs per head
 

@@ -17,8 +17,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from config import ComputeConfig, ModelConfig  # noqa: E402
-from memtrack import LiveBytesTracker  # noqa: E402
+from modeling.config import ComputeConfig, ModelConfig  # noqa: E402
+from modeling.memtrack import LiveBytesTracker  # noqa: E402
 from nsa import attention as nsa_attention  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eval import score_answers  # noqa: E402
+from evaluation.tasks import score_answers  # noqa: E402
 from nsa.inspection import check_nsa_model, inspect  # noqa: E402
-from synthetic import SyntheticDocuments  # noqa: E402
-from weights import load_model  # noqa: E402
+from storage.weights import load_model  # noqa: E402
+from text.synthetic import SyntheticDocuments  # noqa: E402
 
 
 def selection_hits(model: torch.nn.Module, length: int, samples: int, seed: int,

@@ -24,12 +24,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train  # noqa: E402
-from config import GiB, ModelConfig  # noqa: E402
-from eval import validation_loss, validation_windows  # noqa: E402
-from lora import apply_lora, init_lora, load_adapter  # noqa: E402
+from evaluation.tasks import validation_loss, validation_windows  # noqa: E402
 from model import Transformer  # noqa: E402
-from quantize import parameter_bytes, quantize_base  # noqa: E402
-from weights import load_model  # noqa: E402
+from modeling.config import GiB, ModelConfig  # noqa: E402
+from storage.weights import load_model  # noqa: E402
+from training.lora import apply_lora, init_lora, load_adapter  # noqa: E402
+from training.quantize import parameter_bytes, quantize_base  # noqa: E402
 
 # The base: float32, or a --quantize_base value. Not bf16: on a CPU without native bf16 matrix multiplication,
 # bf16 compute runs several times slower than float32, which says nothing of a GPU.

@@ -64,9 +64,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the sliding-window control lives with the tests
 import eval as evaluation  # noqa: E402
 import train  # noqa: E402
-from cli import json_object  # noqa: E402
-from config import ModelConfig, register_attention  # noqa: E402
-from weights import state_shapes  # noqa: E402
+from evaluation import tasks  # noqa: E402
+from modeling.config import ModelConfig, register_attention  # noqa: E402
+from storage.weights import state_shapes  # noqa: E402
+from training.cli import json_object  # noqa: E402
 
 
 class Stage(NamedTuple):
@@ -116,7 +117,7 @@ TYPES = {
 
 def register_control() -> None:
     """Make the test-only sliding-window control the attention type "swa" (in each process that builds one)."""
-    register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
+    register_attention("swa", "examples.sliding_window_attention:SlidingWindowAttention")
 
 
 def model_fields(kind: str, stage: Stage, args: argparse.Namespace) -> dict:
@@ -366,7 +367,7 @@ def report(summary: dict, out: Path) -> None:
         for name, rows in summary.items():
             for row in rows:
                 if row["mqar"] and (row["length"], row["pairs"] or 0) == (length, pairs):
-                    evaluation.plot_recall(ax, row["mqar"], label=name)
+                    tasks.plot_recall(ax, row["mqar"], label=name)
         ax.set_title(f"MQAR, T = {length}" + (f", {pairs} pairs" if pairs else ""))
         ax.axvline(64, color="grey", linestyle=":", linewidth=1)
         ax.legend(fontsize=7)

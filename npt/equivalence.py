@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from loss import softcap_logits
 from model import Transformer
+from modeling.loss import softcap_logits
 from npt.convert import capture_outputs, np_blocks, using_mode
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import Block, ModelConfig
-from offload import OffloadSavedTensors, OffloadStats
+from modeling.offload import OffloadSavedTensors, OffloadStats
 
 TARGETS = ("gate", "up", "down")
 ResidualMode = Literal["modulate", "additive"]

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memtrack import LiveBytesTracker
 from model import Block, ModelConfig
+from modeling.memtrack import LiveBytesTracker
 from npt.layer import NPBlock
 
 ACCELERATOR = "meta"  # device type of the stand-in accelerator under FakeTensorMode

@@ -27,14 +27,14 @@ from pathlib import Path
 
 from torch import Tensor
 
-from config import ComputeConfig, ModelConfig
 from model import Transformer
+from modeling.config import ComputeConfig, ModelConfig
 from npt.adapters import ADAPTERS_NAME, save_adapters
 from npt.convert import np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
-from parallel import Runtime, init_runtime
-from train import Run, Task, build_model, train
-from train_config import TrainConfig, build_parser, field_help, option
+from training.options import TrainConfig, build_parser, field_help, option
+from training.parallel import Runtime, init_runtime
+from training.trainer import Run, Task, build_model, train
 
 
 @dataclass

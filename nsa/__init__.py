@@ -4,7 +4,10 @@
     layer.py       NativeSparseAttention: projections, gates, block compressor, decoding cache
     attention.py   sparse_attention: the three gated branches chunk by chunk, custom backward (CPU fused / explicit)
     blocks.py      block geometry, Eq. 9's score pooling, top-n selection
-    kernels.py     Triton kernels of the three branches, used for CUDA tensors when Triton is installed
+    kernels.py     the Triton path of the three branches (host side: allocations, grids), used for CUDA tensors
+    triton_kernels.py  the Triton kernels themselves, imported only to launch one
+    scoring.py     the selection-scoring loss: teaches the importance scores which blocks to select
     memory.py      how profile_memory.py models the attention's memory (a calibrated stand-in)
     inspection.py  for a prompt: the blocks each KV group selected and the branch gates, layer by layer
+    convert.py     dense attention weights -> NSA weights
 """

@@ -66,7 +66,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from config import ComputeConfig
+from modeling.config import ComputeConfig
 from nsa.blocks import (
     as_blocks,
     best_token_scores,
@@ -77,7 +77,7 @@ from nsa.blocks import (
 )
 
 if TYPE_CHECKING:
-    from config import ModelConfig
+    from modeling.config import ModelConfig
     from nsa.kernels import TritonSelection
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from config import ModelConfig
+from modeling.config import ModelConfig
 
 GATE_BIAS = 8.0
 FRESH = ("k_compress.", "v_compress.")  # parameter names the conversion leaves to the NSA model's initialisation

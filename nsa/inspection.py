@@ -26,8 +26,8 @@ from nsa.blocks import block_importance, select_blocks
 from nsa.layer import NativeSparseAttention
 
 if TYPE_CHECKING:
-    from config import ModelConfig
-    from tokenizer import HFTokenizer, Tokenizer
+    from modeling.config import ModelConfig
+    from text.tokenizer import HFTokenizer, Tokenizer
 
 
 def selected_blocks(q: Tensor, k_cmp: Tensor, config: object) -> Tensor:
@@ -97,8 +97,8 @@ def check_nsa_model(path: str | Path, tokenizer_path: str | None, use: str,
     without loading its weights; ValueError or OSError (naming the fix) when the tokenizer does not fit the vocab,
     the model is not NSA or `length` (--length, documents of that many tokens) exceeds its context. `use` completes
     "this tool ..." in that error. Returns (ModelConfig, tokenizer)."""
-    from tokenizer import check_vocab, model_tokenizer
-    from weights import stored_config
+    from storage.weights import stored_config
+    from text.tokenizer import check_vocab, model_tokenizer
 
     config, tokenizer = stored_config(path), model_tokenizer(path, tokenizer_path)
     check_vocab(tokenizer, config.vocab_size)
@@ -111,7 +111,7 @@ def check_nsa_model(path: str | Path, tokenizer_path: str | None, use: str,
 
 
 def main(argv: list[str] | None = None) -> str:
-    from weights import load_model
+    from storage.weights import load_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")

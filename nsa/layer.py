@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attention import add_aux_loss, attention_flops, projection_flops
-from config import ComputeConfig, ModelConfig
-from layers import RMSNorm, apply_rope
+from modeling.attention import add_aux_loss, attention_flops, projection_flops
+from modeling.config import ComputeConfig, ModelConfig
+from modeling.layers import RMSNorm, apply_rope
 from nsa.attention import sparse_attention
 from nsa.blocks import num_compressed_blocks
 from nsa.scoring import selection_score_loss

@@ -22,9 +22,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch import Tensor
 
-from config import ComputeConfig, ModelConfig
-from layers import RotaryEmbedding
-from memtrack import LiveBytesTracker
+from modeling.config import ComputeConfig, ModelConfig
+from modeling.layers import RotaryEmbedding
+from modeling.memtrack import LiveBytesTracker
 from nsa import attention as nsa_attention
 
 Spec = tuple[int, int, int, tuple[bool, ...]]  # kept, forward peak, backward peak (bytes), which inputs are kept

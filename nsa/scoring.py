@@ -38,7 +38,7 @@ from torch import Tensor
 from nsa.blocks import as_blocks, best_token_scores, block_importance, choosable_blocks, num_compressed_blocks
 
 if TYPE_CHECKING:
-    from config import ComputeConfig, ModelConfig
+    from modeling.config import ComputeConfig, ModelConfig
 
 _TINY = 1e-30  # floor of a probability before its log: a block whose importance underflows still has a finite loss
 

@@ -22,9 +22,9 @@ def _seed_and_restore_dtype():
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 512-token tokenizer (the tiny preset's vocabulary) and ~30 standard-library files of tokens."""
-    from corpus import iter_documents, stdlib_files
-    from data import prepare
-    from tokenizer import Tokenizer
+    from text.corpus import iter_documents, stdlib_files
+    from text.shards import prepare
+    from text.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("data")
     files = stdlib_files()[:30]
@@ -39,9 +39,9 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tokenizer.json of 400 tokens, <|endoftext|> its end of document; data tokenized with that tokenizer)."""
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    from corpus import stdlib_files
-    from data import prepare
-    from tokenizer import HFTokenizer, check_vocab
+    from text.corpus import stdlib_files
+    from text.shards import prepare
+    from text.tokenizer import HFTokenizer, check_vocab
 
     root = tmp_path_factory.mktemp("qwen3")
     model_dir, data_dir = root / "qwen3", root / "data"
@@ -69,9 +69,9 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture
 def swa():
     """The test-only sliding-window attention registered as "swa" for one test (removed after)."""
-    from config import ATTENTION_TYPES, attention_class, register_attention
+    from modeling.config import ATTENTION_TYPES, attention_class, register_attention
 
-    register_attention("swa", "sliding_window_attention:SlidingWindowAttention")
+    register_attention("swa", "examples.sliding_window_attention:SlidingWindowAttention")
     yield attention_class("swa")
     del ATTENTION_TYPES["swa"]
 
@@ -79,8 +79,8 @@ def swa():
 @pytest.fixture
 def norms():
     """The test-only fine-tuning mode registered as "norms" for one test (removed after)."""
-    from finetune import FINETUNE_MODES, finetune_class, register_finetune
+    from training.options import FINETUNE_MODES, finetune_class, register_finetune
 
-    register_finetune("norms", "norm_finetune:NormsOnly")
+    register_finetune("norms", "examples.norm_finetune:NormsOnly")
     yield finetune_class("norms")
     del FINETUNE_MODES["norms"]

@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from config import ComputeConfig, ModelConfig  # noqa: E402
+from modeling.config import ComputeConfig, ModelConfig  # noqa: E402
 from nsa.attention import sparse_attention, triton_kernels  # noqa: E402
 from nsa.blocks import num_compressed_blocks  # noqa: E402
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention import AttentionLayer, FullAttention
-from config import ModelConfig, attention_class
 from model import Transformer
+from modeling.attention import AttentionLayer, FullAttention
+from modeling.config import ModelConfig, attention_class
 
 
 def test_registered_types_implement_the_protocol(swa):
@@ -52,7 +52,7 @@ def test_swa_trains_through_train_main(swa, data_dir, tmp_path, capsys):
     """The test-only type runs the whole pipeline: --attention_type accepts it, it trains, checkpoints, exports
     in the project's layout (no Hugging Face equivalent) and samples through its KV cache."""
     import train
-    from weights import load_model
+    from storage.weights import load_model
 
     metrics = train.main(["--model_size", "tiny", "--attention_type", "swa", "--context_length", "32",
                           "--batch_size", "2", "--max_steps", "2", "--warmup_steps", "1", "--sample_tokens", "5",
@@ -65,7 +65,7 @@ def test_swa_trains_through_train_main(swa, data_dir, tmp_path, capsys):
 
 def test_mfu_flops_come_from_the_attention_type(swa):
     """monitor.flops_per_token = 6 x (FFN + output weights) + n_layers x the type's own count."""
-    from monitor import flops_per_token
+    from training.monitor import flops_per_token
 
     for name in ("full", "nsa", "swa"):
         config = ModelConfig.from_preset("tiny", attention_type=name)

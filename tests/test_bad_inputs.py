@@ -12,10 +12,11 @@ import torch
 
 import eval as evaluation
 import train
-import train_config
-from config import ModelConfig
 from model import Transformer
-from weights import load_model
+from modeling.config import ModelConfig
+from storage.weights import load_model
+from text.shards import TokenLoader
+from training import options as train_config
 
 
 @pytest.mark.parametrize("args, message", [
@@ -25,7 +26,6 @@ from weights import load_model
     (["--weight_decay", "-0.1"], "--weight_decay must be a finite number >= 0"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--seed", str(2**70)], "--seed must be <= 9223372036854775807"),
-    (["--lora_rank", "8"], "--lora_rank is not an option of --finetune full: pass --finetune lora"),
     (["--finetune", "npt", "--npt_layers=-1"], "--npt_layers must be 'upper_half', 'all' or comma-separated indices"),
     (["--sample_tokens", "1000000"], "--sample_tokens must be less than --context_length (256)"),
     (["--ffn_chunk_size", "-1"], "--ffn_chunk_size must be >= 0"),
@@ -51,6 +51,20 @@ def test_train_options_are_usage_errors(args, message, capsys):
 def test_model_values_are_checked(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig.from_preset("tiny", **overrides)
+
+
+def test_another_modes_option_is_refused_before_anything_is_written(data_dir, tmp_path):
+    """A fine-tuning mode's options belong to it: given to another mode they are one line (checked when the run
+    starts, so that parsing options imports no model code), and the run directory is not created."""
+    for args, message in ((["--lora_rank", "8"], "--lora_rank is not an option of --finetune full: pass --finetune "
+                                                 "lora"),
+                          (["--finetune", "npt", "--lora_alpha", "4"], "--lora_alpha is not an option of --finetune "
+                                                                       "npt"),
+                          (["--npt_rank", "4"], "--npt_rank is not an option of --finetune full")):
+        with pytest.raises(ValueError, match=message):
+            train.main(["--model_size", "tiny", "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "run"),
+                        *args])
+        assert not (tmp_path / "run").exists()
 
 
 def test_the_overrides_of_a_run_are_checked_before_its_model_is_built(data_dir, tmp_path):
@@ -87,7 +101,7 @@ def test_generation_and_loading_arguments():
 def test_eval_options_are_one_line_errors(args, message, data_dir, tmp_path, capsys):
     if args[0] == "--device" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from weights import export_model
+    from storage.weights import export_model
 
     export_model(Transformer(ModelConfig.from_preset("tiny")), tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -134,8 +148,8 @@ def test_negative_numbers_are_read_as_numbers(value, capsys):
 def test_paths_are_what_they_name(data_dir, tmp_path, monkeypatch, capsys):
     """Paths are compared resolved, never by their text: a directory whose name starts like the default corpus's
     is not prepared as it; a file is not a directory; a run directory is not a checkpoint nor a model."""
-    from run_data import default_corpus
-    from rundir import LOCK_NAME
+    from training.inputs import default_corpus
+    from training.run_directory import LOCK_NAME
 
     monkeypatch.chdir(tmp_path)
     for path in ("data/stdlib", "./data/stdlib/", "data/../data/stdlib", str(tmp_path / "data" / "stdlib"),
@@ -213,7 +227,7 @@ def test_prepared_data_is_replaced_only_by_complete_data(data_dir, tmp_path, cap
                "--overwrite"])
     assert (out / "tokenizer.model").read_bytes() == snapshot["tokenizer.model"]
     assert (out / "index.json").read_bytes() != snapshot["index.json"] and (out / "validation").is_dir()
-    assert data.TokenLoader(out, 16, 1).num_tokens > 0
+    assert TokenLoader(out, 16, 1).num_tokens > 0
 
 
 @pytest.mark.parametrize("name, content, message", [
@@ -269,7 +283,7 @@ def test_an_init_from_model_fixes_the_architecture_and_the_tokenizer(data_dir, q
 def test_adapters_refuse_another_base(data_dir, tmp_path):
     """LoRA and NPT adapters record the base they were trained on (its weights' checksum and tokenizer); --adapter
     on another base is one line, on the same base it loads."""
-    from finetune import adapter_base
+    from training.modes import adapter_base
 
     base = ["--data_dir", str(data_dir), *TINY[2:]]
     for name in ("a", "b"):  # two bases of the same shape
@@ -289,7 +303,7 @@ def test_the_real_cause_wins_over_a_clean_up_error(tmp_path, monkeypatch):
     (a failed save) is the one reported, not "Permission denied: .lock"."""
     from pathlib import Path
 
-    from rundir import RunLock
+    from training.run_directory import RunLock
 
     lock = RunLock(tmp_path)
     lock.acquire()

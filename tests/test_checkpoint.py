@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import train
-from checkpoint import MANIFEST_NAME, DamagedCheckpoint, UnsafeCheckpoint, file_records, verify_checkpoint
-from weights import load_model
+from storage.checkpoint import MANIFEST_NAME, DamagedCheckpoint, UnsafeCheckpoint, file_records, verify_checkpoint
+from storage.weights import load_model
+from training import trainer
+from training.options import TrainConfig
 
 RUN = ["--model_size", "tiny", "--context_length", "32", "--batch_size", "2", "--max_steps", "2", "--warmup_steps",
        "1", "--checkpoint_interval", "1", "--sample_tokens", "0"]
@@ -98,9 +100,9 @@ def test_changed_optimizer_options_take_effect_on_resume(data_dir: Path, tmp_pat
     expected = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert rows[3]["lr"] == expected[2]["lr"] and rows[4]["lr"] == expected[3]["lr"]  # the new schedule at step 3
     model = torch.nn.Linear(2, 2)
-    cfg = train.TrainConfig(lr=0.5, weight_decay=0.25, max_steps=4, warmup_steps=1)
-    optimizer, scheduler = train.build_optimizer(model, dataclasses.replace(cfg, lr=3e-3, weight_decay=0.1))
-    train.apply_optimizer_options(optimizer, scheduler, cfg, {})
+    cfg = TrainConfig(lr=0.5, weight_decay=0.25, max_steps=4, warmup_steps=1)
+    optimizer, scheduler = trainer.build_optimizer(model, dataclasses.replace(cfg, lr=3e-3, weight_decay=0.1))
+    trainer.apply_optimizer_options(optimizer, scheduler, cfg, {})
     assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(0.5, 0.25), (0.5, 0.0)]
 
 

@@ -15,18 +15,19 @@ import torch.nn.functional as F
 
 import eval as evaluation
 import train
+from evaluation import tasks
 from model import ModelConfig, Transformer
-from tokenizer import Tokenizer
-from weights import load_model
+from storage.weights import load_model
+from text.tokenizer import Tokenizer
 
 
 def test_scorer_reads_the_first_number():
-    assert evaluation.is_correct(" 48213. Remember", "48213")
-    assert evaluation.is_correct("48213", "48213")
-    assert not evaluation.is_correct(" 4821", "48213")  # a prefix is wrong
-    assert not evaluation.is_correct(" 482130", "48213")  # so is a longer number
-    assert not evaluation.is_correct(" 11 and 48213", "48213")  # only the first number counts
-    assert not evaluation.is_correct(" the pass key", "48213")
+    assert tasks.is_correct(" 48213. Remember", "48213")
+    assert tasks.is_correct("48213", "48213")
+    assert not tasks.is_correct(" 4821", "48213")  # a prefix is wrong
+    assert not tasks.is_correct(" 482130", "48213")  # so is a longer number
+    assert not tasks.is_correct(" 11 and 48213", "48213")  # only the first number counts
+    assert not tasks.is_correct(" the pass key", "48213")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_prompts_have_the_exact_length_and_the_needle_at_its_depth(builder, task
 def test_loss_by_position_matches_full_logits():
     model = Transformer(ModelConfig.from_preset("tiny")).to(torch.float64).eval()
     windows = torch.randint(0, 512, (3, 700))  # more positions than one LOSS_CHUNK
-    result = evaluation.loss_by_position(model, windows, batch_size=2)
+    result = tasks.loss_by_position(model, windows, batch_size=2)
     with torch.no_grad():
         logits = model(windows).logits  # (3, 700, V)
     want = F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten(), reduction="none").view(3, -1)
@@ -112,12 +113,12 @@ class CopyOracle:
 
 def test_graded_scores_on_known_answers():
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 9]])  # the second 5 6 7 repeats the first
-    scores = evaluation.score_answers(CopyOracle(16), ids, [[4, 5, 6]])[0]
+    scores = tasks.score_answers(CopyOracle(16), ids, [[4, 5, 6]])[0]
     right_log_prob = -math.log(1 + 15 * math.exp(-10))  # one-hot logits of 10 over 16 tokens
     assert [r for r, _ in scores] == [True, True, False]  # 9 was never seen after a 7
     assert scores[0][1] == pytest.approx(right_log_prob, abs=1e-12)
     assert scores[2][1] == pytest.approx(-10 + right_log_prob, abs=1e-12)
-    buckets = evaluation.distance_buckets([1, 3, 3, 100], [True, False, True, True], [-1.0, -2.0, -4.0, -0.5])
+    buckets = tasks.distance_buckets([1, 3, 3, 100], [True, False, True, True], [-1.0, -2.0, -4.0, -0.5])
     assert [(b["start"], b["count"], b["accuracy"], b["answer_logprob"]) for b in buckets] == [
         (1, 1, 1.0, -1.0), (2, 2, 0.5, -3.0), (64, 1, 1.0, -0.5)]
 
@@ -126,10 +127,10 @@ def test_mqar_accuracy_by_distance_sees_an_oracles_reach(data_dir):
     """A copy oracle that reaches back 63 tokens scores 100% on answers up to its reach and 0% beyond: the
     instrument the recall experiment reads."""
     documents = evaluation.SyntheticDocuments("mqar", Tokenizer(data_dir / "tokenizer.model"))
-    full = evaluation.recall_scores(CopyOracle(512), documents, [1024], samples=4, seed=0, batch_size=2)
+    full = tasks.recall_scores(CopyOracle(512), documents, [1024], samples=4, seed=0, batch_size=2)
     assert full["accuracy"] == 1.0 and full["query_accuracy"] == 1.0
     assert [b["start"] for b in full["buckets"]][-1] >= 256  # distances span the document
-    near = evaluation.recall_scores(CopyOracle(512, window=63), documents, [1024], samples=4, seed=0, batch_size=2)
+    near = tasks.recall_scores(CopyOracle(512, window=63), documents, [1024], samples=4, seed=0, batch_size=2)
     for bucket in near["buckets"]:
         assert bucket["accuracy"] == (1.0 if bucket["end"] <= 64 else 0.0), bucket
 

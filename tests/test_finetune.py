@@ -12,10 +12,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import train
-from finetune import FINETUNE_MODES, FinetuneMode, finetune_class
-from layers import RMSNorm
-from train_config import TrainConfig
-from weights import load_model
+from modeling.layers import RMSNorm
+from storage.weights import load_model
+from training.modes import FinetuneMode, finetune_mode
+from training.options import FINETUNE_MODES, TrainConfig, finetune_class
 
 
 def test_registered_modes_implement_the_protocol(norms):
@@ -29,7 +29,7 @@ def test_registered_modes_implement_the_protocol(norms):
 
 def test_another_modes_options_are_refused():
     with pytest.raises(ValueError, match="--quantize_base is not an option of --finetune npt: pass --finetune lora"):
-        TrainConfig(finetune="npt", quantize_base="int8")  # TrainConfig checks its mode's options (finetune_mode)
+        finetune_mode(TrainConfig(finetune="npt", quantize_base="int8"))  # each mode checks its options
 
 
 def test_a_mode_from_the_tests_trains_checkpoints_resumes_and_exports(norms, data_dir, tmp_path, capsys):

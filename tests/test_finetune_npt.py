@@ -12,10 +12,11 @@ from safetensors.torch import load_file
 from test_init_from import T
 from torch.distributed.checkpoint import FileSystemReader
 
-import parallel
 import train
 from npt.adapters import ADAPTERS_NAME
-from train_config import TrainConfig, parse_config
+from training import parallel, trainer
+from training.modes import finetune_mode
+from training.options import TrainConfig, parse_config
 
 
 def test_npt_run_trains_and_checkpoints_only_the_np_parameters(qwen3, tmp_path: Path):
@@ -54,7 +55,7 @@ def test_npt_run_trains_and_checkpoints_only_the_np_parameters(qwen3, tmp_path: 
 ])
 def test_npt_options_are_checked(options: dict, match: str):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**options)
+        finetune_mode(TrainConfig(**options))
 
 
 @pytest.mark.parametrize("finetune", ["lora", "npt"])
@@ -67,11 +68,11 @@ def test_a_frozen_base_is_stored_in_bf16(qwen3, tmp_path: Path, finetune: str):
     built = {}
 
     def build(*args):
-        built["model"] = train.build_model(*args)
+        built["model"] = trainer.build_model(*args)
         return built["model"]
 
-    losses = {dtype: train.train(parse_config([*run, "--dtype", dtype, "--out_dir", str(tmp_path / dtype)]),
-                                 parallel.init_runtime(), train.Task(build=build))["loss"]
+    losses = {dtype: trainer.train(parse_config([*run, "--dtype", dtype, "--out_dir", str(tmp_path / dtype)]),
+                                 parallel.init_runtime(), trainer.Task(build=build))["loss"]
               for dtype in ("float32", "bfloat16")}
     dtypes = {p.dtype for p in built["model"].parameters() if not p.requires_grad}
     assert dtypes == {torch.bfloat16}

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import verify_checkpoint
-from weights import load_model
+from storage.checkpoint import verify_checkpoint
+from storage.weights import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = json.dumps({"n_layers": 1, "nsa_block_size": 64, "nsa_stride": 64, "nsa_select_block_size": 64,

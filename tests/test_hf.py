@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from hf import config_from_hf, config_to_hf, export_hf_checkpoint, load_hf_checkpoint
 from model import ModelConfig, Transformer
+from storage.hf import config_from_hf, config_to_hf, export_hf_checkpoint, load_hf_checkpoint
 
 ATOL = 1e-5  # float32 logits of two independent implementations (ours: SDPA; transformers: eager attention)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

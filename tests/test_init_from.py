@@ -14,7 +14,8 @@ import torch
 from distributed import run_distributed
 
 import train
-from data import TokenLoader
+from text.shards import TokenLoader
+from training import trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,8 +68,8 @@ def test_rope_theta_and_context_change_only_rope(qwen3: tuple[Path, Path], tmp_p
     run(model_dir, data_dir, tmp_path / "run", "--rope_theta", "4e6")
     resolved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
     assert resolved["rope_theta"] == 4e6 and resolved["n_layers"] == 2 and resolved["head_dim"] == 16
-    import train_config
-    from config import ModelConfig
+    from modeling.config import ModelConfig
+    from training import options as train_config
 
     cfg = train_config.TrainConfig(init_from=str(model_dir), attention_type="full", context_length=T)
     with pytest.raises(ValueError, match="only full -> nsa is converted"):
@@ -92,8 +93,8 @@ def test_dense_weights_start_an_nsa_model_close_to_the_dense_one():
     beyond it, the window alone differs."""
     import dataclasses
 
-    from config import ModelConfig
     from model import Transformer
+    from modeling.config import ModelConfig
     from nsa.convert import FRESH, nsa_state_from_dense
 
     torch.manual_seed(0)
@@ -124,16 +125,16 @@ def test_equivalence_training_starts_from_pretrained_weights(qwen3: tuple[Path, 
     """npt.train_equivalence shares train.py's --init_from: after training, the converted model's frozen base is
     the stored model, weight for weight."""
     from npt.train_equivalence import main
-    from weights import load_model
+    from storage.weights import load_model
 
     loaded = []
-    original = train.load_initial_weights
+    original = trainer.load_initial_weights
 
     def spy(model, *args, **kwargs):
         loaded.append(model)
         return original(model, *args, **kwargs)
 
-    monkeypatch.setattr(train, "load_initial_weights", spy)
+    monkeypatch.setattr(trainer, "load_initial_weights", spy)
     model_dir, data_dir = qwen3
     main(["--config", "configs/npt_tiny.json", "--model_size", "auto", "--init_from", str(model_dir),  # its size
           "--data_dir", str(data_dir),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config import ComputeConfig
 from model import ModelConfig, Transformer
+from modeling.config import ComputeConfig
 from nsa import attention as nsa_attention
 from nsa.blocks import as_blocks
 from nsa.inspection import inspect, report, selected_blocks
@@ -55,7 +55,7 @@ def test_inspect_reports_every_layer_and_the_gates():
 ])
 def test_bad_inputs_are_one_line_errors(attention, text, message, data_dir, tmp_path, capsys):
     from nsa.inspection import main
-    from weights import export_model
+    from storage.weights import export_model
 
     export_model(Transformer(ModelConfig.from_preset("tiny", attention_type=attention)), tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -70,8 +70,8 @@ def test_recall_selection_marks_the_pair_blocks(data_dir):
     import runpy
     from pathlib import Path
 
-    from synthetic import SyntheticDocuments
-    from tokenizer import Tokenizer
+    from text.synthetic import SyntheticDocuments
+    from text.tokenizer import Tokenizer
 
     script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_recall_selection.py"))
     torch.manual_seed(0)
@@ -97,7 +97,7 @@ def test_recall_selection_bad_inputs_before_loading(attention, args, message, da
     import runpy
     from pathlib import Path
 
-    from weights import export_model
+    from storage.weights import export_model
 
     export_model(Transformer(ModelConfig.from_preset("tiny", attention_type=attention)), tmp_path)
     script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_recall_selection.py"))
@@ -116,8 +116,8 @@ def test_branch_ablation_switches_gates_off(data_dir, tmp_path, capsys):
     import runpy
     from pathlib import Path
 
-    from synthetic import SyntheticDocuments
-    from tokenizer import Tokenizer
+    from text.synthetic import SyntheticDocuments
+    from text.tokenizer import Tokenizer
 
     script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_branch_ablation.py"))
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import pytest
 
 import eval as evaluation
 import train
-from corpus import iter_documents, stdlib_files
+from text.corpus import iter_documents, stdlib_files
 
 pytestmark = pytest.mark.slow
 lm_eval = pytest.importorskip("lm_eval")

@@ -16,10 +16,11 @@ from test_init_from import T
 from torch.distributed.checkpoint import FileSystemReader
 
 import train
-from config import ModelConfig
-from lora import apply_lora, init_lora, lora_layers, merge_lora_
 from model import Transformer
-from train_config import TrainConfig
+from modeling.config import ModelConfig
+from training.lora import apply_lora, init_lora, lora_layers, merge_lora_
+from training.modes import finetune_mode
+from training.options import TrainConfig
 
 
 def test_adapters_start_at_the_base_and_merge_exactly():
@@ -76,7 +77,7 @@ def test_lora_run_trains_and_checkpoints_only_the_adapters(qwen3, tmp_path: Path
     config = json.loads((tmp_path / "e" / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, ["q_proj", "up_proj", "v_proj"])
     with pytest.raises(ValueError, match="--lora_rank 8 differs from the adapters in .* \\(4\\); leave it out"):
-        TrainConfig(finetune="lora", lora_rank=8, adapter=str(tmp_path / "d" / "adapter"))
+        finetune_mode(TrainConfig(finetune="lora", lora_rank=8, adapter=str(tmp_path / "d" / "adapter")))
 
 
 def _lora_run(model_dir: str, data_dir: str, out_dir: str, batch: str, results: str | None = None) -> None:
@@ -127,7 +128,7 @@ def test_a_quantized_base_is_smaller_and_close(kind: str, share: float):
     int4 in groups of 32, kept one per byte on the CPU by torchao), the loss within 1% of the float base's, and
     gradients for the adapters only."""
     pytest.importorskip("torchao")
-    from quantize import parameter_bytes, quantize_base
+    from training.quantize import parameter_bytes, quantize_base
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_preset("tiny", dim=128, ffn_dim=384, head_dim=32))
@@ -162,5 +163,5 @@ def test_lora_runs_on_a_quantized_base(qwen3, tmp_path: Path):
         quantized = train.main([*run, "--quantize_base", kind, "--out_dir", str(tmp_path / kind)])
         assert abs(quantized["loss"] - full["loss"]) < 0.01 * full["loss"]
         assert (tmp_path / kind / "adapter" / "adapter_model.safetensors").is_file()
-    with pytest.raises(SystemExit):  # argparse: --merge needs a float base
+    with pytest.raises(ValueError, match="--merge folds the adapters into the base"):  # needs a float base
         train.main([*run, "--quantize_base", "int8", "--merge", "--out_dir", str(tmp_path / "x")])

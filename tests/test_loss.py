@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from config import GiB
-from loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, standard_linear_cross_entropy
 from model import ComputeConfig, ModelConfig, Transformer
+from modeling.config import GiB
+from modeling.loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, standard_linear_cross_entropy
 from verify_chunked_loss import fake_loss_peak, float64_reference
 
 

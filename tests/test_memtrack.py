@@ -4,7 +4,7 @@ follows in-place resizes, and labels storages by category (a training step's spl
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memtrack import LiveBytesTracker, track_training_step
+from modeling.memtrack import LiveBytesTracker, track_training_step
 
 
 def test_counts_new_storages_views_and_frees():

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from config import GiB
 from model import ComputeConfig, ModelConfig, Transformer
+from modeling.config import GiB
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -270,7 +270,7 @@ def test_full_attention_never_materialises_t_by_t():
 # ---- tiled FFN --------------------------------------------------------------------------------------------------
 
 def test_tiled_ffn_equals_untiled_with_gradients():
-    from layers import FeedForward
+    from modeling.layers import FeedForward
 
     plain = FeedForward(16, 48).double()
     tiled = FeedForward(16, 48, chunk_size=5).double()

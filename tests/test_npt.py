@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from config import GiB
 from model import Block, ModelConfig, Transformer
+from modeling.config import GiB
 from npt.adapters import load_adapters, save_adapters
 from npt.convert import (
     convert,
@@ -197,7 +197,7 @@ def test_convert_freezes_and_selects_layers():
 
 
 def test_convert_model_loaded_from_hf_weights(tmp_path):
-    from hf import export_hf_checkpoint, load_hf_checkpoint
+    from storage.hf import export_hf_checkpoint, load_hf_checkpoint
 
     cfg = tiny_config()
     export_hf_checkpoint(Transformer(cfg), tmp_path / "hf")
@@ -342,10 +342,10 @@ def test_memory_full_size_llama8b_like():
 def test_tiny_equivalence_run_lowers_loss(tmp_path):
     """The entry point end to end on CPU: a tiny corpus, a model whose attention matters (init_std 0.1), the upper
     layer converted in "modulate" mode; the equivalence loss falls, adapters are written and load back."""
-    from corpus import stdlib_files
-    from data import prepare
     from npt.train_equivalence import ADAPTERS_NAME, main
-    from tokenizer import Tokenizer
+    from text.corpus import stdlib_files
+    from text.shards import prepare
+    from text.tokenizer import Tokenizer
 
     files = [p for p in stdlib_files() if p.name in {"textwrap.py", "string.py", "shlex.py", "bisect.py"}]
     tok = Tokenizer.train(files, vocab_size=400, model_prefix=tmp_path / "tok")
@@ -393,7 +393,7 @@ def test_equivalence_skips_non_finite_steps(data_dir, tmp_path, monkeypatch):
 
 def test_equivalence_guards_checkpoints_and_memory(data_dir, tmp_path):
     """The loop's checkpoint guard (a second run into the same directory needs --resume) and memory budget."""
-    from monitor import MemoryBudgetExceeded
+    from training.monitor import MemoryBudgetExceeded
 
     _equivalence(data_dir, tmp_path / "a")
     with pytest.raises(FileExistsError, match="already holds a run .* pass --resume"):

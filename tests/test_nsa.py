@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from attention import FullAttention
-from config import ComputeConfig
-from layers import RotaryEmbedding, apply_rope
-from memtrack import LiveBytesTracker
 from model import ModelConfig, Transformer
+from modeling.attention import FullAttention
+from modeling.config import ComputeConfig
+from modeling.layers import RotaryEmbedding, apply_rope
+from modeling.memtrack import LiveBytesTracker
 from nsa import attention as nsa_attention
 from nsa.attention import attend, attend_backward, explicit_attention, sparse_attention, tile_plan, triton_kernels
 from nsa.blocks import as_blocks, num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights

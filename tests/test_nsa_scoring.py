@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from config import ComputeConfig, ModelConfig
-from memtrack import LiveBytesTracker
 from model import Transformer
+from modeling.config import ComputeConfig, ModelConfig
+from modeling.memtrack import LiveBytesTracker
 from nsa import blocks, scoring
 from nsa.blocks import num_compressed_blocks, selection_pool_weights
 from nsa.scoring import selection_score_loss

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import profile_memory as pm
-from config import ComputeConfig, ModelConfig
 from model import Transformer
-from offload import simulated
+from modeling.config import ComputeConfig, ModelConfig
+from modeling.offload import simulated
+from training import estimate as pm
 
 
 def loss_and_grads(offload: bool, checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], list]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import checkpoints, verify_checkpoint
+from storage.checkpoint import checkpoints, verify_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 

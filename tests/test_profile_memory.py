@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import profile_memory as pm
-from config import GiB
-from memtrack import LiveBytesTracker
+import profile_memory
+from modeling.config import GiB
+from modeling.memtrack import LiveBytesTracker
+from training import estimate as pm
 
 STAGES = ("parameters", "after embedding", "after first layer", "after forward", "after loss", "peak during forward",
           "peak during backward", "after backward", "after optimizer step", "peak during optimizer step")
@@ -139,7 +140,7 @@ def test_nsa_double_extrapolates_to_a_third_length(triton):
     """One 4B NSA layer (l' = 64, n = 16, query chunks of 512, bf16): the double's spec extrapolated from its two
     calibration lengths (3072 and 5120, past the 1024-token all-selected prefix) agrees within 2% with a direct
     measurement at T = 8192, on the Triton kernels' path and on the explicit one."""
-    from config import ComputeConfig, ModelConfig
+    from modeling.config import ComputeConfig, ModelConfig
     from nsa.layer import NativeSparseAttention
     from nsa.memory import calibrated_spec, calibration_lengths
 
@@ -266,13 +267,14 @@ def test_more_gpus_are_derived_from_two_estimates(monkeypatch):
 # ---- command line and errors ---------------------------------------------------------------------------------------
 
 def test_cli_table_json_and_plot(tmp_path, capsys):
-    pm.main(["--model_size", "tiny", "--context_length", "64", "--gpu_memory", "1", "--reserve", "0.5"])
+    profile_memory.main(["--model_size", "tiny", "--context_length", "64", "--gpu_memory", "1", "--reserve", "0.5"])
     text = capsys.readouterr().out
     for stage in (*STAGES, "peak (backward)"):
         assert stage in text
     assert "fits on a 1 GiB GPU" in text and "Stand-in: full attention" in text
     png = tmp_path / "memory.png"
-    pm.main(["--model_size", "tiny", "--context_length", "64", "--world_size", "2", "--json", "--plot", str(png)])
+    profile_memory.main(["--model_size", "tiny", "--context_length", "64", "--world_size", "2", "--json", "--plot",
+                         str(png)])
     out = json.loads(capsys.readouterr().out)
     assert list(out["stages"]) == list(STAGES) and out["config"]["world_size"] == 2
     assert out["config"]["train"]["model_size"] == "tiny"
@@ -285,12 +287,12 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
 def test_progress_lines_once_an_estimate_takes_a_while(capsys):
     """Long estimates (the 4B ones take half a minute) say on stderr which part runs, from `after` seconds on."""
     config = pm.StepConfig.of(model_size="tiny", context_length=64, attention_type="nsa")
-    pm.estimate(config, pm.progress_lines(after=0))
+    pm.estimate(config, profile_memory.progress_lines(after=0))
     err = capsys.readouterr().err.splitlines()
     assert [line.split(" (")[0] for line in err] == [
         "profile_memory: calibrating the nsa attention's stand-in", "profile_memory: building the model and optimizer",
         "profile_memory: forward", "profile_memory: backward", "profile_memory: optimizer step"]
-    pm.estimate(config, pm.progress_lines())
+    pm.estimate(config, profile_memory.progress_lines())
     assert capsys.readouterr().err == ""
 
 
@@ -331,14 +333,14 @@ def test_one_command_one_answer_with_train_py():
 ])
 def test_cli_errors_are_one_line_with_exit_code_2(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        pm.main(["--model_size", "tiny", *args])
+        profile_memory.main(["--model_size", "tiny", *args])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_an_attention_type_from_the_tests_is_profiled(swa):
     """The test-only sliding-window type, registered with one line: profile_memory lists it, describes it through
     its memory_stand_in, and the estimate equals the real CPU step (as for the built-in types)."""
-    assert "swa" in pm.build_parser().parse_args(["--attention_type", "swa"]).attention_type
+    assert "swa" in profile_memory.build_parser().parse_args(["--attention_type", "swa"]).attention_type
     config = pm.StepConfig.of(model_size="tiny", context_length=96, attention_type="swa", batch_size=2,
                               dtype="float32")
     result = pm.estimate(config)

@@ -2,8 +2,8 @@
 
 import torch
 
-from layers import RotaryEmbedding, apply_rope
 from model import ModelConfig, Transformer
+from modeling.layers import RotaryEmbedding, apply_rope
 
 
 def reference_tables(length: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ def test_rotation_is_relative():
 
 
 def test_apply_rope_matches_plain_formula_and_gradcheck(monkeypatch):
-    import layers
+    from modeling import layers
 
     monkeypatch.setattr(layers, "ROPE_CHUNK", 5)  # several chunks, the last one partial
     rope = RotaryEmbedding(8, 1e4, context_length=16)

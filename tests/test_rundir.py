@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import train
-from checkpoint import checkpoints
-from rundir import LOCK_NAME, RunLock
+from storage.checkpoint import checkpoints
+from training.run_directory import LOCK_NAME, RunLock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,8 @@ def test_a_locked_directory_refuses_a_second_run(data_dir, tmp_path):
 
 
 def test_a_dead_runs_lock_is_taken_over(data_dir, tmp_path, capsys):
-    dies_holding_it = f"import os, pathlib, rundir; rundir.RunLock(pathlib.Path({str(tmp_path)!r})).acquire(); " \
+    dies_holding_it = f"import os, pathlib; from training import run_directory; " \
+                      f"run_directory.RunLock(pathlib.Path({str(tmp_path)!r})).acquire(); " \
                       "os._exit(0)"
     subprocess.run([sys.executable, "-c", dies_holding_it], cwd=ROOT, check=True)
     assert (tmp_path / LOCK_NAME).exists()

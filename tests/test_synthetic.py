@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import train
-import train_config
-from config import ComputeConfig, ModelConfig
-from data import TokenLoader
 from model import Transformer
-from synthetic import (
+from modeling.config import ComputeConfig, ModelConfig
+from text.shards import TokenLoader
+from text.synthetic import (
     KEY_WORDS,
     PromptBuilder,
     RecallVocabulary,
@@ -28,7 +27,8 @@ from synthetic import (
     mqar_text_document,
     passkey_document,
 )
-from tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
+from training import options as train_config
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,11 @@ import torch
 from safetensors import safe_open
 
 import train
-from config import ModelConfig
-from corpus import iter_documents, stdlib_files
-from hf import ExportInfo, export_hf_checkpoint
 from model import Transformer
-from tokenizer import HFTokenizer, Tokenizer, load_tokenizer, tokenizer_file
+from modeling.config import ModelConfig
+from storage.hf import ExportInfo, export_hf_checkpoint
+from text.corpus import iter_documents, stdlib_files
+from text.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, tokenizer_file
 
 transformers = pytest.importorskip("transformers")
 

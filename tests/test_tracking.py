@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import tracking
 import train
+from training import tracking
 
 pytest.importorskip("tensorboard")
 

@@ -4,7 +4,7 @@ precedence, and the clear errors for bad options, missing data, corrupt checkpoi
 budget; SIGTERM handling; the analytic FLOP count against FlopCounterMode.
 
 Reference layout for the parity tests: 2 ranks x batch 2 x 1 micro-step sees the same windows as 1 process x batch
-2 x 2 micro-steps (data.TokenLoader hands rank r the r-th block of each global batch), and the global loss is
+2 x 2 micro-steps (text.shards.TokenLoader hands rank r the r-th block of each global batch), and the global loss is
 rank0 + rank1 = micro0 + micro1 in float32 either way, so the first loss and any loss after a resume are bitwise
 equal; gradients are compared with a tolerance because the rank reduction adds in another order.
 """
@@ -27,14 +27,13 @@ from distributed import run_distributed
 from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
-import monitor
-import parallel
 import train
-import train_config
-from checkpoint import latest_checkpoint
-from data import TokenLoader
-from hf import load_hf_checkpoint
 from model import ComputeConfig, ModelConfig, Transformer
+from storage.checkpoint import latest_checkpoint
+from storage.hf import load_hf_checkpoint
+from text.shards import TokenLoader
+from training import monitor, parallel, trainer
+from training import options as train_config
 
 STEPS = 4
 BASE = ["--model_size", "tiny", "--context_length", "32", "--batch_size", "2", "--max_steps", str(STEPS),
@@ -144,13 +143,13 @@ def _gradient_parity(data_dir: str) -> None:
     cfg = train_config.TrainConfig(model_size="tiny", context_length=32, batch_size=2)
     cfg = train_config.resolve_config(cfg, rt.device)
     config, compute = train_config.build_model_config(cfg, 512)
-    sharded = train.build_model(config, compute, cfg, rt)
-    reference = train.build_model(config, compute, cfg, parallel.Runtime(0, 1, rt.device, None))
+    sharded = trainer.build_model(config, compute, cfg, rt)
+    reference = trainer.build_model(config, compute, cfg, parallel.Runtime(0, 1, rt.device, None))
     for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q), f"{name}: the sharded initialisation differs"
     local = next(TokenLoader(data_dir, 32, 2, rt.rank, 2))  # this rank's (input_ids, labels), (2, 32) each
     global_ids, global_labels = next(TokenLoader(data_dir, 32, 4, 0, 1))  # (4, 32): rank 0's rows, then rank 1's
-    loss, _ = train.forward_backward(sharded, [list(local)], torch.autocast("cpu", enabled=False))
+    loss, _ = trainer.forward_backward(sharded, [list(local)], torch.autocast("cpu", enabled=False))
     dist.all_reduce(loss)
     reference(global_ids, global_labels).loss.backward()  # the plain mean over the global batch
     torch.testing.assert_close(loss, reference(global_ids, global_labels).loss.detach(), rtol=1e-6, atol=0)
@@ -161,8 +160,8 @@ def _gradient_parity(data_dir: str) -> None:
     # the root module: same loss and grads.
     for variant, variant_compute in (("chunked", ComputeConfig(loss_mode="chunked", loss_chunk_size=24)),
                                      ("targets", ComputeConfig(loss_rows="targets"))):
-        other = train.build_model(config, variant_compute, cfg, rt)
-        loss_other, _ = train.forward_backward(other, [list(local)], torch.autocast("cpu", enabled=False))
+        other = trainer.build_model(config, variant_compute, cfg, rt)
+        loss_other, _ = trainer.forward_backward(other, [list(local)], torch.autocast("cpu", enabled=False))
         dist.all_reduce(loss_other)
         torch.testing.assert_close(loss_other, loss, rtol=1e-6, atol=0)
         for (name, p), q in zip(other.named_parameters(), reference.parameters(), strict=True):
@@ -171,10 +170,10 @@ def _gradient_parity(data_dir: str) -> None:
     # single-process term over the global batch; so do the gradients.
     nsa_config = dataclasses.replace(config, attention_type="nsa", context_length=64)
     nsa_compute = dataclasses.replace(compute, nsa_score_loss_coef=0.5)
-    nsa_sharded = train.build_model(nsa_config, nsa_compute, cfg, rt)
-    nsa_reference = train.build_model(nsa_config, nsa_compute, cfg, parallel.Runtime(0, 1, rt.device, None))
+    nsa_sharded = trainer.build_model(nsa_config, nsa_compute, cfg, rt)
+    nsa_reference = trainer.build_model(nsa_config, nsa_compute, cfg, parallel.Runtime(0, 1, rt.device, None))
     local_64 = next(TokenLoader(data_dir, 64, 2, rt.rank, 2))  # (2, 64) each: past position 2 l' = 32
-    loss_nsa, extras = train.forward_backward(nsa_sharded, [list(local_64)], torch.autocast("cpu", enabled=False))
+    loss_nsa, extras = trainer.forward_backward(nsa_sharded, [list(local_64)], torch.autocast("cpu", enabled=False))
     stats = torch.stack([loss_nsa, extras["aux_loss"]])
     dist.all_reduce(stats)
     expected = nsa_reference(*next(TokenLoader(data_dir, 64, 4, 0, 1)))
@@ -183,10 +182,10 @@ def _gradient_parity(data_dir: str) -> None:
     for (name, p), q in zip(nsa_sharded.named_parameters(), nsa_reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=f"nsa {name}")
     # bf16 mixed precision: the blocks still get float32 RoPE tables, and the loss stays close to float32's.
-    bf16 = train.build_model(config, compute, dataclasses.replace(cfg, dtype="bfloat16"), rt)
+    bf16 = trainer.build_model(config, compute, dataclasses.replace(cfg, dtype="bfloat16"), rt)
     seen = []
     bf16.layers[0].attn.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1].dtype)))
-    loss_bf16, _ = train.forward_backward(bf16, [list(local)], torch.autocast("cpu", enabled=False))
+    loss_bf16, _ = trainer.forward_backward(bf16, [list(local)], torch.autocast("cpu", enabled=False))
     dist.all_reduce(loss_bf16)
     assert seen == [(torch.bfloat16, torch.float32)]
     torch.testing.assert_close(loss_bf16, loss, rtol=1e-2, atol=0)  # bf16 activations: ~3 significant digits
@@ -371,8 +370,8 @@ def test_memory_metrics_leak_warning_and_cache_interval(data_dir: Path, tmp_path
         level[0] += 0.01  # 10 MiB more every step
         return level[0], level[0]
 
-    monkeypatch.setattr(train, "memory_gib", leaking)
-    monkeypatch.setattr(train, "free_cache", freed.append)
+    monkeypatch.setattr(trainer, "memory_gib", leaking)
+    monkeypatch.setattr(trainer, "free_cache", freed.append)
     run(data_dir, tmp_path, "--max_steps", "30", "--empty_cache_interval", "10", "--checkpoint_interval", "0")
     rows = metrics(tmp_path)
     assert rows[5]["mem_growth_gib"] == pytest.approx(0.01) and rows[0]["mem_growth_gib"] == 0

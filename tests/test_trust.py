@@ -18,8 +18,9 @@ from test_checkpoint import RUN, _Payload, flip_bit, forge_manifest
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
-from checkpoint import MANIFEST_NAME, DamagedCheckpoint, UnsafeCheckpoint
-from weights import load_model
+from storage.checkpoint import MANIFEST_NAME, DamagedCheckpoint, UnsafeCheckpoint
+from storage.weights import load_model
+from training import trainer
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_a_damaged_config_is_found_before_anything_is_built(run_dir, tmp_path):
 
 def test_an_interrupted_export_is_done_again(run_dir, data_dir, capsys):
     shutil.rmtree(run_dir / "model")  # killed during the export: the final checkpoint exists, the export does not
-    (run_dir / train.FINISHED_NAME).unlink()
+    (run_dir / trainer.FINISHED_NAME).unlink()
     train.main([*RUN, "--data_dir", str(data_dir), "--out_dir", str(run_dir), "--resume"])
     assert "the run's end (its export) did not complete: doing it again" in capsys.readouterr().out
     assert load_model(run_dir / "model").config.vocab_size == 512
@@ -127,7 +128,7 @@ def test_an_adapter_run_resumes_only_on_its_own_base(run_dir, data_dir, tmp_path
 
 
 def test_a_failed_save_names_its_cause_and_the_last_checkpoint(data_dir, tmp_path, monkeypatch):
-    import checkpoint
+    from storage import checkpoint
 
     def full_disk(*args: object, **kwargs: object) -> None:
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
@@ -142,7 +143,7 @@ def test_a_failed_save_names_its_cause_and_the_last_checkpoint(data_dir, tmp_pat
 
 
 def test_an_unwritable_directory_is_one_line(monkeypatch, tmp_path):
-    from rundir import RunLock
+    from training.run_directory import RunLock
 
     def refuse(*args: object, **kwargs: object) -> int:
         raise PermissionError(13, "Permission denied")

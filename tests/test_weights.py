@@ -12,9 +12,9 @@ import torch
 from distributed import run_distributed
 
 import train
-from config import ComputeConfig, ModelConfig
 from model import Transformer
-from weights import export_model, load_model
+from modeling.config import ComputeConfig, ModelConfig
+from storage.weights import export_model, load_model
 
 NSA_RUN = ["--model_size", "tiny", "--attention_type", "nsa", "--context_length", "64", "--batch_size", "2",
            "--max_steps", "2", "--warmup_steps", "1", "--checkpoint_interval", "2", "--sample_tokens", "6",

@@ -1,8 +1,8 @@
 """A fine-tuning mode written only in the tests, to show that a new mode is one file and one registry line:
 train the RMSNorm gains alone (a few hundred parameters of the tiny preset) on a frozen base.
 
-    from finetune import register_finetune
-    register_finetune("norms", "norm_finetune:NormsOnly")    # then train.py --finetune norms --init_from ...
+    from training.options import register_finetune
+    register_finetune("norms", "examples.norm_finetune:NormsOnly")    # then train.py --finetune norms --init_from ...
 
 What it delivers is a whole model (its base plus the trained gains), exported like a full fine-tune.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf import ExportInfo
-from layers import RMSNorm
 from model import Transformer
-from train_config import TrainConfig
-from weights import export_model
+from modeling.layers import RMSNorm
+from storage.hf import ExportInfo
+from storage.weights import export_model
+from training.options import TrainConfig
 
 
 class NormsOnly:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from model import Transformer
-from rundir import exit_with_launcher
+from training.run_directory import exit_with_launcher
 
 
 @dataclass

@@ -25,7 +25,7 @@ import signal
 import socket
 from pathlib import Path
 
-from checkpoint import STATE_NAME, checkpoints, latest_checkpoint
+from storage.checkpoint import STATE_NAME, checkpoints, latest_checkpoint
 
 LOCK_NAME = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # with step-N/, what makes a directory hold a run

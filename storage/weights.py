@@ -21,6 +21,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from checkpoint import (
+from model import Transformer
+from modeling.config import ComputeConfig, ModelConfig
+from storage.checkpoint import (
     MANIFEST_NAME,
     STATE_NAME,
     file_records,
@@ -38,8 +41,7 @@ from checkpoint import (
     verify_files,
     written_directory,
 )
-from config import ComputeConfig, ModelConfig
-from hf import (
+from storage.hf import (
     CONFIG_NAME,
     WEIGHTS_ONLY,
     ExportInfo,
@@ -49,7 +51,7 @@ from hf import (
     json_object,
     load_hf_checkpoint,
 )
-from model import Transformer
+from text.tokenizer import tokenizer_file
 
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "longctx"  # config.json "format" of the project's export (a Hugging Face config.json has "model_type")
@@ -134,43 +136,72 @@ def _export_config(path: Path) -> dict | None:
     return json.loads(metadata["model_config"]) if "model_config" in metadata else None
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               compute: ComputeConfig | None = None) -> Transformer:
-    """The model stored at `path`: a training checkpoint step-N/, the project's export (directory or its
-    model.safetensors), or a Hugging Face directory (see the module docstring). Weights land on `device`, cast to
-    `dtype` when given (default: as stored; a training checkpoint stores float32). `compute`: how the model will
-    compute (default ComputeConfig()). Raises FileNotFoundError / ValueError naming `path` when it is none of these.
-    """
+class Stored(NamedTuple):
+    """What a path holds (`stored`): its layout, "checkpoint" (a training checkpoint step-N/), "export" (the
+    project's export: its directory, or its model.safetensors) or "hf" (a Hugging Face directory); the
+    architecture, checked against the tensor names and shapes in the file headers; the weights (the checkpoint's
+    directory, the export's model.safetensors, the Hugging Face directory); the tokenizer stored with them (None
+    when there is none)."""
+
+    layout: str
+    config: ModelConfig
+    weights: Path
+    tokenizer: Path | None
+
+
+def stored(path: str | Path) -> Stored:
+    """What is stored at `path`, read from its files' headers and checked against their manifest (when the project
+    wrote them) before anything is built; no tensor data is read. FileNotFoundError / ValueError naming `path` and
+    every layout when it holds none of them."""
     path = Path(path)
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: this machine has no CUDA device; use \"cpu\"")
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
-    verify(path)  # before anything is read or built
+    verify(path)
+    home = path.parent if path.suffix == ".safetensors" else path
     if _is_training_checkpoint(path):
-        state = json.loads((path / STATE_NAME).read_text())
-        model = Transformer.from_weights(ModelConfig.from_dict(state["model_config"]), None, compute, device)
-        load_model_weights(path, model)  # every weight is read from the checkpoint
-        return model if dtype is None else model.to(dtype)
-    config = _export_config(path)
-    if config is not None:
+        config = ModelConfig.from_dict(json.loads((path / STATE_NAME).read_text())["model_config"])
+        return Stored("checkpoint", config, path, tokenizer_file(home))
+    if (described := _export_config(path)) is not None:
         weights = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
-        with safe_open(weights, framework="pt", device=str(device)) as f:
-            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        if dtype is not None:
-            state = {name: t.to(dtype) for name, t in state.items()}
-        try:
-            return Transformer.from_weights(ModelConfig.from_dict(config), state, compute)
-        except ValueError as e:
-            raise ValueError(f"{weights} does not match its config: {e}") from None
+        config = ModelConfig.from_dict(described)
+        _check_export_shapes(weights, config)
+        return Stored("export", config, weights, tokenizer_file(home))
     if path.is_dir() and "model_type" in json_object(path / CONFIG_NAME):
-        return load_hf_checkpoint(path, device=device, dtype=dtype, compute=compute)
+        return Stored("hf", check_hf_checkpoint(path), path, tokenizer_file(home))
     hint = f"; did you mean {path / 'model'} (a run's export)?" if (path / "model" / WEIGHTS_NAME).is_file() else ""
     raise ValueError(f"{path} is not a model: expected a training checkpoint step-N/ ({STATE_NAME} + .metadata), "
                      f"the project's export ({WEIGHTS_NAME} + {CONFIG_NAME} with \"format\": \"{FORMAT}\"), or a "
                      f"Hugging Face directory ({CONFIG_NAME} with \"model_type\" + *.safetensors){hint}")
+
+
+def stored_config(path: str | Path) -> ModelConfig:
+    """The architecture stored at `path` (`stored`)."""
+    return stored(path).config
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+               compute: ComputeConfig | None = None) -> Transformer:
+    """The model stored at `path` (`stored`: a training checkpoint step-N/, the project's export, directory or
+    model.safetensors, or a Hugging Face directory). Weights land on `device`, cast to `dtype` when given (default:
+    as stored; a training checkpoint stores float32). `compute`: how the model will compute (default
+    ComputeConfig()). Raises FileNotFoundError / ValueError naming `path` when it is none of these.
+    """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this machine has no CUDA device; use \"cpu\"")
+    found = stored(path)  # before anything is read or built
+    if found.layout == "hf":
+        return load_hf_checkpoint(found.weights, device=device, dtype=dtype, compute=compute)
+    if found.layout == "checkpoint":
+        model = Transformer.from_weights(found.config, None, compute, device)
+        load_model_weights(found.weights, model)  # every weight is read from the checkpoint
+        return model if dtype is None else model.to(dtype)
+    with safe_open(found.weights, framework="pt", device=str(device)) as f:
+        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    if dtype is not None:
+        state = {name: t.to(dtype) for name, t in state.items()}
+    return Transformer.from_weights(found.config, state, compute)
 
 
 def verify(path: Path) -> None:
@@ -189,27 +220,6 @@ def weights_fingerprint(path: str | Path) -> str:
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".distcp"))
     records = file_records(files)
     return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def stored_config(path: str | Path) -> ModelConfig:
-    """The architecture stored at `path` (any layout `load_model` reads), checked before anything is built: the
-    files against their manifest (when the project wrote them), and the tensor names and shapes in the file headers
-    against the architecture (no tensor data is read)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
-    verify(path)
-    if _is_training_checkpoint(path):
-        return ModelConfig.from_dict(json.loads((path / STATE_NAME).read_text())["model_config"])
-    config = _export_config(path)
-    if config is not None:
-        config = ModelConfig.from_dict(config)
-        _check_export_shapes(path if path.suffix == ".safetensors" else path / WEIGHTS_NAME, config)
-        return config
-    if path.is_dir() and "model_type" in json_object(path / CONFIG_NAME):
-        return check_hf_checkpoint(path)
-    load_model(path)  # raises the error that names every layout
-    raise AssertionError("unreachable")
 
 
 def _check_export_shapes(weights: Path, config: ModelConfig) -> None:

@@ -13,23 +13,26 @@ quantize or start adapters from; before resume, which overwrites what trains), r
 A checkpoint always holds the parameters that train (requires_grad) and the optimizer state; with `frozen_base`
 that is not the whole model, and resume rebuilds the base from --init_from.
 
-`register_finetune("name", "module:Class")` adds a mode without editing this file (tests/norm_finetune.py is a
-complete example: train only the RMSNorm gains).
+`training.options.register_finetune("name", "module:Class")` adds a mode without editing this file
+(examples/norm_finetune.py is a complete example: train only the RMSNorm gains).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
 
-from hf import ADAPTED_KEY, ExportInfo
-from lora import (
+from model import Transformer
+from npt.adapters import ADAPTERS_NAME, load_adapters, save_adapters
+from npt.convert import convert
+from storage.hf import ADAPTED_KEY, ExportInfo
+from storage.weights import export_model
+from training.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     TARGETS,
@@ -39,14 +42,8 @@ from lora import (
     merge_lora_,
     save_adapter,
 )
-from model import Transformer
-from npt.adapters import ADAPTERS_NAME, load_adapters, save_adapters
-from npt.convert import convert
-from quantize import quantize_base
-from weights import export_model
-
-if TYPE_CHECKING:
-    from train_config import TrainConfig
+from training.options import FINETUNE_MODES, TrainConfig, finetune_class
+from training.quantize import quantize_base
 
 
 @runtime_checkable
@@ -189,29 +186,6 @@ class NPT:
     def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
         save_adapters(model, out_dir / ADAPTERS_NAME, info.adapter_metadata())  # beside the run's config.json
         return [out_dir / ADAPTERS_NAME]
-
-
-# name -> "module:Class", imported on first use, or the class itself.
-FINETUNE_MODES: dict[str, str | type] = {"full": "finetune:Full", "lora": "finetune:LoRA", "npt": "finetune:NPT"}
-
-
-def register_finetune(name: str, cls: str | type) -> None:
-    """Make `cls` (a class implementing FinetuneMode, or its "module:Class" path) the mode `--finetune name`."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a fine-tuning mode needs a non-empty name, got {name!r}")
-    FINETUNE_MODES[name] = cls
-
-
-def finetune_class(name: str) -> type:
-    """The class registered as fine-tuning mode `name` (imported on first use)."""
-    if name not in FINETUNE_MODES:
-        raise ValueError(f"--finetune must be one of {sorted(FINETUNE_MODES)} (add one with "
-                         f"finetune.register_finetune), got {name!r}")
-    entry = FINETUNE_MODES[name]
-    if isinstance(entry, str):
-        module, _, cls = entry.partition(":")
-        entry = FINETUNE_MODES[name] = getattr(importlib.import_module(module), cls)
-    return entry
 
 
 def adapter_base(path: str | Path) -> dict | None:

@@ -22,7 +22,7 @@ GiB = 1024**3
 
 # name -> "module:Class", imported on first use (so this module imports no model code), or the class itself.
 ATTENTION_TYPES: dict[str, str | type] = {
-    "full": "attention:FullAttention",
+    "full": "modeling.attention:FullAttention",
     "nsa": "nsa.layer:NativeSparseAttention",
 }
 

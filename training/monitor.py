@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from config import GiB, ModelConfig, attention_class
-from train_config import TrainConfig, record
+from modeling.config import GiB, ModelConfig, attention_class
+from training.options import TrainConfig, record
 
 # Dense bf16 peak FLOP/s per GPU for the MFU estimate, matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}

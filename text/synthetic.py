@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from data import TokenLoader
-from loss import IGNORE_INDEX
-from tokenizer import Tokenizer
+from modeling.loss import IGNORE_INDEX
+from text.shards import TokenLoader
+from text.tokenizer import Tokenizer
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
           "The river flows to the sea.", "A bird sings in the tree.", "The road goes on and on.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import json
 import math
@@ -16,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from cli import Parser, json_object
-from config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_overrides
-from finetune import FINETUNE_MODES, finetune_mode
-from quantize import QUANTIZED
-from synthetic import RECALL_TASKS, SYNTHETIC_TASKS
-from tracking import TRACKERS
+from modeling.config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_overrides
+from text.synthetic import RECALL_TASKS, SYNTHETIC_TASKS
+from training.cli import Parser, json_object
+from training.quantize import QUANTIZED
+from training.tracking import TRACKERS
 
 LONG_CONTEXT = 32768  # from here on, "auto" options resolve to the long-context recipe (see resolve_config)
 BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per micro-batch
@@ -36,6 +36,32 @@ def option(default: object, help: str) -> typing.Any:
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+# Fine-tuning modes (training/modes.py implements the built-in ones): name -> "module:Class", imported on first use
+# (so parsing options imports no model code), or the class itself.
+FINETUNE_MODES: dict[str, str | type] = {"full": "training.modes:Full", "lora": "training.modes:LoRA",
+                                         "npt": "training.modes:NPT"}
+
+
+def register_finetune(name: str, cls: str | type) -> None:
+    """Make `cls` (a class implementing training.modes.FinetuneMode, or its "module:Class" path) the mode
+    `--finetune name`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a fine-tuning mode needs a non-empty name, got {name!r}")
+    FINETUNE_MODES[name] = cls
+
+
+def finetune_class(name: str) -> type:
+    """The class registered as fine-tuning mode `name` (imported on first use)."""
+    if name not in FINETUNE_MODES:
+        raise ValueError(f"--finetune must be one of {sorted(FINETUNE_MODES)} (add one with "
+                         f"training.options.register_finetune), got {name!r}")
+    entry = FINETUNE_MODES[name]
+    if isinstance(entry, str):
+        module, _, cls = entry.partition(":")
+        entry = FINETUNE_MODES[name] = getattr(importlib.import_module(module), cls)
+    return entry
 
 
 @dataclass
@@ -182,7 +208,6 @@ class TrainConfig:
             split_overrides(self.model_overrides)
         except ValueError as e:
             raise ValueError(f"--model_overrides: {e}") from e
-        finetune_mode(self)  # each mode checks its options; another mode's options are refused
 
     def npt_layer_spec(self) -> str | list[int]:
         """--npt_layers as npt.convert takes it: 'upper_half', 'all' or a list of indices."""

@@ -29,10 +29,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from checkpoint import written_directory
-from config import YARN_OPTIONAL_KEYS, ComputeConfig, ModelConfig, check_fields
 from model import Transformer
-from tokenizer import HFTokenizer, Tokenizer
+from modeling.config import YARN_OPTIONAL_KEYS, ComputeConfig, ModelConfig, check_fields
+from storage.checkpoint import written_directory
+from text.tokenizer import HFTokenizer, Tokenizer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 CONFIG_NAME = "config.json"

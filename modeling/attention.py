@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from config import ComputeConfig, ModelConfig
-from layers import RMSNorm, apply_rope
+from modeling.config import ComputeConfig, ModelConfig
+from modeling.layers import RMSNorm, apply_rope
 
 
 @runtime_checkable

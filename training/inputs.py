@@ -11,15 +11,14 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from config import ModelConfig
-from corpus import iter_documents, stdlib_files
-from data import INDEX_NAME, TokenLoader, check_tokenizer, prepare
-from parallel import Runtime
-from synthetic import SyntheticMix
-from tokenizer import (
+from text.corpus import iter_documents, stdlib_files
+from text.shards import INDEX_NAME, TokenLoader, check_tokenizer, prepare
+from text.synthetic import SyntheticMix
+from text.tokenizer import (
     SPM_FILE,
     HFTokenizer,
     Tokenizer,
@@ -28,15 +27,20 @@ from tokenizer import (
     same_vocabulary,
     tokenizer_file,
 )
-from train_config import DEFAULT_DATA_DIR, TOKENIZER_VOCAB, TrainConfig
+from training.options import DEFAULT_DATA_DIR, TOKENIZER_VOCAB, TrainConfig
+from training.parallel import Runtime
+
+if TYPE_CHECKING:
+    from storage.weights import Stored
 
 
-def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, stored: ModelConfig | None
+def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, source: Stored | None
                  ) -> tuple[TrainConfig, Tokenizer | HFTokenizer, TokenLoader | SyntheticMix]:
     """(cfg with its tokenizer file and data directory named, absolute, the tokenizer, this rank's loader): the
-    tokenizer chosen and checked (`resolve_tokenizer`), the default corpus prepared when it is missing, the tokenizer
-    checked against the data's, the sample checked against the context, the synthetic mix."""
-    cfg = resolve_tokenizer(cfg, resume_from, stored)
+    tokenizer chosen and checked (`resolve_tokenizer`; `source`: what --init_from holds), the default corpus
+    prepared when it is missing, the tokenizer checked against the data's, the sample checked against the context,
+    the synthetic mix."""
+    cfg = resolve_tokenizer(cfg, resume_from, source)
     data_dir = Path(cfg.data_dir)
     if data_dir.exists() and not data_dir.is_dir():
         raise ValueError(f"--data_dir {data_dir} is a file; pass a directory of prepared data (python data.py "
@@ -74,37 +78,37 @@ def tokenizer_path(cfg: TrainConfig) -> Path:
     return Path(cfg.tokenizer) if cfg.tokenizer else data_tokenizer(cfg.data_dir)
 
 
-def recorded_tokenizer(cfg: TrainConfig, resume_from: Path | None) -> Tokenizer | HFTokenizer | None:
-    """The tokenizer stored with the weights this run continues: the checkpoint it resumes, else --init_from (its
-    directory, or that of its .safetensors file); None for a fresh run, or a resume of a checkpoint written before
-    checkpoints held one. A fresh run from a --init_from that holds none needs --tokenizer: a run never falls back
-    to another tokenizer silently."""
+def recorded_tokenizer(cfg: TrainConfig, resume_from: Path | None, source: Stored | None
+                       ) -> Tokenizer | HFTokenizer | None:
+    """The tokenizer stored with the weights this run continues: the checkpoint it resumes, else --init_from's
+    (`source`); None for a fresh run, or a resume of a checkpoint written before checkpoints held one. A fresh run
+    from a --init_from that holds none needs --tokenizer: a run never falls back to another tokenizer silently."""
     if resume_from is not None and tokenizer_file(resume_from):
         return load_tokenizer(resume_from)
-    if cfg.init_from:
-        home = Path(cfg.init_from) if Path(cfg.init_from).is_dir() else Path(cfg.init_from).parent
-        if tokenizer_file(home):
-            return load_tokenizer(home)
+    if source is not None:
+        if source.tokenizer is not None:
+            return load_tokenizer(source.tokenizer)
         if not cfg.tokenizer and resume_from is None:
             raise ValueError(f"--init_from {cfg.init_from} holds no tokenizer: pass --tokenizer FILE, the tokenizer "
                              "its weights were trained with")
     return None
 
 
-def resolve_tokenizer(cfg: TrainConfig, resume_from: Path | None, stored: ModelConfig | None) -> TrainConfig:
+def resolve_tokenizer(cfg: TrainConfig, resume_from: Path | None, source: Stored | None) -> TrainConfig:
     """cfg with the run's tokenizer named: --tokenizer, which must have the recorded one's vocabulary
-    (`recorded_tokenizer`, `same_vocabulary`); else the recorded one; else the data's. Checked against the stored
-    model's vocabulary before any data is prepared. The data's own copy is named when it is the same file. The data
-    directory is named too (absolute): --data_dir, else the default corpus's, DEFAULT_DATA_DIR, or for a tokenizer
-    other than its own a directory of its own (DEFAULT_DATA_DIR-<sha256[:12]>)."""
-    recorded = recorded_tokenizer(cfg, resume_from)
+    (`recorded_tokenizer`, `same_vocabulary`); else the recorded one; else the data's. Checked against the
+    --init_from model's vocabulary (`source`) before any data is prepared. The data's own copy is named when it is
+    the same file. The data directory is named too (absolute): --data_dir, else the default corpus's,
+    DEFAULT_DATA_DIR, or for a tokenizer other than its own a directory of its own
+    (DEFAULT_DATA_DIR-<sha256[:12]>)."""
+    recorded = recorded_tokenizer(cfg, resume_from, source)
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else recorded
     if cfg.tokenizer and recorded and not same_vocabulary(tokenizer, recorded):
         raise ValueError(f"--tokenizer {cfg.tokenizer} ({tokenizer.vocab_size} tokens, end of document "
                          f"{tokenizer.eod_id}) is not {recorded.path} ({recorded.vocab_size} tokens, end of document "
                          f"{recorded.eod_id}), the tokenizer the weights were trained with: leave --tokenizer out")
-    if stored is not None and tokenizer is not None:
-        check_vocab(tokenizer, stored.vocab_size)
+    if source is not None and tokenizer is not None:
+        check_vocab(tokenizer, source.config.vocab_size)
     data_dir = cfg.data_dir
     if data_dir is None:
         data_dir = DEFAULT_DATA_DIR

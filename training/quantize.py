@@ -19,11 +19,13 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from model import Transformer
+if TYPE_CHECKING:
+    from model import Transformer
 
 QUANTIZED = ("int8", "nf4", "int4")
 NF4_BLOCK = 64  # values sharing one NF4 scale

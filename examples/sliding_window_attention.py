@@ -2,8 +2,8 @@
 `window` keys (the query's own included). It exists to show, and to test, that a new attention type is one file plus
 one registry line; nothing else in the repository names it.
 
-    from config import register_attention
-    register_attention("swa", "sliding_window_attention:SlidingWindowAttention")   # the one registry line
+    from modeling.config import register_attention
+    register_attention("swa", "examples.sliding_window_attention:SlidingWindowAttention")   # the one registry line
 
 Its option lives in `ModelConfig.attention_options` ({"window": int}, default 16). Training runs SDPA with an
 explicit (T, T) band mask: fine for a test model, not for long sequences.
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention import KVCache, attention_flops, projection_flops
-from config import ComputeConfig, ModelConfig
-from layers import apply_rope
+from modeling.attention import KVCache, attention_flops, projection_flops
+from modeling.config import ComputeConfig, ModelConfig
+from modeling.layers import apply_rope
 
 DEFAULT_WINDOW = 16
 

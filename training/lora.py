@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from checkpoint import MANIFEST_NAME, rank, verify_files, written_directory
-from hf import WEIGHTS_ONLY, ExportInfo, hf_name, our_name
 from model import Transformer
+from storage.checkpoint import MANIFEST_NAME, rank, verify_files, written_directory
+from storage.hf import WEIGHTS_ONLY, ExportInfo, hf_name, our_name
 
 TARGETS = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj",
            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}  # short name -> path in a block

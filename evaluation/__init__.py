@@ -1,0 +1,4 @@
+"""Does a model use its context (eval.py is the command line):
+
+    tasks.py  loss by position, retrieval grids, recall by distance, document log-likelihoods; tables and plots
+"""
