@@ -1,6 +1,7 @@
-"""README.md's Python snippets run as written on a CPU: each ```python block, in a fresh interpreter whose working
-directory is a temporary directory (so files the snippet writes land there) and whose import path is the repository
-root (as for a user who runs it from a clone)."""
+"""README.md's and docs/'s Python snippets and commands run as written on a CPU: each ```python block in a fresh
+interpreter whose working directory is a temporary directory (so files the snippet writes land there) and whose
+import path is the repository root (as for a user who runs it from a clone); every command, in order, in a fresh
+clone."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SNIPPETS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+DOCS = ["README.md", *(f"docs/{name}.md" for name in ("model", "training", "finetuning", "nsa", "evaluation",
+                                                      "memory", "npt", "gpu"))]  # the order a reader follows
+TEXT = "\n".join((ROOT / name).read_text() for name in DOCS)
+SNIPPETS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
+
+
+def test_the_docs_are_all_listed_and_short():
+    assert sorted(DOCS[1:]) == sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+    assert all(len((ROOT / name).read_text().splitlines()) < 300 for name in DOCS[1:])
 
 
 def test_readme_has_snippets():
@@ -46,9 +56,10 @@ SCALED = {"--context_length 131072": "--context_length 256", "--context_length 3
 
 
 def readme_commands() -> list[str]:
-    """The shell commands of README.md's bash blocks, in order, continuation lines joined, comments dropped."""
+    """The shell commands of the bash blocks of README.md and docs/ (DOCS), in order, continuation lines joined,
+    comments dropped."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", TEXT, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #")[0].strip()
             if line and not line.startswith("#"):
@@ -81,9 +92,9 @@ def scaled(command: str) -> list[str]:
 
 @pytest.mark.slow
 def test_every_readme_command_runs_in_sequence_from_a_fresh_clone(tmp_path: Path):
-    """A new user's session: each command of README.md, in order, in a fresh clone (the demo data is prepared by
-    the first train.py, as it would be), none refused for a directory an earlier one used. Runs at CPU-test scale
-    (SCALED; 2 steps per run); what a CPU cannot run is listed in SKIPPED."""
+    """A new user's session: each command of README.md and docs/, in order, in a fresh clone (the demo data is
+    prepared by the first train.py, as it would be), none refused for a directory an earlier one used. Runs at
+    CPU-test scale (SCALED; 2 steps per run); what a CPU cannot run is listed in SKIPPED."""
     clone = tmp_path / "clone"  # the checkout's files as a clone has them: tracked or not ignored, no data, no runs
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True,
                            capture_output=True, text=True).stdout.split()
