@@ -49,6 +49,7 @@ def test_help_exits_zero(entry: str, monkeypatch):
     assert "usage:" in out.getvalue()
 
 
+@pytest.mark.slow
 def test_train_help_in_a_fresh_interpreter():
     """The first command a new user types, as typed."""
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)

@@ -65,6 +65,7 @@ def test_loss_by_position_matches_full_logits():
     assert result["buckets"][-1]["end"] == 699 and result["tokens"] == 3 * 699
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["full", "nsa", "swa"])
 def test_eval_runs_on_every_attention_type(attention, swa, data_dir, tmp_path):
     train.main(["--model_size", "tiny", "--attention_type", attention, "--context_length", "512", "--batch_size", "2",

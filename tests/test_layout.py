@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("train", "eval", "data", "profile_memory", "verify_chunked_loss", "gpu_check")
 PACKAGES = ("modeling", "nsa", "npt", "training", "storage", "text", "evaluation", "examples")
@@ -65,6 +67,7 @@ def test_no_module_imports_a_script_and_imports_have_no_cycle():
         visit(name, [])
 
 
+@pytest.mark.slow
 def test_option_parsing_loads_no_model_code():
     code = ("import sys; from training.options import parse_config; parse_config(['--finetune', 'lora']); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('model', 'nsa', 'npt', 'storage') "

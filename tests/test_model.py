@@ -308,6 +308,7 @@ def test_softcap_applies_to_every_logit_the_model_returns():
     torch.testing.assert_close(plain, model(ids, labels=ids).logits.to(plain.dtype), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["full", "nsa"])
 def test_compiled_block_graph_breaks_and_matches_eager(attention):
     """train.py --compile compiles each block: full attention traces as one graph; NSA breaks only at

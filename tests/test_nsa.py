@@ -483,7 +483,8 @@ def distinct_selection(B, KV, Q, q_start, n_blocks, ls, n):
 
 
 @pytest.mark.parametrize("impl,small_tile_cost", [("fused", 0.0), ("fused", 1e9), ("explicit", 0.0),
-                                                  ("explicit", 1e9), ("triton", 0.0)])
+                                                  ("explicit", 1e9),
+                                                  pytest.param("triton", 0.0, marks=pytest.mark.slow)])
 def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_tile_cost):
     """The selection branch against autograd through a dense masked attention, float64, fixed random indices with
     unused slots, chunks that start inside a block. `_Selection` (own block dense, past blocks in tiles, partial
@@ -576,6 +577,7 @@ def test_gradcheck_sparse_attention_top_n():
 # ---- the Triton kernels (nsa/kernels.py), in Triton's interpreter without a GPU ---------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("H,KV", [(2, 2), (8, 2), (16, 1)])  # GQA ratios 1, 4, 16
 def test_triton_matches_naive(H, KV):
     """sparse_attention with all three branches on the Triton kernels against the brute-force reference
@@ -603,6 +605,7 @@ def test_triton_gradcheck():
                                         fast_mode=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["window", "compression"])
 def test_triton_range_attention_matches_dense(kind):
     """`nsa.kernels.RangeAttention` (each query one contiguous key range) against autograd through a dense masked
@@ -657,6 +660,7 @@ def test_triton_importance_matches_pooled_probabilities(l, d, ls):
     torch.testing.assert_close(got, expected, **F64)
 
 
+@pytest.mark.slow
 def test_triton_selection_half_precision():
     """The kernels' low-precision path (half inputs and outputs, probabilities cast to half before P @ V, float32
     accumulation and lse) at the 4B block geometry (l' = 64, D = 64 here, G = 4), against the float32 `_Selection`:

@@ -115,6 +115,7 @@ def test_backward_keeps_only_the_input_gradients() -> None:
     assert sum(t.nbytes for t in saved) == q.nbytes + k_cmp.nbytes
 
 
+@pytest.mark.slow
 def test_memory_grows_linearly_with_the_sequence() -> None:
     """Forward peak (inputs excluded) under fake tensors at T and 2T with the query chunk fixed: no T x T tensor,
     so doubling T at most doubles it (a (T, T) score matrix would quadruple its share)."""

@@ -95,6 +95,7 @@ def test_estimate_matches_independent_measurement_of_real_step(checkpointing, lo
         assert estimated["after backward"]["gradients"] == np_params * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fsdp_estimate_matches_real_step_and_sharding_arithmetic(dtype):
     config = pm.StepConfig.of(model_size="tiny", context_length=128, world_size=2, gradient_checkpointing=True,
@@ -125,6 +126,7 @@ def test_nsa_double_replaces_the_layer_seam_only_while_active():
     assert NativeSparseAttention.sparse_attention is sparse_attention
 
 
+@pytest.mark.slow
 def test_nsa_double_matches_reference_path():
     # 11 query chunks of 32: the double is calibrated at 4 and 8 chunks past the all-selected prefix (n l' = 64
     # tokens) and extrapolated.
@@ -135,6 +137,7 @@ def test_nsa_double_matches_reference_path():
     assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("triton", [True, False], ids=["triton-path", "explicit-path"])
 def test_nsa_double_extrapolates_to_a_third_length(triton):
     """One 4B NSA layer (l' = 64, n = 16, query chunks of 512, bf16): the double's spec extrapolated from its two
@@ -156,6 +159,7 @@ def test_nsa_double_extrapolates_to_a_third_length(triton):
     assert extrapolated[3] == direct[3]
 
 
+@pytest.mark.slow
 def test_nsa_estimate_is_the_same_without_triton(monkeypatch):
     """The estimate models the Triton kernels' path (what a CUDA run takes) whether Triton is installed here or
     not: on fake tensors that path allocates its outputs and launches nothing (nsa/kernels.py). With Triton's import
@@ -226,6 +230,7 @@ def test_4b_131k_standard_loss_shows_the_logits_blow_up(estimates_4b_131k):
 
 # ---- will it fit? ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_fit_verdict_and_cheapest_change():
     result = pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=128, batch_size=2, loss="standard"))
     peak = result["peak"]["total"]
@@ -243,6 +248,7 @@ def test_fit_verdict_and_cheapest_change():
     assert "nothing tried fits (tried --loss chunked; " in pm.report_text(result, fit=hopeless)
 
 
+@pytest.mark.slow
 def test_more_gpus_are_derived_from_two_estimates(monkeypatch):
     """Per-rank memory is affine in 1 / world size (FSDP2 divides the fp32 weights, gradients and AdamW moments):
     two estimates give every world size. The search for a step that needs 16 ranks runs one estimate beyond the
@@ -266,6 +272,7 @@ def test_more_gpus_are_derived_from_two_estimates(monkeypatch):
 
 # ---- command line and errors ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_table_json_and_plot(tmp_path, capsys):
     profile_memory.main(["--model_size", "tiny", "--context_length", "64", "--gpu_memory", "1", "--reserve", "0.5"])
     text = capsys.readouterr().out
@@ -284,6 +291,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert beside.splitlines()[0].split()[:3] == ["stage", "total", "measured"]
 
 
+@pytest.mark.slow
 def test_progress_lines_once_an_estimate_takes_a_while(capsys):
     """Long estimates (the 4B ones take half a minute) say on stderr which part runs, from `after` seconds on."""
     config = pm.StepConfig.of(model_size="tiny", context_length=64, attention_type="nsa")

@@ -31,6 +31,7 @@ def test_readme_has_snippets():
     assert len(SNIPPETS) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_readme_snippet_runs(index: int, tmp_path: Path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -68,6 +68,7 @@ def test_copying_only_curriculum(data_dir, tmp_path, capsys):
     assert not (out / "recall_by_distance.png").exists()
 
 
+@pytest.mark.slow
 def test_runs_side_by_side(data_dir, tmp_path):
     """--jobs 2: each run in a process of its own (its output in its log), the table in the order of --types."""
     out = tmp_path / "jobs"
@@ -106,6 +107,7 @@ def test_control_seeds(data_dir, tmp_path, capsys):
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_copy_overrides(data_dir, tmp_path, capsys):
     """--copy_overrides: the copying stage trains NSA with its own block sizes and RoPE base (the parameter-free mean
     compressor lets the same weights run with others); the MQAR stage after it goes back to --model_overrides' sizes
@@ -184,6 +186,7 @@ def test_documented_overrides_pass_the_checks(types, model_overrides, copy_overr
     assert [SCRIPT["override_problem"](kind, stages, args) for kind in types] == [None] * len(types)
 
 
+@pytest.mark.slow
 def test_score_loss(data_dir, tmp_path, capsys):
     """--score_loss: NSA's MQAR stages train with the scoring loss (train.py logs it as aux_loss), the copying stage
     and the other types without; a negative weight, or one without an NSA run, is refused before training."""

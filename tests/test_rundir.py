@@ -31,6 +31,7 @@ def test_a_locked_directory_refuses_a_second_run(data_dir, tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_a_dead_runs_lock_is_taken_over(data_dir, tmp_path, capsys):
     dies_holding_it = f"import os, pathlib; from training import run_directory; " \
                       f"run_directory.RunLock(pathlib.Path({str(tmp_path)!r})).acquire(); " \

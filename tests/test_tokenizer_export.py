@@ -42,6 +42,7 @@ def tiny_run(data_dir: Path, out_dir: Path, *extra: str) -> dict:
                        *extra])
 
 
+@pytest.mark.slow
 def test_the_project_tokenizer_reads_the_same_in_transformers(data_dir: Path, tmp_path: Path):
     ours = Tokenizer(data_dir / "tokenizer.model")
     ours.save(tmp_path, 256)

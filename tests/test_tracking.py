@@ -77,6 +77,7 @@ def test_wandb_receives_the_metrics_and_resumes_its_run(data_dir: Path, tmp_path
     assert first["id"] == second["id"] and second["resume"] == "allow" and first["config"]["max_steps"] == 2
 
 
+@pytest.mark.slow
 def test_wandb_runs_offline(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

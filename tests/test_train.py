@@ -115,6 +115,7 @@ def test_resume_is_bitwise_exact(single_run: Path, data_dir: Path, tmp_path: Pat
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
+@pytest.mark.slow
 def test_two_process_fsdp_run_matches_single_process(fsdp_run: Path, single_run: Path) -> None:
     fsdp, single = metrics(fsdp_run), metrics(single_run)
     assert [r["step"] for r in fsdp] == list(range(1, STEPS + 1))
@@ -125,6 +126,7 @@ def test_two_process_fsdp_run_matches_single_process(fsdp_run: Path, single_run:
     assert sorted(p.name for p in (fsdp_run / "step-2").glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_one_rank(fsdp_run: Path, data_dir: Path, tmp_path: Path) -> None:
     """DCP reshards the 2-rank checkpoint; 1 process x 2 micro-steps continues with bitwise the same loss, and the
     record says what makes its steps now."""
@@ -193,6 +195,7 @@ def _gradient_parity(data_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp_gradients_equal_single_process(data_dir: Path) -> None:
     run_distributed(_gradient_parity, str(data_dir))
 

@@ -41,6 +41,7 @@ def test_nsa_run_finishes_with_export_and_sample(data_dir: Path, tmp_path: Path,
     torch.testing.assert_close(_logits(from_file, ids), _logits(from_export, ids), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_nsa_run_finishes_on_two_ranks(data_dir: Path, tmp_path: Path):
     run_distributed(train.main, [*NSA_RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path)])
     assert (tmp_path / "model" / "model.safetensors").is_file() and (tmp_path / "step-2").is_dir()
