@@ -10,8 +10,10 @@ source (`corpus.stdlib_files`).
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from text.corpus import (
     find_input_files,
@@ -40,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok.add_argument("--max_train_mb", type=float, default=8.0, help="training sample size (first N MB of lines)")
     tok.add_argument("--text_field", default="text", help="text field of .jsonl records")
     tok.add_argument("--errors", choices=["strict", "replace"], default="strict", help=errors_help)
+    tok.add_argument("--overwrite", action="store_true", help="replace an existing MODEL_PREFIX.model")
 
     prep = commands.add_parser("prepare", help="tokenize a corpus into shards")
     prep.add_argument("--input", nargs="+", help=inputs_help)
@@ -55,14 +58,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
+    except (ValueError, ImportError) as e:
         parser.error(str(e))
+    except OSError as e:  # ours carry a message; the system's a file name and its reason
+        parser.error(str(e) if e.strerror is None else f"{e.filename}: {e.strerror}")
+
+
+def check_tokenizer_options(args: argparse.Namespace) -> Path:
+    """The tokenizer file train-tokenizer writes (MODEL_PREFIX.model), after checking its options before any input
+    is read: ValueError naming the option."""
+    prefix = Path(args.model_prefix)
+    if args.model_prefix.endswith(("/", ".model")) or prefix.is_dir():
+        raise ValueError(f"--model_prefix {args.model_prefix}: a file name without .model (it writes "
+                         f"MODEL_PREFIX.model, e.g. --model_prefix {prefix.parent / prefix.stem}/tok)")
+    target = prefix.with_name(prefix.name + ".model")
+    if target.exists() and not args.overwrite:
+        raise FileExistsError(f"{target} exists (prepared data may name it); pass --overwrite to replace it, or "
+                              "another --model_prefix")
+    if args.vocab_size < 2:
+        raise ValueError(f"--vocab_size must be at least 2, got {args.vocab_size}")
+    if not (math.isfinite(args.max_train_mb) and args.max_train_mb > 0):
+        raise ValueError(f"--max_train_mb must be a finite number > 0, got {args.max_train_mb}")
+    return target
 
 
 def run(args: argparse.Namespace) -> None:
     """data.py's work for parsed arguments."""
     t0 = time.perf_counter()
     if args.command == "train-tokenizer":
+        check_tokenizer_options(args)
         files = stdlib_files() if args.input is None else find_input_files(args.input)
         tokenizer = Tokenizer.train(iter_documents(files, args.text_field, args.errors), args.vocab_size,
                                     args.model_prefix, max_train_bytes=int(args.max_train_mb * 1e6))

@@ -53,6 +53,7 @@ from evaluation.tasks import (
 )
 from modeling.config import ComputeConfig
 from storage.weights import load_model, stored_config
+from text.shards import check_tokenizer, load_index
 from text.synthetic import RECALL_TASKS, PromptBuilder, SyntheticDocuments
 from text.tokenizer import check_vocab, model_tokenizer
 from training.cli import Parser
@@ -89,16 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
                                        "directory of them")
     p.add_argument("--context_length", type=int, help="tokens per loss window and longest prompt (default: the "
                                                        "run's, else 1024, at most the model's)")
-    p.add_argument("--eval_tokens", type=int, default=65536, help="validation tokens scored by the loss task")
+    p.add_argument("--eval_tokens", type=int, help="validation tokens scored by the loss task (default: 65536)")
     p.add_argument("--lengths", type=int, nargs="+", help="prompt / document lengths in tokens (default: what each "
                                                           "task needs, up to the context)")
-    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--depths", type=float, nargs="+", help="passkey, needle: where the answer hides, 0 (start) to 1 "
+                                                             "(end) (default: 0 0.25 0.5 0.75 1)")
     p.add_argument("--pairs", type=int, help="mqar, mqar_text: key-value pairs in a document (default: a third of "
                                              "its slots, as train.py without --synthetic_pairs)")
     p.add_argument("--samples", type=int, default=10, help="prompts per grid cell, documents per recall length")
     p.add_argument("--batch_size", type=int, default=10, help="prompts (or loss windows) per forward")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--out_dir", help="where eval.json and the plots go (default: RUN_DIR/eval-CHECKPOINT for a "
                                      "run's checkpoint, else eval/CHECKPOINT)")
     return p
@@ -129,8 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     try:
         return evaluate(args)
-    except (ValueError, FileNotFoundError) as e:
+    except ValueError as e:
         parser.error(str(e))
+    except OSError as e:  # ours carry a message; the system's a file name and its reason
+        parser.error(str(e) if e.strerror is None else f"{e.filename}: {e.strerror}")
 
 
 def evaluate(args: argparse.Namespace) -> dict:
@@ -193,8 +197,22 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
     """(checkpoint, tokenizer, data directory, context length, output directory) from the arguments, each checked
     before anything large is read (ValueError / FileNotFoundError naming the argument)."""
     checkpoint = Path(args.checkpoint)
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = torch.device("meta")  # refused below
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
+    readers = {"documents": ["documents"], "pairs": RECALL_TASKS, "depths": GRID_TASKS, "data_dir": ["loss"],
+               "eval_tokens": ["loss"]}  # the options only some tasks read
+    for name, tasks in readers.items():
+        if getattr(args, name) is not None and not set(tasks) & set(args.tasks):
+            raise ValueError(f"--{name} is read only by the task(s) {', '.join(tasks)}, which --tasks does not run: "
+                             "add the task, or leave the option out")
+    args.depths = args.depths if args.depths is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
+    args.eval_tokens = args.eval_tokens if args.eval_tokens is not None else 65536
     if not checkpoint.exists():
         raise FileNotFoundError(f"{checkpoint} does not exist")
     if (checkpoint / "metrics.jsonl").is_file():
@@ -210,19 +228,23 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
         raise ValueError("the documents task needs --documents FILE (.jsonl with a \"text\" field, or text files)")
     if not 0 <= min(args.depths) <= max(args.depths) <= 1:
         raise ValueError(f"--depths must lie in [0, 1], got {args.depths}")
-    for name in ("samples", "batch_size", "eval_tokens", "context_length"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name, low in (("samples", 1), ("batch_size", 1), ("eval_tokens", 1), ("context_length", 2), ("seed", 0)):
+        if getattr(args, name) is not None and getattr(args, name) < low:
+            raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
     if any(n < 2 for n in args.lengths or []):
         raise ValueError(f"--lengths must be >= 2, got {args.lengths}")
     stored = stored_config(checkpoint)
     check_vocab(tokenizer, stored.vocab_size)
+    if "loss" in args.tasks:
+        check_tokenizer(load_index(data_dir), tokenizer)  # the data must be this tokenizer's ids
     if args.context_length and args.context_length > stored.context_length:
         raise ValueError(f"--context_length {args.context_length} exceeds the model's context_length "
                          f"{stored.context_length}")
     context = min(args.context_length or run.get("context_length") or 1024, stored.context_length)
     out_dir = Path(args.out_dir) if args.out_dir else (run_dir / f"eval-{checkpoint.stem}" if run_dir
                                                        else Path("eval") / checkpoint.stem)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out_dir {out_dir} is a file; pass a directory for eval.json and the plots")
     return checkpoint, tokenizer, data_dir, context, out_dir
 
 

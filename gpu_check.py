@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.cli import Parser
+
 ROOT = Path(__file__).resolve().parent
 GB = 10**9
 
@@ -214,7 +216,7 @@ def report(info: dict, sections: list[Section], dry_run: bool, work: Path, log: 
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.md", help="the Markdown report")
     parser.add_argument("--only", nargs="+", choices=[s.name for s in SECTIONS], help="run these sections only")
     parser.add_argument("--dry_run", action="store_true", help="write the plan without running anything")
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> str:
     out = Path(args.out)
     if not out.parent.is_dir():
         parser.error(f"--out {out}: directory {out.parent} does not exist")
+    if out.is_dir():
+        parser.error(f"--out {out} is a directory; name the report file (e.g. {out / 'gpu_check.md'})")
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
     info = machine()
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d collectives: FSDP under FakeTensorMode)
@@ -27,6 +29,8 @@ from training.options import (
     parse_options,
     resolve_config,
 )
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes by name
 
 
 def progress_lines(after: float = 10.0) -> Callable[[str], None]:
@@ -51,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_memory", type=float, default=None,
                    help="GiB per GPU: say whether it fits, else what would; also decides automatic activation "
                         "offload, as train.py does on that GPU")
-    p.add_argument("--reserve", type=float, default=2.0,
-                   help="GiB of the GPU kept for what the tracker cannot see (default: 2)")
+    p.add_argument("--reserve", type=float, default=None,
+                   help="with --gpu_memory: GiB of the GPU kept for what the tracker cannot see (default: 2)")
     p.add_argument("--measure", action="store_true", default=False,
                    help="also run the step for real on CUDA and print both")
     p.add_argument("--json", action="store_true", default=False, help="print the result as JSON (bytes)")
@@ -63,11 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     cfg, args, _ = parse_options(parser, argv)
-    if args["gpu_memory"] is not None and not args["gpu_memory"] > 0:
-        parser.error(f"--gpu_memory must be a positive number of GiB, got {args['gpu_memory']}")
+    if args["gpu_memory"] is not None and not 0 < args["gpu_memory"] < math.inf:
+        parser.error(f"--gpu_memory must be a positive finite number of GiB, got {args['gpu_memory']}")
+    if args["reserve"] is not None and args["gpu_memory"] is None:
+        parser.error("--reserve is what --gpu_memory keeps free: pass --gpu_memory too, or leave --reserve out")
+    args["reserve"] = 2.0 if args["reserve"] is None else args["reserve"]
     if args["gpu_memory"] is not None and not 0 <= args["reserve"] < args["gpu_memory"]:
         parser.error(f"--reserve ({args['reserve']:g} GiB kept free) must be at least 0 and less than --gpu_memory "
                      f"({args['gpu_memory']:g} GiB)")
+    if args["plot"] and (Path(args["plot"]).suffix.lower() not in PLOT_FORMATS or Path(args["plot"]).is_dir()):
+        parser.error(f"--plot {args['plot']}: a file name ending in {', '.join(PLOT_FORMATS)}")
     if args["plot"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["plot"]))):
         parser.error(f"--plot {args['plot']}: directory {os.path.dirname(os.path.abspath(args['plot']))} does not "
                      "exist")

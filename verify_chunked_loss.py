@@ -9,7 +9,6 @@ Sizes are binary GiB (2^30 bytes). Nothing large is allocated: the 4B model and 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from unittest import mock
@@ -21,6 +20,7 @@ from model import ComputeConfig, ModelConfig, Transformer
 from modeling.config import GiB
 from modeling.loss import IGNORE_INDEX, chunked_linear_cross_entropy, standard_linear_cross_entropy
 from modeling.memtrack import LiveBytesTracker
+from training.cli import Parser
 
 SEQ_LENS = (4096, 40_000, 131_072)
 
@@ -142,7 +142,7 @@ def check_full_size_peak(report: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options: refuse any
+    Parser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options: refuse any
     torch.manual_seed(0)
     report = Report()
     check_path_selection(report)

@@ -174,14 +174,22 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
     scored = kind == "nsa" and stage.task == "mqar" and args.score_loss
     score = {"nsa_score_loss_coef": args.score_loss} if scored else {}  # a ComputeConfig field train.py also takes
     if previous is None:
-        argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"], "--model_overrides",
-                 json.dumps({**fields, **score})]
+        argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"],
+                 *override_args({**fields, **score})]
     else:
         before, before_dir = previous
         argv += ["--init_from", str(before_dir / "model")]
-        overrides = {**(fields if fields != model_fields(kind, before, args) else {}), **score}
-        argv += ["--model_overrides", json.dumps(overrides)] if overrides else []
+        argv += override_args({**(fields if fields != model_fields(kind, before, args) else {}), **score})
     return run_dir, argv
+
+
+def override_args(fields: dict) -> list[str]:
+    """train.py's arguments for these model fields: RoPE's own options for its fields, --model_overrides for the
+    rest."""
+    rope = [arg for name in ("rope_theta", "rope_scaling") if name in fields
+            for arg in (f"--{name}", json.dumps(fields[name]) if name == "rope_scaling" else str(fields[name]))]
+    rest = {name: value for name, value in fields.items() if name not in ("rope_theta", "rope_scaling")}
+    return rope + (["--model_overrides", json.dumps(rest)] if rest else [])
 
 
 def stale_stages(kind: str, seed: int, stages: list[Stage], out: Path, args: argparse.Namespace) -> list[Path]:

@@ -243,7 +243,9 @@ def document_loglikelihoods(model: Transformer, tokenizer: Tokenizer | HFTokeniz
 def read_documents(path: str, tokenizer: Tokenizer | HFTokenizer, context: int) -> list[str]:
     """The non-empty documents of `path` (data.find_input_files); ValueError for one whose tokens and the
     end-of-document id before them exceed `context`."""
-    texts = list(iter_documents(find_input_files([path])))
+    texts = [text for text in iter_documents(find_input_files([path])) if text.strip()]
+    if not texts:
+        raise ValueError(f"--documents {path} holds no non-empty document: nothing to score")
     for i, text in enumerate(texts):
         if (n := len(tokenizer.encode(text))) + 1 > context:
             raise ValueError(f"--documents {path}: document {i} has {n} tokens, more than the context of {context} "

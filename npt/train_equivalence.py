@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +34,19 @@ from modeling.config import ComputeConfig, ModelConfig
 from npt.adapters import ADAPTERS_NAME, save_adapters
 from npt.convert import np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
-from training.options import TrainConfig, build_parser, field_help, option
+from training.options import (
+    TrainConfig,
+    build_parser,
+    check_real,
+    default_out_dir,
+    field_help,
+    load_config_file,
+    option,
+    resolve_config,
+)
 from training.parallel import Runtime, init_runtime
-from training.trainer import Run, Task, build_model, train
+from training.run_directory import run_record
+from training.trainer import Run, Task, build_model, one_line_errors, run_command
 
 
 @dataclass
@@ -49,14 +61,14 @@ class NPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("mse_weight", "kl_weight", "l2_weight"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+            check_real(name, getattr(self, name), math.inf, zero_allowed=True)
         if self.kl_chunk_size < 1:
             raise ValueError(f"--kl_chunk_size must be >= 1, got {self.kl_chunk_size}")
 
 
-def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig]:
-    """(TrainConfig, NPTConfig) from `--config FILE` (a JSON object holding fields of either) and the command line."""
+def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig, frozenset[str]]:
+    """(TrainConfig, NPTConfig, the options given) from `--config FILE` (JSON or TOML, fields of either) and the
+    command line."""
     parser = build_parser()  # every TrainConfig option, and --config
     group = parser.add_argument_group("neuro-plastic conversion and equivalence objective")
     hints = typing.get_type_hints(NPTConfig)
@@ -64,27 +76,31 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig]
         kind = hints[f.name]
         kwargs = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
         group.add_argument(f"--{f.name}", help=field_help(f), **kwargs)
-    args = vars(parser.parse_args(argv))
-    values = {"finetune": "npt"}
-    if "config" in args:
-        path = Path(args.pop("config"))
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            parser.error(f"--config {path}: {getattr(e, 'strerror', None) or e}")
-        if not isinstance(loaded, dict):
-            parser.error(f"--config {path} must hold a JSON object of options, got {type(loaded).__name__}")
-        values |= loaded
-    values.update(args)
+    args = vars(parser.parse_args(argv))  # only what was given (the parser's default is SUPPRESS)
+    try:
+        given = {**(load_config_file(args.pop("config"), TrainConfig, NPTConfig) if "config" in args else {}),
+                 **args}
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    values = {"finetune": "npt", **given}
     if values["finetune"] != "npt":
         parser.error(f"equivalence training trains NPT layers: --finetune must be npt, got {values['finetune']!r}")
     npt_names = {f.name for f in dataclasses.fields(NPTConfig)}
     try:
         npt_cfg = NPTConfig(**{k: v for k, v in values.items() if k in npt_names})
         cfg = TrainConfig(**{k: v for k, v in values.items() if k not in npt_names})
-    except (ValueError, TypeError) as e:  # TypeError: an unknown option in the file
+    except ValueError as e:
         parser.error(str(e))
-    return cfg, npt_cfg
+    return cfg, npt_cfg, frozenset(given)
+
+
+def continued_npt_options(cfg: TrainConfig, npt_cfg: NPTConfig, given: frozenset[str], rt: Runtime) -> NPTConfig:
+    """For --resume: the equivalence options the run recorded (config.json's "npt"), but those given."""
+    out_dir = Path(cfg.out_dir) if cfg.out_dir != "auto" else default_out_dir(resolve_config(cfg, rt.device,
+                                                                                           lambda m: None))
+    recorded = json.loads((out_dir / "config.json").read_text()).get("npt", {}) if run_record(out_dir) else {}
+    names = {f.name for f in dataclasses.fields(NPTConfig)}
+    return dataclasses.replace(npt_cfg, **{k: v for k, v in recorded.items() if k in names and k not in given})
 
 
 def equivalence_task(npt_cfg: NPTConfig) -> Task:
@@ -119,10 +135,15 @@ def equivalence_task(npt_cfg: NPTConfig) -> Task:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Parse the options, run equivalence training; returns the last step's metrics."""
-    cfg, npt_cfg = parse_config(argv)
-    return train(cfg, init_runtime(), equivalence_task(npt_cfg))
+    """Parse the options, run (or resume, with the options it recorded) equivalence training; returns the last
+    step's metrics."""
+    cfg, npt_cfg, given = parse_config(argv)
+    rt = init_runtime()
+    if cfg.resume:
+        npt_cfg = continued_npt_options(cfg, npt_cfg, given, rt)
+    return run_command(cfg, rt, equivalence_task(npt_cfg), given)
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors("--verbose" in sys.argv[1:]):
+        main()

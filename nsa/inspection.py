@@ -112,8 +112,9 @@ def check_nsa_model(path: str | Path, tokenizer_path: str | None, use: str,
 
 def main(argv: list[str] | None = None) -> str:
     from storage.weights import load_model
+    from training.cli import Parser
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
     p.add_argument("--tokenizer", help="a SentencePiece .model, a tokenizer.json or a directory holding one "
                                        "(default: the one stored with the checkpoint)")
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--find", help="text whose selection blocks are marked with * (e.g. the needle's number)")
     args = p.parse_args(argv)
     try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
+        if args.text.startswith("@") and not Path(args.text[1:]).is_file():
+            raise ValueError(f"--text {args.text}: no file {args.text[1:]} to read the prompt from")
         text = Path(args.text[1:]).read_text() if args.text.startswith("@") else args.text
         config, tokenizer = check_nsa_model(args.checkpoint, args.tokenizer, "shows NSA's selection and gates")
         ids = tokenizer.encode(text)
@@ -129,14 +132,16 @@ def main(argv: list[str] | None = None) -> str:
             raise ValueError(f"the prompt is {len(ids)} tokens; the model takes 1 to {config.context_length}")
         if any(not -len(ids) <= t < len(ids) for t in args.positions):
             raise ValueError(f"--positions must lie in [-{len(ids)}, {len(ids)}) for this {len(ids)}-token prompt")
+        starts = None
+        if args.find is not None:
+            target = tokenizer.encode(" " + args.find)[1:] or tokenizer.encode(args.find)
+            starts = [i for i in range(len(ids) - len(target) + 1) if target and ids[i:i + len(target)] == target]
+            if not starts:
+                raise ValueError(f"--find {args.find!r}: not in the prompt's tokens, so no block would be marked")
     except (OSError, ValueError) as e:
         p.error(str(e))
     model = load_model(args.checkpoint).eval()
-    needle_blocks = None
-    if args.find:
-        target = tokenizer.encode(" " + args.find)[1:] or tokenizer.encode(args.find)
-        starts = [i for i in range(len(ids) - len(target) + 1) if ids[i:i + len(target)] == target]
-        needle_blocks = {i // model.config.nsa_select_block_size for i in starts}
+    needle_blocks = {i // model.config.nsa_select_block_size for i in starts} if starts else None
     out = report(inspect(model, torch.tensor([ids])), args.positions, model.config.nsa_select_block_size,
                  needle_blocks)
     print(out)

@@ -394,7 +394,8 @@ def load_checkpoint(path: Path, model: Transformer, optimizer: torch.optim.Optim
     differ = sorted(k for k in current if saved.get(k, current[k]) != current[k])
     if differ:
         raise ValueError(f"checkpoint {path} holds a different model: " + ", ".join(
-            f"{k}={saved[k]!r} (now {current[k]!r})" for k in differ))
+            f"{k}={saved[k]!r} (now {current[k]!r})" for k in differ) + "; resume it with the options it was "
+            f"trained with (leave the ones that change these out), or start a new run from it (--init_from {path})")
     state = {"model": _trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     _read(path, state)
     set_model_state_dict(model, state["model"], options=TRAINED)

@@ -6,6 +6,7 @@ data, a model, another run) is deleted or rewritten before the new thing is know
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,7 +95,14 @@ def test_generation_and_loading_arguments():
 @pytest.mark.parametrize("args, message", [
     (["--eval_tokens", "0"], "--eval_tokens must be >= 1"),
     (["--eval_tokens", "-1"], "--eval_tokens must be >= 1"),
-    (["--context_length", "0"], "--context_length must be >= 1"),
+    (["--context_length", "0"], "--context_length must be >= 2"),
+    (["--context_length", "1"], "--context_length must be >= 2"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--device", "gpu"], "--device gpu: expected cpu, cuda or cuda:N"),
+    (["--device", "meta"], "--device meta: expected cpu, cuda or cuda:N"),
+    (["--tasks", "loss", "--pairs", "5"], "--pairs is read only by the task(s) mqar, mqar_text"),
+    (["--tasks", "mqar", "--depths", "0.5"], "--depths is read only by the task(s) passkey, needle"),
+    (["--tasks", "loss", "--documents", "x.jsonl"], "--documents is read only by the task(s) documents"),
     (["--context_length", "100000"], "exceeds the model's context_length"),
     (["--device", "cuda"], "no CUDA device"),
 ])
@@ -321,3 +329,257 @@ def test_the_real_cause_wins_over_a_clean_up_error(tmp_path, monkeypatch):
         finally:
             lock.release()
     assert lock.fd is None
+
+
+# ---- a refused run changes nothing ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def four_checkpoints(data_dir, tmp_path_factory) -> Path:
+    """A tiny run with step-1 ... step-4 (copied by the tests that change it)."""
+    out = tmp_path_factory.mktemp("four") / "run"
+    train.main([*TINY, "--max_steps", "4", "--checkpoint_interval", "1", "--keep_checkpoints", "5", "--data_dir",
+                str(data_dir), "--out_dir", str(out)])
+    return out
+
+
+def test_a_refused_resume_moves_and_deletes_no_checkpoint(four_checkpoints, data_dir, tmp_path):
+    """Checkpoints are pruned, and newer ones moved aside, only once the resumed run is prepared: a resume refused
+    for a changed architecture leaves every step-N where it was, and says how to go on."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(four_checkpoints, run)
+    base = [*TINY[:-4], "--sample_tokens", "0", "--data_dir", str(data_dir), "--out_dir", str(run)]
+    for extra in (["--resume", "--keep_checkpoints", "1", "--max_steps", "6"],
+                  ["--resume", str(run / "step-2"), "--max_steps", "6"]):
+        with pytest.raises(ValueError, match=r"holds a different model: context_length=32 \(now 64\); resume it "
+                                             "with the options it was trained with"):
+            train.main([*base, "--context_length", "64", *extra])
+        assert sorted(p.name for p in run.iterdir() if p.name.startswith(("step-", "abandoned"))) == [
+            "step-1", "step-2", "step-3", "step-4"]
+
+
+def test_a_run_refused_before_its_first_step_leaves_nothing(data_dir, tmp_path, monkeypatch):
+    """A fresh run that fails before it completes a step (here its tracker) removes what it wrote, so that the
+    same command, corrected, starts there again instead of being sent to --resume."""
+    from training import tracking
+
+    def broken(*args: object) -> None:
+        raise ValueError("--tracker tensorboard: cannot write its events")
+
+    monkeypatch.setitem(tracking.TRACKERS, "tensorboard", broken)
+    run = [*TINY, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "run")]
+    with pytest.raises(ValueError, match="cannot write its events"):
+        train.main([*run, "--tracker", "tensorboard"])
+    assert not (tmp_path / "run").exists()
+    assert train.main(run)["step"] == 1
+
+
+def test_the_equivalence_entry_resumes_with_the_options_it_recorded(data_dir, tmp_path):
+    """npt.train_equivalence --resume continues the recorded training and equivalence options (lr, warmup,
+    mse_weight), as train.py does; an option given changes it."""
+    from npt.train_equivalence import main
+
+    common = ["--config", "configs/npt_tiny.json", "--data_dir", str(data_dir), "--out_dir", str(tmp_path),
+              "--context_length", "32", "--batch_size", "2", "--sample_tokens", "0"]
+    main([*common, "--max_steps", "2", "--lr", "0.01", "--warmup_steps", "0", "--mse_weight", "2"])
+    main(["--out_dir", str(tmp_path), "--resume", "--max_steps", "3", "--kl_weight", "0.5"])  # the rest: recorded
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert (recorded["train"]["lr"], recorded["train"]["warmup_steps"]) == (0.01, 0)
+    assert (recorded["npt"]["mse_weight"], recorded["npt"]["kl_weight"]) == (2, 0.5)
+
+
+# ---- paths and directories --------------------------------------------------------------------------------------
+
+def test_directories_that_hold_data_or_lie_inside_a_model_are_refused(four_checkpoints, data_dir, tmp_path):
+    for out_dir, message in ((data_dir, "holds prepared data"), (four_checkpoints / "step-2" / "x", "lies inside"),
+                             (four_checkpoints / "model", "holds a config.json that is not a training run's")):
+        with pytest.raises(FileExistsError, match=message):
+            train.main([*TINY, "--data_dir", str(data_dir), "--out_dir", str(out_dir)])
+
+
+def test_inputs_named_twice_are_refused(data_dir, tmp_path, capsys):
+    import data
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("x = 1\n" * 20)
+    for inputs in ([corpus / "a.txt", corpus / "a.txt"], [corpus, corpus / "a.txt"], [corpus, tmp_path / "corpus/"]):
+        err = one_line_usage_error(data.main, ["prepare", "--input", *map(str, inputs), "--tokenizer",
+                                               str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o")],
+                                   capsys)
+        assert "is given twice" in err
+
+
+def test_a_symlinked_data_directory_is_replaced_where_it_points(data_dir, tmp_path):
+    """--overwrite stages beside the symlink's target (a rename cannot cross file systems) and replaces it there."""
+    import data
+
+    target, link = tmp_path / "target", tmp_path / "link"
+    (tmp_path / "a.txt").write_text("def f():\n    return 1\n" * 40)
+    (tmp_path / "b.txt").write_text("def g():\n    return 2\n" * 40)
+    prepare = ["prepare", "--tokenizer", str(data_dir / "tokenizer.model"), "--validation_fraction", "0",
+               "--input"]
+    data.main([*prepare, str(tmp_path / "a.txt"), "--out_dir", str(target)])
+    link.symlink_to(target)
+    before = (target / "index.json").read_text()
+    data.main([*prepare, str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--out_dir", str(link), "--overwrite"])
+    assert link.is_symlink() and (target / "index.json").read_text() != before
+    assert json.loads((link / "index.json").read_text())["num_documents"] == 2
+
+
+def test_unwritable_or_wrong_kind_outputs_are_one_line(four_checkpoints, data_dir, tmp_path, capsys):
+    import data
+    import gpu_check
+
+    (tmp_path / "file").write_text("x")
+    one_line_usage_error(data.main, ["prepare", "--tokenizer", str(data_dir / "tokenizer.model"), "--out_dir",
+                                     str(tmp_path / "file" / "sub")], capsys)
+    err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "passkey", "--out_dir",
+                                                 str(tmp_path / "file")], capsys)
+    assert "--out_dir" in err and "is a file" in err
+    assert "is a directory" in one_line_usage_error(gpu_check.main, ["--dry_run", "--out", str(tmp_path)], capsys)
+
+
+# ---- numbers and option combinations ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--gradient_accumulation_steps", "1000000000"], "tokens a step per process, whose ids and labels are held"),
+    (["--model_overrides", '{"context_length": 16}'], "--model_overrides may not set context_length: pass "
+                                                      "--context_length"),
+    (["--model_overrides", '{"attention_type": "nsa"}'], "--model_overrides may not set attention_type"),
+    (["--synthetic_task", "mqar"], "--synthetic_task has no effect without --synthetic_mix R"),
+    (["--answer_loss"], "--answer_loss has no effect without --synthetic_mix R"),
+    (["--synthetic_pairs", "4", "--synthetic_task", "mqar"], "has no effect without --synthetic_mix R"),
+    (["--sample_prompt", "hello"], "--sample_prompt has no effect without --sample_tokens N other than 0"),
+    (["--eval_tokens", "64"], "--eval_tokens has no effect without --eval_interval N"),
+    (["--offload_activations"], "--offload_activations moves what the blocks save for backward from a GPU"),
+    (["--sample_tokens", "", "--sample_prompt", "word " * 40], "--sample_prompt is"),
+])
+def test_options_that_contradict_or_do_nothing_are_refused(args, message, data_dir, tmp_path, capsys):
+    args = [a for a in args if a]  # "" drops --sample_tokens's value: back to its default
+    run = [a for a in TINY if a not in ("--sample_tokens", "0")] if "--sample_tokens" in args else TINY
+    args = [a for a in args if a != "--sample_tokens"]
+    try:  # a usage error while parsing (exit 2, on stderr), or a ValueError when the run starts
+        train.main([*run, *args, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "run")])
+    except SystemExit as e:
+        assert e.code == 2 and message in capsys.readouterr().err
+    except ValueError as e:
+        assert message in str(e)
+    else:
+        raise AssertionError(f"{args} was accepted")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_abbreviated_option_is_unknown(capsys):
+    err = one_line_usage_error(train_config.parse_config, ["--verb"], capsys)
+    assert "unrecognized arguments: --verb" in err
+
+
+def test_a_lora_rank_beyond_a_layer_is_refused(four_checkpoints, data_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"--lora_rank 100 exceeds the smaller side of layers.0.attn.q_proj "
+                                         r"\(64 -> 64\)"):
+        train.main([*TINY[2:], "--finetune", "lora", "--lora_rank", "100", "--init_from",
+                    str(four_checkpoints / "model"), "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "r")])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mse_weight", "inf"], "--mse_weight must be a finite number >= 0"),
+    (["--kl_weight", "nan"], "--kl_weight must be a finite number >= 0"),
+])
+def test_equivalence_options_are_checked(args, message, capsys):
+    from npt.train_equivalence import parse_config
+
+    assert message in one_line_usage_error(parse_config, ["--config", "configs/npt_tiny.json", *args], capsys)
+
+
+def test_data_py_options_are_checked_before_any_input_is_read(data_dir, tmp_path, capsys):
+    import data
+
+    tok = ["train-tokenizer", "--input", str(tmp_path / "nowhere"), "--vocab_size", "300"]
+    (tmp_path / "old.model").write_text("x")
+    for args, message in ((["--model_prefix", str(tmp_path / "t.model")], "a file name without .model"),
+                          (["--model_prefix", f"{tmp_path}/"], "a file name without .model"),
+                          (["--model_prefix", str(tmp_path / "old")], "old.model exists"),
+                          (["--model_prefix", str(tmp_path / "t"), "--max_train_mb", "inf"], "--max_train_mb must"),
+                          (["--model_prefix", str(tmp_path / "t"), "--max_train_mb", "0"], "--max_train_mb must")):
+        assert message in one_line_usage_error(data.main, [*tok, *args], capsys)
+    err = one_line_usage_error(data.main, [*tok[:-1], "0", "--model_prefix", str(tmp_path / "t")], capsys)
+    assert "--vocab_size must be at least 2" in err
+    prep = ["prepare", "--tokenizer", str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o")]
+    (tmp_path / "a.txt").write_text("x = 1\n" * 50)
+    for args, message in ((["--validation_fraction", "0.7"], "--validation_fraction must be 0"),
+                          (["--shard_tokens", str(10**14)], "--shard_tokens must be in [1,")):
+        assert message in one_line_usage_error(data.main, [*prep, "--input", str(tmp_path / "a.txt"), *args],
+                                               capsys)
+
+
+# ---- empty and damaged inputs ------------------------------------------------------------------------------------
+
+def test_empty_inputs_are_refused(four_checkpoints, data_dir, tmp_path, capsys):
+    import data
+
+    (tmp_path / "empty.model").write_bytes(b"")
+    (tmp_path / "blank.txt").write_text("  \n\t\n")
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(ValueError, match="empty.model is not a SentencePiece model"):
+        train.main([*TINY, "--data_dir", str(data_dir), "--tokenizer", str(tmp_path / "empty.model"),
+                    "--out_dir", str(tmp_path / "r")])
+    err = one_line_usage_error(data.main, ["prepare", "--input", str(tmp_path / "blank.txt"), "--tokenizer",
+                                           str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o"),
+                                           "--validation_fraction", "0"], capsys)
+    assert "no non-empty document" in err and not (tmp_path / "o").exists()
+    err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "documents",
+                                                 "--documents", str(tmp_path / "empty.jsonl")], capsys)
+    assert "holds no non-empty document" in err
+
+
+def test_eval_checks_the_tokenizer_against_the_model_and_the_data(four_checkpoints, data_dir, qwen3, tmp_path,
+                                                                  capsys):
+    model = str(four_checkpoints / "model")
+    other = str(qwen3[0] / "tokenizer.json")
+    err = one_line_usage_error(evaluation.main, [model, "--tasks", "passkey", "--tokenizer", other], capsys)
+    assert "the tokenizer stored with the model: leave --tokenizer out" in err
+    err = one_line_usage_error(evaluation.main, [model, "--tasks", "loss", "--data_dir", str(qwen3[1])], capsys)
+    assert "data was tokenized with" in err
+
+
+def test_a_missing_validation_split_names_the_fix(data_dir, tmp_path):
+    import shutil
+
+    from text.shards import validation_dir
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    shutil.rmtree(copy / "validation")
+    with pytest.raises(FileNotFoundError, match=r"validation split .* is missing \(its index lists one\): prepare "
+                                                r".* again \(`python data.py prepare --out_dir .* --overwrite`\)"):
+        validation_dir(copy)
+
+
+# ---- the other entry points, and the environment -------------------------------------------------------------------
+
+def test_inspection_and_verification_errors_are_one_line(four_checkpoints, tmp_path, capsys):
+    import verify_chunked_loss
+    from nsa import inspection
+
+    assert "unrecognized arguments: --foo" in one_line_usage_error(verify_chunked_loss.main, ["--foo"], capsys)
+    err = one_line_usage_error(inspection.main, [str(four_checkpoints / "model"), "--text", "@" + str(tmp_path / "x")],
+                               capsys)
+    assert "no file" in err
+
+
+def test_find_text_absent_from_the_prompt_is_refused(tmp_path, data_dir, capsys):
+    from nsa import inspection
+
+    train.main([*TINY, "--attention_type", "nsa", "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "nsa")])
+    err = one_line_usage_error(inspection.main, [str(tmp_path / "nsa" / "model"), "--text", "def f(): return 1",
+                                                 "--find", "99999"], capsys)
+    assert "--find '99999': not in the prompt's tokens" in err
+
+
+def test_a_stray_rank_is_one_line(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="RANK=1 with WORLD_SIZE=1: launch under torchrun, or unset RANK"):
+        train.main([*TINY, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "r")])

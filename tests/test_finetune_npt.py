@@ -85,7 +85,8 @@ def test_equivalence_training_is_an_npt_run():
     above) and the same --npt_* options; another --finetune is refused."""
     from npt.train_equivalence import parse_config as parse_equivalence
 
-    cfg, _ = parse_equivalence(["--config", "configs/npt_tiny.json", "--npt_layers", "0,1"])
+    cfg, _, given = parse_equivalence(["--config", "configs/npt_tiny.json", "--npt_layers", "0,1"])
+    assert "npt_layers" in given and "model_size" in given  # the file's and the command line's
     assert (cfg.finetune, cfg.npt_layer_spec(), cfg.npt_targets) == ("npt", [0, 1], "gate,up")
     with pytest.raises(SystemExit):
         parse_equivalence(["--config", "configs/npt_tiny.json", "--finetune", "lora"])

@@ -310,7 +310,7 @@ def test_bad_input_is_rejected_before_anything_is_built():
                    dict(finetune="lora", quantize_base="int4"), dict(world_size=0)):
         with pytest.raises(ValueError):
             pm.StepConfig.of(**kwargs)
-    with pytest.raises(ValueError, match="context_length must be in"):
+    with pytest.raises(ValueError, match="--batch_size x --context_length must be at most"):
         pm.StepConfig.of(model_size="tiny", context_length=100_000_000)  # 24k loss chunks: refused at once
 
 
@@ -331,9 +331,14 @@ def test_one_command_one_answer_with_train_py():
 @pytest.mark.parametrize("args, message", [
     (["--world_size", "0"], "--world_size must be an integer in [1, 1024]"),
     (["--world_size", "100000"], "--world_size must be an integer in [1, 1024]"),
-    (["--gpu_memory", "-1"], "--gpu_memory must be a positive number of GiB, got -1"),
+    (["--gpu_memory", "-1"], "--gpu_memory must be a positive finite number of GiB, got -1"),
     (["--gpu_memory", "1", "--reserve", "2"], "--reserve (2 GiB kept free) must be at least 0 and less than"),
-    (["--context_length", "100000000"], "context_length must be in [2, 4,194,304]"),
+    (["--context_length", "100000000"], "--batch_size x --context_length must be at most 4,194,304"),
+    (["--batch_size", "1000000000000"], "tokens a step per process, whose ids and labels are held at once"),
+    (["--model_overrides", "{\"n_layers\": 100000}"], "the estimate runs every layer under fake tensors, at most 512"),
+    (["--gpu_memory", "inf"], "--gpu_memory must be a positive finite number"),
+    (["--reserve", "5"], "--reserve is what --gpu_memory keeps free"),
+    (["--plot", "memory.txt"], "--plot memory.txt: a file name ending in .png, .pdf, .svg"),
     (["--plot", "no/such/dir/memory.png"], "--plot no/such/dir/memory.png: directory"),
     (["--attention_type", "sparse"], "--attention_type must be one of"),
     (["--quantize_base", "nf4"], "--quantize_base is not an option of --finetune full"),

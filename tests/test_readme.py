@@ -84,8 +84,12 @@ def scaled(command: str) -> list[str]:
         if "--max_steps" in args:
             args[args.index("--max_steps") + 1] = "2"
         args += ["--max_steps", "2"] if "--max_steps" not in args else []
-    if script == "eval.py":
-        args += ["--samples", "2", "--depths", "0.5", "--eval_tokens", "2048"]
+    if script == "eval.py":  # the options of the tasks it runs only (eval.py refuses others)
+        tasks = args[args.index("--tasks") + 1:] if "--tasks" in args else ["loss", "passkey", "needle"]
+        tasks = tasks[:next((i for i, a in enumerate(tasks) if a.startswith("--")), len(tasks))]
+        args += ["--samples", "2"]
+        args += ["--depths", "0.5"] if {"passkey", "needle"} & set(tasks) and "--depths" not in args else []
+        args += ["--eval_tokens", "2048"] if "loss" in tasks else []
     if script == "profile_memory.py" and "--model_size" not in args:
         args += ["--model_size", "tiny"]
     return args

@@ -131,7 +131,8 @@ def test_copy_overrides(data_dir, tmp_path, capsys):
     records = [out / "nsa-seed0" / stage / "stage.json" for stage in ("copy-T32", "T32-p2", "T48-p2")]
     first, second = (json.loads(record.read_text())["args"] for record in records[1:])
     assert json.loads(first[first.index("--model_overrides") + 1]) == {**SCRIPT["TYPES"]["nsa"]["model_overrides"],
-                                                                       **fine, "rope_theta": preset_theta}
+                                                                       **fine}
+    assert float(first[first.index("--rope_theta") + 1]) == preset_theta
     assert "--model_overrides" not in second
     before = [record.read_text() for record in records]
     SCRIPT["main"]([*common, "--copy_overrides", json.dumps(coarse)])  # reused: nothing retrained

@@ -64,6 +64,11 @@ def find_input_files(paths: Iterable[str | os.PathLike], log: Callable[[str], No
     if not files:
         raise ValueError(f"no input files found in {[str(p) for p in paths]} (looked for .jsonl, .parquet and "
                          f"{', '.join(TEXT_SUFFIXES)})")
+    seen: dict[Path, Path] = {}
+    for file in files:
+        if (first := seen.setdefault(file.resolve(), file)) is not file:
+            raise ValueError(f"input {file} is given twice (also as {first}): each file would be read twice; name "
+                             "it once")
     return files
 
 

@@ -46,6 +46,7 @@ INDEX_FORMAT = 1
 VALIDATION_DIR = "validation"
 DEFAULT_VALIDATION_FRACTION = 0.01  # held-out documents: 1 in 100, at least one
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per uint16 shard
+MAX_SHARD_TOKENS = 2**30  # the shard buffered while it is written: 4 GiB of uint32
 
 
 # ---------------------------------------------------------------- shards on disk
@@ -137,7 +138,7 @@ def _batches(docs: Iterator[tuple[Document, int]], max_bytes: int = 4_000_000
     texts: list[Document] = []
     nbytes = 0
     for text, size in docs:
-        if text.text or text.prompt:
+        if text.text.strip() or text.prompt.strip():  # whitespace alone is no document
             texts.append(text)
         nbytes += size
         if nbytes >= max_bytes:
@@ -174,27 +175,39 @@ def prepare(
         text_field: the field holding the text in `.jsonl` and `.parquet` records.
         progress: show a progress bar over input bytes.
         validation_fraction: share of the documents held out in `out_dir/validation/` (documents 0, k, 2k, ...,
-            k = round(1 / fraction), so at least one; 0 for none). Training never sees them.
+            k = round(1 / fraction), so at least one; 0 for none; at most 0.5). Training never sees them.
         errors: "strict" (a file that is not UTF-8 text is a ValueError naming it) or "replace" (invalid bytes
             become U+FFFD; the index's "replaced" counts them per file).
     """
-    if not 0 <= validation_fraction < 1:
-        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
-    out_dir = Path(out_dir)
+    if not (validation_fraction == 0 or 0 < validation_fraction <= 0.5):
+        raise ValueError(f"--validation_fraction must be 0 (no validation split) or in (0, 0.5] (every k-th "
+                         f"document held out, k = round(1 / fraction) >= 2), got {validation_fraction}")
+    if not 1 <= shard_tokens <= MAX_SHARD_TOKENS:
+        raise ValueError(f"--shard_tokens must be in [1, {MAX_SHARD_TOKENS:,}] (one shard is buffered in memory), "
+                         f"got {shard_tokens}")
+    given, out_dir = Path(out_dir), Path(out_dir).resolve()  # a symlink's target: staging goes on its file system
     if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"--out_dir {out_dir} is a file; pass a directory")
+        raise FileExistsError(f"--out_dir {given} is a file; pass a directory")
     if (out_dir / INDEX_NAME).exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds prepared data ({INDEX_NAME}); pass overwrite=True "
+        raise FileExistsError(f"{given} already holds prepared data ({INDEX_NAME}); pass overwrite=True "
                               "(--overwrite) to replace it")
     files = stdlib_files() if inputs is None else find_input_files(inputs)
+    remove_stale_staging(out_dir)
     staging = out_dir.parent / f".{out_dir.name}.preparing-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
     try:
         index = _prepare(files, tokenizer, staging, shard_tokens, text_field, progress, validation_fraction, errors)
         _install(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return index
+
+
+def remove_stale_staging(out_dir: Path) -> None:
+    """Delete the staging directories of prepares into `out_dir` whose process is gone (killed mid-prepare)."""
+    for stale in out_dir.parent.glob(f".{out_dir.name}.preparing-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _data_files(data_dir: Path) -> list[Path]:
@@ -241,6 +254,9 @@ def _prepare(files: list[Path], tokenizer: Tokenizer | HFTokenizer, out_dir: Pat
     tok_info = {"path": str(tokenizer.path.resolve()), "vocab_size": tokenizer.vocab_size, "sha256": tokenizer.sha256}
     metadata = {"eod_id": tokenizer.eod_id, "tokenizer": tok_info, **({"replaced": decode.replaced} if
                                                                       decode.replaced else {})}
+    if num_documents == 0:
+        more = ", ..." if len(files) > 1 else ""
+        raise ValueError(f"no non-empty document in {len(files)} input file(s) ({files[0]}{more}): nothing to prepare")
     if held_out is not None and num_documents - num_validation == 0:
         raise ValueError(f"{num_documents} document(s) leave nothing to train on after the validation split; "
                          "pass validation_fraction=0 (--validation_fraction 0) or add documents")
@@ -317,7 +333,11 @@ def validation_dir(data_dir: str | os.PathLike) -> Path:
     if "validation" not in index:
         raise FileNotFoundError(f"{data_dir} has no validation split (prepared before it existed, or with "
                                 f"validation_fraction 0); re-run `python data.py prepare --overwrite` to make one")
-    return Path(data_dir) / index["validation"]["dir"]
+    split = Path(data_dir) / index["validation"]["dir"]
+    if not (split / INDEX_NAME).is_file():
+        raise FileNotFoundError(f"{data_dir}'s validation split {split} is missing (its index lists one): prepare "
+                                f"{data_dir} again (`python data.py prepare --out_dir {data_dir} --overwrite`)")
+    return split
 
 
 def check_tokenizer(index: dict, tokenizer: Tokenizer) -> None:

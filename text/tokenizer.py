@@ -98,6 +98,8 @@ class Tokenizer:
                                     "train-tokenizer`)")
         proto = self.path.read_bytes()
         try:
+            if not proto:  # SentencePiece loads an empty file as a model of no pieces
+                raise RuntimeError("empty")
             self.sp = spm.SentencePieceProcessor(model_proto=proto)
         except RuntimeError:
             raise ValueError(f"{self.path} is not a SentencePiece model file (.model); pass the tokenizer that "
@@ -383,14 +385,20 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | HFTokenizer:
 
 def model_tokenizer(model: str | os.PathLike, given: str | os.PathLike | None = None,
                     fallbacks: Iterable[str | os.PathLike | None] = ()) -> Tokenizer | HFTokenizer:
-    """The tokenizer of the model stored at `model` (any layout weights.load_model reads): `given` (--tokenizer),
-    else the one stored with it (its directory, or that of its .safetensors file), else the first of `fallbacks`
-    that exists (e.g. a run's, its data's). FileNotFoundError naming --tokenizer when there is none."""
+    """The tokenizer of the model stored at `model` (any layout weights.load_model reads): `given` (--tokenizer; it
+    must read as the one stored with the model, when there is one), else the one stored with it (its directory, or
+    that of its .safetensors file), else the first of `fallbacks` that exists (e.g. a run's, its data's).
+    FileNotFoundError naming --tokenizer when there is none."""
+    home = Path(model) if Path(model).is_dir() else Path(model).parent
     if given:
         if not Path(given).exists():
             raise FileNotFoundError(f"--tokenizer {given} does not exist")
-        return load_tokenizer(given)
-    home = Path(model) if Path(model).is_dir() else Path(model).parent
+        tokenizer = load_tokenizer(given)
+        if (own := tokenizer_file(home)) and not same_vocabulary(tokenizer, stored := load_tokenizer(own)):
+            raise ValueError(f"--tokenizer {given} ({tokenizer.vocab_size} tokens) is not {stored.path} "
+                             f"({stored.vocab_size} tokens), the tokenizer stored with the model: leave --tokenizer "
+                             "out")
+        return tokenizer
     for candidate in (tokenizer_file(home), *fallbacks):
         if candidate and Path(candidate).exists():
             return load_tokenizer(candidate)

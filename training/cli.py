@@ -33,6 +33,7 @@ class Parser(argparse.ArgumentParser):
     "expected one argument")."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # --verb is no --verbose: an unknown option, not a guess
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$|^-nan$")
 

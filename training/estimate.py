@@ -73,6 +73,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # as train.py
 PHASES = ("forward", "backward", "optimizer step")
 PROFILED_QUANTIZED = ("int8", "nf4")  # --quantize_base kinds whose layout is the same on every device
 MAX_CONTEXT = 2**22  # tokens per sequence the estimate accepts (4M: 1024 loss chunks of 4096)
+MAX_LAYERS = 512  # layers the estimate runs (each costs about a second at 131k tokens)
 MAX_WORLD_SIZE = 1024  # FSDP2 ranks the estimate accepts (its cost grows with the ranks: 1024 take about 30 s)
 _HARMLESS_WARNINGS = ("DTensor random operators may not have complete support on cpu device mesh",
                       "FSDP2-wrapped module .* returned a view tensor")
@@ -99,15 +100,17 @@ class StepConfig:
                 or not 1 <= self.world_size <= MAX_WORLD_SIZE):
             raise ValueError(f"--world_size must be an integer in [1, {MAX_WORLD_SIZE}] (the ranks FSDP2 shards over; "
                              f"the estimate's cost grows with them), got {self.world_size!r}")
-        if not cfg.context_length <= MAX_CONTEXT:
-            raise ValueError(f"--context_length must be in [2, {MAX_CONTEXT:,}] (longer sequences would loop over "
-                             f"more than {MAX_CONTEXT // 4096:,} loss chunks under fake tensors), got "
-                             f"{cfg.context_length:,}")
+        if not cfg.context_length * (cfg.batch_size or 1) <= MAX_CONTEXT:
+            raise ValueError(f"--batch_size x --context_length must be at most {MAX_CONTEXT:,} tokens per rank "
+                             f"(more would loop over more than {MAX_CONTEXT // 4096:,} loss chunks under fake "
+                             f"tensors), got {cfg.batch_size or 1} x {cfg.context_length:,}")
         if cfg.quantize_base not in (None, *PROFILED_QUANTIZED):
             raise ValueError(f"--quantize_base {cfg.quantize_base}: profiled are {', '.join(PROFILED_QUANTIZED)} "
                              "(int4's layout depends on the device: measure it with train.py)")
         finetune_mode(cfg).check(self.world_size)
-        self.configs()  # the architecture and compute settings are valid
+        if (layers := self.configs()[0].n_layers) > MAX_LAYERS:  # the architecture and compute settings are valid
+            raise ValueError(f"--model_overrides n_layers {layers}: the estimate runs every layer under fake tensors, "
+                             f"at most {MAX_LAYERS}")
 
     def configs(self) -> tuple[ModelConfig, ComputeConfig]:
         """(ModelConfig, ComputeConfig) exactly as train.py builds them for this run (train_config.

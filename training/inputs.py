@@ -51,6 +51,9 @@ def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, source
     check_tokenizer(loader.index, tokenizer)
     cfg = dataclasses.replace(cfg, tokenizer=str(Path(tokenizer.path).resolve()))  # config.json names it
     prompt = len(tokenizer.encode(cfg.sample_prompt))
+    if cfg.sample_tokens is None and prompt >= cfg.context_length:  # the default sample: the context after it
+        raise ValueError(f"--sample_prompt is {prompt} tokens, as long as --context_length {cfg.context_length} "
+                         "allows or longer: shorten it, or pass --sample_tokens 0 (no sample)")
     if cfg.sample_tokens and prompt + cfg.sample_tokens > cfg.context_length:
         raise ValueError(f"--sample_tokens {cfg.sample_tokens} after the --sample_prompt's {prompt} tokens exceed "
                          f"--context_length {cfg.context_length}")

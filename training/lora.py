@@ -71,7 +71,12 @@ def apply_lora(model: Transformer, rank: int = 16, alpha: float = 32.0, targets:
             if not isinstance(getattr(parent, attr, None), nn.Linear):
                 raise ValueError(f"layers.{i}.{TARGETS[target]} is not a linear layer: LoRA target {target!r} does "
                                  f"not apply to {type(parent).__name__}")
-            layer = LoRALinear(getattr(parent, attr), rank, alpha)
+            base = getattr(parent, attr)
+            if rank > min(base.in_features, base.out_features):
+                raise ValueError(f"--lora_rank {rank} exceeds the smaller side of layers.{i}.{TARGETS[target]} "
+                                 f"({base.in_features} -> {base.out_features}): a rank above it adds parameters and no "
+                                 f"capacity; use at most {min(base.in_features, base.out_features)}")
+            layer = LoRALinear(base, rank, alpha)
             layer.weight.requires_grad_(False)
             setattr(parent, attr, layer)
             adapted.append(f"layers.{i}.{TARGETS[target]}")

@@ -28,6 +28,7 @@ BATCH_TOKENS = 4096  # auto batch size: max(1, BATCH_TOKENS // T) sequences per 
 TILED_FFN_CHUNK = 8192  # FFN tile from LONG_CONTEXT on: one tile's (T, ffn_dim) intermediates at a time
 DEFAULT_DATA_DIR = "data/stdlib"
 TOKENIZER_VOCAB = 8192  # vocabulary of the tokenizer trained for the default corpus
+MAX_STEP_TOKENS = 2**28  # tokens of one step per process: their ids and labels (16 bytes each) are held at once
 OFFLOAD_SHARE = 0.2  # auto activation offload: when the checkpointed block inputs exceed this share of GPU memory
 
 
@@ -208,6 +209,10 @@ class TrainConfig:
             split_overrides(self.model_overrides)
         except ValueError as e:
             raise ValueError(f"--model_overrides: {e}") from e
+        if own := sorted(set(self.model_overrides) & {"context_length", "attention_type", "rope_theta",
+                                                      "rope_scaling"}):
+            raise ValueError(f"--model_overrides may not set {', '.join(own)}: pass --{own[0]} instead (the option "
+                             "train.py resolves and checks)")
 
     def npt_layer_spec(self) -> str | list[int]:
         """--npt_layers as npt.convert takes it: 'upper_half', 'all' or a list of indices."""
@@ -247,9 +252,9 @@ def check_real(name: str, value: float | None, high: float, zero_allowed: bool) 
 # ---- configuration: defaults < file < command line -----------------------------------------------------------
 
 
-def _field_type(name: str) -> type:
-    """The non-None type of a TrainConfig field (int for `int | None`)."""
-    kind = typing.get_type_hints(TrainConfig)[name]
+def _field_type(name: str, cls: type = None) -> type:
+    """The non-None type of a field of dataclass `cls` (TrainConfig by default; int for `int | None`)."""
+    kind = typing.get_type_hints(cls or TrainConfig)[name]
     return next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
 
 
@@ -279,30 +284,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config_file(path: str) -> dict:
-    """TrainConfig fields from a JSON (or, on Python 3.11+, TOML) file, type-checked."""
+def load_config_file(path: str, *classes: type) -> dict:
+    """Fields of `classes` (default: TrainConfig) from a JSON (or, on Python 3.11+, TOML) file, type-checked:
+    ValueError / FileNotFoundError naming the file."""
+    classes = classes or (TrainConfig,)
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"config file {file} does not exist")
-    if file.suffix == ".toml":
-        try:
-            import tomllib
-        except ModuleNotFoundError as e:
-            raise ValueError(f"{file}: TOML configs need Python 3.11+; use a JSON file") from e
-        values = tomllib.loads(file.read_text())
-    else:
-        try:
+        raise FileNotFoundError(f"config file {file} " + ("is a directory" if file.is_dir() else "does not exist"))
+    try:
+        if file.suffix == ".toml":
+            import tomllib  # Python 3.11+
+
+            values = tomllib.loads(file.read_text())
+        else:
             values = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file} is not valid JSON: {e}") from None
+    except ModuleNotFoundError as e:
+        raise ValueError(f"{file}: TOML configs need Python 3.11+; use a JSON file") from e
+    except ValueError as e:  # JSONDecodeError, TOMLDecodeError
+        raise ValueError(f"{file} is not valid {'TOML' if file.suffix == '.toml' else 'JSON'}: {e}") from None
     if not isinstance(values, dict):
-        raise ValueError(f"{file} must hold an object of TrainConfig fields")
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+        raise ValueError(f"{file} must hold an object of options, got {type(values).__name__}")
+    owner = {f.name: cls for cls in classes for f in dataclasses.fields(cls)}
     for key, value in values.items():
-        if key not in names:
-            raise ValueError(f"{file}: unknown option {key!r}; valid options: {sorted(names)}")
-        kind = _field_type(key)
-        ok = value is None and type(None) in typing.get_args(typing.get_type_hints(TrainConfig)[key])
+        if key not in owner:
+            raise ValueError(f"{file}: unknown option {key!r}; valid options: {sorted(owner)}")
+        kind = _field_type(key, owner[key])
+        ok = value is None and type(None) in typing.get_args(typing.get_type_hints(owner[key])[key])
         ok = ok or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
         ok = ok or (kind is float and isinstance(value, int) and not isinstance(value, bool))
         if not ok:
@@ -344,6 +351,26 @@ PATH_OPTIONS = ("data_dir", "tokenizer", "init_from", "adapter")  # a file or a 
 # (its tokenizer is checked against the checkpoint's: run_data.resolve_tokenizer).
 DATA_OPTIONS = ("data_dir", "seed", "synthetic_mix", "synthetic_task", "synthetic_pairs", "answer_loss")
 NOT_CONTINUED = ("resume", "out_dir", "verbose")  # about one invocation, never taken from the record
+
+
+def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.device,
+                  log: typing.Callable[[str], None] = print) -> None:
+    """ValueError when an option that was given (`given`; None: unknown, nothing is checked) has no effect in this run,
+    as it would be silently ignored; a warning line when the warmup outlasts the run."""
+    needs = {"synthetic_task": (cfg.synthetic_mix, "--synthetic_mix R (the share of rows it replaces)"),
+             "synthetic_pairs": (cfg.synthetic_mix, "--synthetic_mix R"),
+             "answer_loss": (cfg.synthetic_mix, "--synthetic_mix R"),
+             "sample_prompt": (cfg.sample_tokens != 0, "--sample_tokens N other than 0"),
+             "eval_tokens": (cfg.eval_interval, "--eval_interval N")}
+    for option, (effective, what) in needs.items():
+        if given is not None and option in given and not effective:
+            raise ValueError(f"--{option} has no effect without {what}: add it, or leave --{option} out")
+    if given is not None and "offload_activations" in given and cfg.offload_activations and device.type != "cuda":
+        raise ValueError("--offload_activations moves what the blocks save for backward from a GPU to host memory, "
+                         "and this run has no GPU: leave it out (profile_memory.py estimates it for a GPU run)")
+    if cfg.warmup_steps > cfg.max_steps:
+        log(f"warning: --warmup_steps {cfg.warmup_steps} is longer than --max_steps {cfg.max_steps}: the learning "
+            f"rate never reaches --lr {cfg.lr}")
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
@@ -409,6 +436,12 @@ def resolve_config(cfg: TrainConfig, device: torch.device, log: typing.Callable[
         values["gradient_checkpointing"] = long
     if cfg.batch_size is None:
         values["batch_size"] = max(1, BATCH_TOKENS // cfg.context_length)
+    step = cfg.gradient_accumulation_steps * values.get("batch_size", cfg.batch_size) * cfg.context_length
+    if step > MAX_STEP_TOKENS:
+        raise ValueError(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} x --batch_size "
+                         f"{values.get('batch_size', cfg.batch_size)} x --context_length {cfg.context_length} = "
+                         f"{step:,} tokens a step per process, whose ids and labels are held at once: at most "
+                         f"{MAX_STEP_TOKENS:,}")
     return dataclasses.replace(cfg, **values)
 
 

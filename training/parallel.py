@@ -35,7 +35,9 @@ def init_runtime() -> Runtime:
     """One process per device; under torchrun (WORLD_SIZE > 1) a process group (NCCL on GPU, gloo on CPU)."""
     exit_with_launcher()  # first: a worker whose torchrun dies stops (saving first once it trains), even mid-rendezvous
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if not 0 <= rank < world_size:  # a stray RANK: every error would be left to a rank that prints nothing
+        os.environ["RANK"] = "0"  # so that this one line is printed
+        raise ValueError(f"RANK={rank} with WORLD_SIZE={world_size}: launch under torchrun, or unset RANK")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -82,6 +83,22 @@ class RunLock:
             self.fd = None
 
 
+# What a run writes before its first step, all removed again when that step never completes (`clear_unstarted`).
+STARTED_FILES = (*RUN_FILES, "npt_config.json", "wandb_id", "wandb", "tensorboard")
+
+
+def clear_unstarted(out_dir: Path) -> None:
+    """Rank 0, for a fresh run (its directory held no run) that failed before its first step: remove what it wrote
+    (STARTED_FILES), so that the same command, corrected, starts there again instead of being sent to --resume."""
+    for name in STARTED_FILES:
+        path = out_dir / name
+        with contextlib.suppress(OSError):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+
 def holds_run(out_dir: Path) -> bool:
     """Whether `out_dir` holds a run: its config.json, metrics.jsonl or a step-N checkpoint."""
     return any((out_dir / name).exists() for name in RUN_FILES) or latest_checkpoint(out_dir) is not None
@@ -120,6 +137,13 @@ def check_run_directory(out_dir: Path, resume: str | None, init_from: str | None
     if run_record(out_dir) is None and out_dir.is_dir() and (weights := next(out_dir.glob("*.safetensors"), None)):
         raise FileExistsError(f"{out_dir} holds a model ({weights.name}), which a run would overwrite; choose another "
                               "--out_dir")
+    if (out_dir / "index.json").is_file():
+        raise FileExistsError(f"{out_dir} holds prepared data (index.json), which a run would mix its files into; "
+                              "choose another --out_dir")
+    for inside in out_dir.resolve().parents:
+        if (inside / STATE_NAME).is_file() or (inside / "model.safetensors").is_file():
+            raise FileExistsError(f"--out_dir {out_dir} lies inside {inside}, a checkpoint or a model; choose a "
+                                  "directory of its own")
     if resume is None and holds_run(out_dir):
         what = latest_checkpoint(out_dir).name if latest_checkpoint(out_dir) else "a run without a checkpoint"
         raise FileExistsError(f"{out_dir} already holds a run ({what}); pass --resume to continue it (from scratch "

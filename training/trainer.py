@@ -34,6 +34,7 @@ from modeling.config import ComputeConfig, GiB, ModelConfig
 from modeling.loss import IGNORE_INDEX, shift_labels
 from nsa.convert import FRESH, nsa_state_from_dense
 from storage.checkpoint import (
+    SaveFailed,
     checkpoint_to_resume,
     load_checkpoint,
     prune_checkpoints,
@@ -45,6 +46,7 @@ from storage.weights import load_initial_weights, stored, weights_fingerprint
 from text.shards import TokenLoader
 from text.synthetic import SyntheticMix
 from text.tokenizer import HFTokenizer, Tokenizer, check_vocab
+from training.cli import exit_with_error
 from training.inputs import prepare_data
 from training.modes import FinetuneMode, cast_frozen_base, check_adapter_base, finetune_mode
 from training.monitor import (
@@ -68,6 +70,7 @@ from training.options import (
     TrainConfig,
     absolute_paths,
     build_model_config,
+    check_effects,
     check_model_size,
     continue_options,
     default_out_dir,
@@ -75,7 +78,7 @@ from training.options import (
     resolve_config,
 )
 from training.parallel import Runtime, apply_fsdp, init_sharded_weights
-from training.run_directory import RunLock, check_run_directory, run_record, start_timeline
+from training.run_directory import RunLock, check_run_directory, clear_unstarted, run_record, start_timeline
 from training.tracking import check_tracker, tracking
 
 FINISHED_NAME = "finished.json"  # written once a run's end (export, sample) is done
@@ -261,6 +264,7 @@ def resolve_run(cfg: TrainConfig, rt: Runtime, given: frozenset[str] | None = No
     check_run_directory(Path(cfg.out_dir), cfg.resume, cfg.init_from)
     if cfg.resume and given is not None and (recorded := run_record(Path(cfg.out_dir))):
         cfg = continue_options(cfg, given, recorded)
+    check_effects(cfg, given, rt.device, say)
     return absolute_paths(cfg)
 
 
@@ -299,7 +303,8 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     5. the base weights from --init_from (`load_base`; a frozen base always: checkpoints do not hold it), before
     6. the mode's own initialisation (adapters from the seed or --adapter; quantization last: it replaces the
        base weights that step 5 filled), before
-    7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position."""
+    7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position; only
+       then are checkpoints moved aside or pruned (`settle_checkpoints`)."""
     mode = finetune_mode(cfg)
     mode.check(rt.world_size)
     check_tracker(cfg.tracker)
@@ -329,6 +334,7 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
               else contextlib.nullcontext(), resume_from, {}, None,
               export_info(cfg, tokenizer, stored_config, adapted), base)
     changed = resume(run) if resume_from else {}
+    settle_checkpoints(cfg, rt, resume_from)
 
     if rt.device.type == "cuda" and cfg.max_memory:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory * GiB / device_memory), rt.device)
@@ -353,9 +359,9 @@ def export_info(cfg: TrainConfig, tokenizer: Tokenizer | HFTokenizer, stored: Mo
 
 
 def resume_point(cfg: TrainConfig, rt: Runtime) -> Path | None:
-    """The verified checkpoint to resume (checkpoint_to_resume), its newer checkpoints moved aside (a new timeline),
-    stale and surplus checkpoints deleted. NothingToTrain when it has reached --max_steps and the run's end is done;
-    a run whose end (export) was interrupted is resumed to do it again."""
+    """The verified checkpoint to resume (checkpoint_to_resume). NothingToTrain when it has reached --max_steps and
+    the run's end is done; a run whose end (export) was interrupted is resumed to do it again. Nothing is moved or
+    deleted here: that waits until the run is known good (`settle_checkpoints`)."""
     resume_from = checkpoint_to_resume(Path(cfg.out_dir), cfg.resume)
     say = print if rt.rank == 0 else (lambda message: None)
     if resume_from and (done := read_train_state(resume_from)["step"]) >= cfg.max_steps:
@@ -364,17 +370,22 @@ def resume_point(cfg: TrainConfig, rt: Runtime) -> Path | None:
                 "train; pass a larger --max_steps to continue it")
             raise NothingToTrain(done)
         say(f"{resume_from} is the last step, but the run's end (its export) did not complete: doing it again")
+    return resume_from
+
+
+def settle_checkpoints(cfg: TrainConfig, rt: Runtime, resume_from: Path | None) -> None:
+    """Once the run is prepared and its checkpoint loaded (a refused run changes nothing): the checkpoints newer
+    than the one resumed move aside (a new timeline), stale and surplus ones are deleted."""
     if resume_from and rt.rank == 0 and (aside := start_timeline(Path(cfg.out_dir), resume_from)):
         print(f"resuming {resume_from.name}: its newer checkpoints, another timeline, moved to {aside}")
     prune_checkpoints(Path(cfg.out_dir), cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
-    return resume_from
 
 
 def load_base(model: Transformer, cfg: TrainConfig, stored: ModelConfig | None, frozen_base: bool,
               resume_from: Path | None, rt: Runtime) -> None:
     """Fill `model` from --init_from when the run starts from it, and always for a frozen base (checkpoints do not
     hold it); dense weights into NSA layers through nsa.convert, the one conversion allowed. Warns about a frozen
-    random base and about a warmup that outlasts the run."""
+    random base."""
     say = print if rt.rank == 0 else (lambda message: None)
     if cfg.init_from and (frozen_base or not resume_from):
         convert = None if stored.attention_type == model.config.attention_type else (
@@ -382,9 +393,6 @@ def load_base(model: Transformer, cfg: TrainConfig, stored: ModelConfig | None, 
         load_initial_weights(model, cfg.init_from, convert, FRESH if convert else ())
     elif frozen_base:
         say(f"warning: --finetune {cfg.finetune} without --init_from adapts a randomly initialised, frozen base")
-    if cfg.init_from and cfg.warmup_steps > cfg.max_steps:
-        say(f"warning: --warmup_steps {cfg.warmup_steps} is longer than --max_steps {cfg.max_steps}: the learning "
-            f"rate never reaches --lr {cfg.lr}")
 
 
 def resume(run: Run) -> dict:
@@ -392,7 +400,8 @@ def resume(run: Run) -> dict:
     ({option: [checkpoint value, new value]}): the optimizer options, which take effect
     (`apply_optimizer_options`), and what makes a step (batch size, accumulation, ranks)."""
     state = load_checkpoint(run.resume_from, run.model, run.optimizer)
-    if run.mode.frozen_base and state.get("base") != run.base:
+    checksum = {name: base and base["checksum"] for name, base in (("saved", state.get("base")), ("now", run.base))}
+    if run.mode.frozen_base and checksum["saved"] != checksum["now"]:  # the weights, wherever they lie now
         def name(base: dict | None) -> str:
             return "a random base (no --init_from)" if not base else f"{base['path']} (checksum {base['checksum']})"
         raise ValueError(f"{run.resume_from} adapts {name(state.get('base'))}, but this run's base is "
@@ -518,6 +527,36 @@ def observe(run: Run, step_metrics: dict, dt: float, previous: dict, leaks: Leak
 # ---- the loop ------------------------------------------------------------------------------------------------
 
 
+def run_command(cfg: TrainConfig, rt: Runtime, task: Task | None = None, given: frozenset[str] | None = None
+                ) -> dict:
+    """`train` as a command runs it: the process group torn down after (collective when the run succeeded)."""
+    try:
+        metrics = train(cfg, rt, task, given)
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()  # no barrier: the other ranks may never reach it
+        raise
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return metrics
+
+
+@contextlib.contextmanager
+def one_line_errors(verbose: bool = False) -> Iterator[None]:
+    """For a command line (train.py, npt.train_equivalence): a run stopped by its limits (non-finite steps, the
+    memory budget, a failed save; saved where possible) exits 1 with one line; a bad input, or a damaged or unsafe
+    checkpoint, exits 2 with one line (`verbose`: the traceback instead)."""
+    try:
+        yield
+    except (MemoryBudgetExceeded, TooManyBadSteps, SaveFailed) as e:
+        exit_with_error(f"stopped: {e}", code=1)
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as e:
+        if verbose:
+            raise
+        exit_with_error(f"error: {e}")
+
+
 def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None, given: frozenset[str] | None = None) -> dict:
     """Run (or resume) training as configured; returns the last step's metrics. `given`: the options given on the
     command line (a resumed run takes the others from its record); None: all of them."""
@@ -529,6 +568,10 @@ def train(cfg: TrainConfig, rt: Runtime, task: Task | None = None, given: frozen
             return {"step": finished.step}
         try:
             return loop(run)
+        except BaseException:
+            if rt.rank == 0 and run.resume_from is None and run.step == 0:
+                clear_unstarted(run.out_dir)  # a fresh run that never completed a step leaves nothing behind
+            raise
         finally:
             if rt.device.type == "cuda" and cfg.max_memory:  # the budget was this run's, not the process's
                 torch.cuda.set_per_process_memory_fraction(1.0, rt.device)
