@@ -190,15 +190,16 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, start_pos: int | None = None,
-                loss_normalizer: Tensor | float | None = None) -> ModelOutput:
+                loss_normalizer: Tensor | float | None = None, aux_weight: float = 1.0) -> ModelOutput:
         """input_ids (B, T); labels (B, T) unshifted (the model shifts them; -100 is ignored).
 
         Returns ModelOutput(loss, logits, aux_loss): loss is the summed next-token cross-entropy over non-ignored
         targets divided by `loss_normalizer` (default: their count, i.e. the mean; a trainer passes the global count
         over ranks and accumulation steps), None without labels; logits (B, T, V) are None when the chunked loss ran
         or compute.loss_rows is "targets". With gradients enabled, the attention's training-only loss terms
-        (`attention.add_aux_loss`, e.g. NSA's selection-scoring loss) are added to loss, scaled by this call's
-        share of the normalizer (its target count / loss_normalizer; 1 by default), and returned as aux_loss.
+        (`attention.add_aux_loss`, e.g. NSA's selection-scoring loss: each a mean over its own rows, whatever the
+        labels) are added to loss times `aux_weight`, and returned as aux_loss. A trainer passes 1 / (micro-batches
+        x ranks) of the step, so that the step's term is the mean over its equal-sized micro-batches.
         """
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
@@ -211,9 +212,7 @@ class Transformer(nn.Module):
         loss, logits = self.compute_loss(h, labels, loss_normalizer)
         if not aux:
             return ModelOutput(loss, logits)
-        # this micro-batch's share of the step's targets: summed over the step, the terms average like the loss
-        share = 1.0 if loss_normalizer is None else (shift_labels(labels) != IGNORE_INDEX).sum() / loss_normalizer
-        aux_loss = torch.stack(aux).sum() * share
+        aux_loss = torch.stack(aux).sum() * aux_weight
         return ModelOutput(loss + aux_loss, logits, aux_loss.detach())
 
     def logits(self, hidden: Tensor) -> Tensor:

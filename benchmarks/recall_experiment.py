@@ -66,8 +66,10 @@ import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from evaluation import tasks  # noqa: E402
 from modeling.config import ModelConfig, register_attention  # noqa: E402
+from storage.checkpoint import checkpoint_to_resume  # noqa: E402
 from storage.weights import state_shapes  # noqa: E402
 from training.cli import json_object  # noqa: E402
+from training.trainer import finished_step  # noqa: E402
 
 
 class Stage(NamedTuple):
@@ -213,7 +215,11 @@ def stage_run(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] |
     if record.is_file() and (run_dir / "model" / "model.safetensors").is_file():
         return run_dir, json.loads(record.read_text())["seconds"]
     start = time.perf_counter()
-    train.main(argv)
+    resume = ["--resume"] if checkpoint_to_resume(run_dir, "auto") else []  # a stage stopped before its end
+    train.main(argv + resume)
+    if finished_step(run_dir) is None:  # a stop signal ended it: saved, not finished
+        sys.exit(f"recall_experiment: {run_dir} stopped before its end (saved at its last step); the same command "
+                 "resumes it")
     seconds = time.perf_counter() - start
     record.write_text(json.dumps({"seconds": seconds, "args": argv}))
     return run_dir, seconds

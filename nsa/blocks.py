@@ -87,16 +87,28 @@ def choosable_blocks(q_pos: Tensor, select_block_size: int, num_select_blocks: i
     return torch.arange(num_select_blocks, device=q_pos.device) < (q_pos // select_block_size - 1)[:, None]
 
 
+def contested_blocks(q_pos: Tensor, select_block_size: int, num_select_blocks: int, num_selected: int) -> Tensor:
+    """(Q, num_select_blocks) bool: the blocks top-n really chooses among for queries at positions q_pos (Q,). Block
+    0 and the query's own and previous blocks are forced in, so n - 3 slots are free for the c - 2 blocks between
+    them (c: the query's block); only queries with more of those blocks than free slots (c >= n, and n >= 4)
+    choose, among blocks 1 .. c - 2. None for the others."""
+    current = q_pos // select_block_size  # (Q,)
+    block = torch.arange(num_select_blocks, device=q_pos.device)  # (Ns,)
+    choosing = (current >= num_selected) & (num_selected >= 4)  # (Q,)
+    return (block >= 1) & (block < (current - 1)[:, None]) & choosing[:, None]
+
+
 _KEY_TILE = 1024  # keys per tile of `best_token_scores`
 
 
-def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blocks: int) -> Tensor:
+def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blocks: int,
+                      candidates: Tensor | None = None) -> Tensor:
     """Selection-block scores that judge each block by its best key: for queries q (B, H, Q, D) at positions q_pos
-    (Q,) and key blocks k_blocks (B, KV, Ns', l', D), a query head's score for a past block j (`choosable_blocks`)
-    is the softmax over those blocks of max_{s in j} q . k_s / sqrt(D); summed over each GQA group
-    -> (B, KV, Q, num_select_blocks) in at least float32 over the first num_select_blocks blocks, zero where a query
-    has no such block. Reads every key of those blocks, about `_KEY_TILE` at a time (the logits of a tile are
-    (B, H, Q, tile))."""
+    (Q,) and key blocks k_blocks (B, KV, Ns', l', D), a query head's score for a candidate block j (`candidates`
+    (Q, num_select_blocks) bool, past blocks only; default `choosable_blocks`) is the softmax over the candidates
+    of max_{s in j} q . k_s / sqrt(D); summed over each GQA group -> (B, KV, Q, num_select_blocks) in at least
+    float32 over the first num_select_blocks blocks, zero where a query has no candidate. Reads every key of those
+    blocks, about `_KEY_TILE` at a time (the logits of a tile are (B, H, Q, tile))."""
     B, H, Q, D = q.shape
     KV, l_sel = k_blocks.shape[1], k_blocks.shape[3]
     G, acc, step = H // KV, torch.promote_types(q.dtype, torch.float32), max(1, _KEY_TILE // l_sel)
@@ -104,7 +116,9 @@ def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blo
     tiles = k_blocks[:, :, :num_select_blocks].split(step, dim=2)  # each (B, KV, <= step, l', D)
     best = torch.cat([torch.einsum("bkqd,bknld->bkqnl", q_rows, k.to(acc)).amax(-1) for k in tiles],
                      dim=-1) * D**-0.5  # (B, KV, G*Q, Ns)
-    past = choosable_blocks(q_pos, l_sel, num_select_blocks).repeat(G, 1)  # (G*Q, Ns): never a key after the query
+    if candidates is None:
+        candidates = choosable_blocks(q_pos, l_sel, num_select_blocks)  # (Q, Ns): never a key after the query
+    past = candidates.repeat(G, 1)  # (G*Q, Ns)
     p = best.masked_fill(~past, -math.inf).softmax(-1).nan_to_num(0.0)  # rows without a past block: 0
     return p.view(B, KV, G, Q, num_select_blocks).sum(2)  # (B, KV, Q, Ns)
 

@@ -5,7 +5,9 @@ Top-n selection has no gradient, so the importance scores (the compression branc
 pooled onto selection blocks and summed over a GQA group) learn only through the compression branch's own output:
 nothing tells them which block the selection branch should have read. The loss supplies that signal, as
 SeerAttention (Gao et al. 2024, arXiv 2410.13276) distils block-level attention into its gate, here applied to NSA's
-own scores. For each query with past blocks to choose among (those before its previous block, block 0 included):
+own scores. For each query where top-n really chooses (`nsa.blocks.contested_blocks`: more blocks between block 0
+and its previous block than the n - 3 slots those forced blocks leave; the query's block c >= n), over those
+blocks j (1 .. c - 2):
 
     target  t_j  = best-token scores (`nsa.blocks.best_token_scores`, what `nsa.attention.exact_block_scores`
                    selects by): per query head, softmax over those blocks of max_{s in j} q . k_s / sqrt(D),
@@ -13,9 +15,12 @@ own scores. For each query with past blocks to choose among (those before its pr
     predict p_j  = importance of block j (`nsa.blocks.block_importance`), renormalised over the same blocks;
     loss         = KL(t || p) = sum_j t_j (log t_j - log p_j),
 
-averaged over those (batch, KV head, query) rows. Gradients reach the queries and the compressed keys (so the
-projections and, with the "mlp" compressor, its MLP), not the target's keys. It is a training objective, weighted by
-`ComputeConfig.nsa_score_loss_coef` (off by default) and added by nsa/layer.py through `attention.add_aux_loss`.
+averaged over those (batch, KV head, query) rows: a mean over the rows that choose, so the coefficient means the
+same at every length, and independent of the labels. Computed in at least float32 with autocast off (a bf16
+autocast run and a float32 one train the same objective). Gradients reach the queries and the compressed keys (so
+the projections and, with the "mlp" compressor, its MLP), not the target's keys. It is a training objective,
+weighted by `ComputeConfig.nsa_score_loss_coef` (off by default) and added by nsa/layer.py through
+`attention.add_aux_loss`.
 
 Cost and memory: the target reads every key of the prefix (a chunk's best-token logits are Q x T in tiles of keys),
 so each NSA layer pays one full-attention score product (QK^T) more per step (two with gradient checkpointing,
@@ -35,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from nsa.blocks import as_blocks, best_token_scores, block_importance, choosable_blocks, num_compressed_blocks
+from nsa.blocks import as_blocks, best_token_scores, block_importance, contested_blocks, num_compressed_blocks
 
 if TYPE_CHECKING:
     from modeling.config import ComputeConfig, ModelConfig
@@ -55,9 +60,9 @@ def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_start: int, config: 
     Q, G = q.shape[2], q.shape[1] // k_cmp.shape[1]
     q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
     n_select = (q_start + Q - 1) // l_sel + 1  # blocks up to the last query's own
-    candidate = choosable_blocks(q_pos, l_sel, n_select)  # (Q, Ns)
+    candidate = contested_blocks(q_pos, l_sel, n_select, config.nsa_num_selected)  # (Q, Ns)
     with torch.no_grad():
-        target = best_token_scores(q, k_blocks, q_pos, n_select) / G  # (B, KV, Q, Ns): rows sum to 1 or are 0
+        target = best_token_scores(q, k_blocks, q_pos, n_select, candidate) / G  # (B, KV, Q, Ns): sum 1 or 0
     importance = block_importance(q, k_cmp, q_pos, l, d, l_sel, n_select) * candidate  # (B, KV, Q, Ns)
     log_p = importance.clamp(min=_TINY).log() - importance.sum(-1, keepdim=True).clamp(min=_TINY).log()
     return (torch.xlogy(target, target) - target * log_p).sum()
@@ -70,26 +75,30 @@ class _SelectionScoreLoss(torch.autograd.Function):
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int) -> Tensor:
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
-        first = 2 * l_sel  # the first position with a block to choose (`choosable_blocks`)
+        n = config.nsa_num_selected
+        first = n * l_sel if n >= 4 else T  # the first position where top-n chooses (`contested_blocks`)
         rows = B * KV * max(0, T - first)
-        k_blocks = as_blocks(k_slc, l_sel)  # (B, KV, Ns, l', D)
         acc = torch.promote_types(q.dtype, torch.float32)
+        k_blocks = as_blocks(k_slc.to(acc), l_sel)  # (B, KV, Ns, l', D)
         total = q.new_zeros((), dtype=acc)
-        grad_q, grad_k = torch.zeros_like(q), torch.zeros_like(k_cmp, dtype=acc)  # k's summed over chunks
+        grad_q, grad_k = torch.zeros_like(q, dtype=acc), torch.zeros_like(k_cmp, dtype=acc)  # k's summed over chunks
         for q0 in range(first // chunk * chunk, T, chunk):
             q1 = min(q0 + chunk, T)
             n_cmp = num_compressed_blocks(q1, l, d)
             # The chunk's own graph lives only in this block: its tensors bypass an enclosing checkpoint's or
-            # offload's saved-tensor hooks (a checkpoint would recompute the whole block to unpack them).
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
-                q_c, k_c = q[:, :, q0:q1].detach().requires_grad_(), k_cmp[:, :, :n_cmp].detach().requires_grad_()
+            # offload's saved-tensor hooks (a checkpoint would recompute the whole block to unpack them). Autocast
+            # is off: the loss runs in `acc` in every set-up.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is), \
+                    torch.autocast(q.device.type, enabled=False):
+                q_c = q[:, :, q0:q1].detach().to(acc).requires_grad_()
+                k_c = k_cmp[:, :, :n_cmp].detach().to(acc).requires_grad_()
                 kl = _chunk_kl(q_c, k_c, k_blocks, q0, config)
                 dq, dk = torch.autograd.grad(kl, (q_c, k_c))
             total += kl.detach()
             grad_q[:, :, q0:q1] = dq
             grad_k[:, :, :n_cmp] += dk
         scale = 1 / max(rows, 1)
-        ctx.save_for_backward(grad_q.mul_(scale), grad_k.mul_(scale).to(k_cmp.dtype))
+        ctx.save_for_backward(grad_q.mul_(scale).to(q.dtype), grad_k.mul_(scale).to(k_cmp.dtype))
         return total * scale
 
     @staticmethod
@@ -102,7 +111,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
 @torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
 def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig,
                          compute: ComputeConfig) -> Tensor:
-    """The mean KL(target || importance) over the rows that have blocks to choose (module docstring).
+    """The mean KL(target || importance) over the rows where top-n chooses (module docstring).
 
     Args:
         q: `(B, H, T, D)` rotated queries at positions [0, T).
@@ -112,7 +121,7 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
         config: block geometry (`nsa_*` fields).
         compute: `attention_query_chunk` queries are scored at a time.
     Returns:
-        A 0-dim tensor in at least float32 (0 when T <= 2 l': no query has a block to choose yet), differentiable
-        in q and k_cmp.
+        A 0-dim tensor in at least float32 (0 when T <= n l': no query chooses yet), differentiable in q and
+        k_cmp.
     """
     return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk)

@@ -1,6 +1,6 @@
 """NSA's selection-scoring loss (nsa/scoring.py): value and gradients against a float64 loop over queries,
-gradcheck, what it keeps for backward and its memory under fake tensors, and how the model adds it to the loss
-(share of the normalizer, gradient checkpointing, no gradients, the option's validation)."""
+gradcheck, what it keeps for backward and its memory under fake tensors, and how the model adds it to the loss (its
+weight, micro-batches with sparse labels, autocast, gradient checkpointing, no gradients, the option's validation)."""
 
 import math
 
@@ -23,10 +23,11 @@ def geometry(**overrides: object) -> ModelConfig:
 
 
 def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """The loss one (batch, KV head, query) row at a time, straight from the definitions: the target averages each
-    head's softmax over the candidate blocks (those before the previous one) of its best key's logit; the
-    prediction sums each head's compression probabilities, pooled with Eq. 9's weights, over the group and
-    renormalises them over the candidates."""
+    """The loss one (batch, KV head, query) row at a time, straight from the definitions: rows where top-n chooses
+    (the query's block c >= n: more blocks between block 0 and its previous block than n - 3 free slots), over those
+    blocks 1 .. c - 2; the target averages each head's softmax over them of its best key's logit; the prediction
+    sums each head's compression probabilities, pooled with Eq. 9's weights, over the group and renormalises them
+    over the same blocks."""
     B, H, T, D = q.shape
     KV = k_cmp.shape[1]
     G, l, d, l_sel = H // KV, config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
@@ -35,11 +36,12 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
     for b in range(B):
         for kv in range(KV):
             for t in range(T):
-                candidates = range(t // l_sel - 1)
-                if not candidates:
+                c, n = t // l_sel, config.nsa_num_selected
+                if c < n or n < 4:  # every block between the forced ones is selected anyway
                     continue
+                candidates = range(1, c - 1)
                 n_visible = num_compressed_blocks(t + 1, l, d)
-                target, importance = 0.0, [q.new_zeros(()) for _ in candidates]
+                target, importance = 0.0, {j: q.new_zeros(()) for j in candidates}
                 for h in range(kv * G, (kv + 1) * G):
                     best = torch.stack([(k_slc[b, kv, j * l_sel:(j + 1) * l_sel] @ q[b, h, t]).max()
                                         for j in candidates]) / math.sqrt(D)
@@ -50,21 +52,21 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
                             i = (l_sel // d) * j + first + offset
                             if 0 <= i < n_visible:
                                 importance[j] = importance[j] + weight * p_cmp[i]
-                p = torch.stack(importance)
+                p = torch.stack(list(importance.values()))
                 p = p / p.sum()
                 total = total + (target * (target.log() - p.log())).sum()
                 rows += 1
     return total / rows
 
 
-@pytest.mark.parametrize("l,d,l_sel,key_tile", [(8, 4, 16, 1024), (8, 8, 8, 1024), (8, 4, 16, 24)])
-def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_sel: int, key_tile: int,
+@pytest.mark.parametrize("l,d,l_sel,n,key_tile", [(8, 4, 16, 4, 1024), (8, 8, 8, 5, 1024), (8, 4, 16, 4, 24)])
+def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_sel: int, n: int, key_tile: int,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 24 queries (not dividing T = 100, nor the blocks) give the loop's value and gradients to 1e-12,
     with the best-token scores in one tile of keys or in tiles of one block (24 // 16); no gradient reaches the
     selection keys."""
     monkeypatch.setattr(blocks, "_KEY_TILE", key_tile)
-    config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel)
+    config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel, nsa_num_selected=n)
     g = torch.Generator().manual_seed(0)
     B, H, KV, T, D = 2, 4, 2, 100, 8
     q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64, requires_grad=True)
@@ -94,14 +96,36 @@ def test_gradcheck_of_the_compressed_keys() -> None:
     assert torch.autograd.gradcheck(lambda k: selection_score_loss(q, k, k_slc, config, compute), (k_cmp,))
 
 
-def test_short_sequences_have_no_loss() -> None:
-    """Until position 2 l' no query has a block to choose: the loss is 0 with zero gradients."""
-    config = geometry()  # l' = 16
-    q = torch.randn(1, 4, 32, 16, requires_grad=True)
-    k_cmp = torch.randn(1, 2, num_compressed_blocks(32, 8, 4), 16, requires_grad=True)
-    loss = selection_score_loss(q, k_cmp, torch.randn(1, 2, 32, 16), config, ComputeConfig())
+@pytest.mark.parametrize("n", [4, 3])
+def test_rows_where_top_n_chooses_nothing_have_no_loss(n: int) -> None:
+    """Before position n l' every block between the forced ones (block 0, the previous and the own block) fits in
+    the n - 3 free slots, and with n = 3 there is no free slot: no row chooses, the loss is 0 with zero gradients
+    (those rows are not counted in the mean either, so the coefficient means the same at every length)."""
+    config = geometry(nsa_num_selected=n)  # l' = 16
+    T = 64
+    q = torch.randn(1, 4, T, 16, requires_grad=True)
+    k_cmp = torch.randn(1, 2, num_compressed_blocks(T, 8, 4), 16, requires_grad=True)
+    loss = selection_score_loss(q, k_cmp, torch.randn(1, 2, T, 16), config, ComputeConfig())
     loss.backward()
     assert loss.item() == 0 and not q.grad.any() and not k_cmp.grad.any()
+
+
+def test_autocast_does_not_change_the_loss() -> None:
+    """The loss runs in float32 with autocast off: under a bfloat16 autocast, float32 inputs give exactly the loss
+    and gradients they give without it (single-process bf16 training and float32 train the same objective)."""
+    config = geometry()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 128, 16, generator=g, requires_grad=True)
+    k_cmp = torch.randn(1, 2, num_compressed_blocks(128, 8, 4), 16, generator=g, requires_grad=True)
+    k_slc = torch.randn(1, 2, 128, 16, generator=g)
+    results = []
+    for enabled in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            loss = selection_score_loss(q, k_cmp, k_slc, config, ComputeConfig(attention_query_chunk=32))
+        results.append((loss, *torch.autograd.grad(loss, (q, k_cmp))))
+    for plain, autocast in zip(*results, strict=True):
+        assert plain.dtype == autocast.dtype == torch.float32
+        assert torch.equal(plain, autocast)
 
 
 def test_backward_keeps_only_the_input_gradients() -> None:
@@ -140,9 +164,9 @@ def nsa_model(coef: float, **compute: object) -> Transformer:
     return Transformer(config, ComputeConfig(nsa_score_loss_coef=coef, attention_query_chunk=64, **compute))
 
 
-def test_model_adds_the_weighted_loss_scaled_by_its_share() -> None:
-    """loss = cross-entropy + coef x the layers' summed scoring losses x (this call's targets / normalizer);
-    aux_loss reports that term; no term without gradients."""
+def test_model_adds_the_weighted_loss() -> None:
+    """loss = cross-entropy + coef x the layers' summed scoring losses x aux_weight; aux_loss reports that term,
+    whatever the labels and the loss normalizer; no term without gradients."""
     ids = torch.randint(0, 512, (2, 200), generator=torch.Generator().manual_seed(2))
     plain = nsa_model(0.0)(ids, ids)
     model = nsa_model(0.5)
@@ -157,11 +181,37 @@ def test_model_adds_the_weighted_loss_scaled_by_its_share() -> None:
     terms = sum(selection_score_loss(*q_of[i], model.config, model.compute) for i in q_of)
     torch.testing.assert_close(out.aux_loss, 0.5 * terms)
     torch.testing.assert_close(out.loss, plain.loss + out.aux_loss)
-    n_targets = (ids[:, 1:] != -100).sum()
-    halved = model(ids, ids, loss_normalizer=2 * n_targets)
-    torch.testing.assert_close(halved.aux_loss, out.aux_loss / 2)
+    sparse = torch.full_like(ids, -100)
+    sparse[:, -5:] = ids[:, -5:]  # a few answer tokens: the term is the same
+    torch.testing.assert_close(model(ids, sparse, loss_normalizer=1000.0).aux_loss, out.aux_loss)
+    torch.testing.assert_close(model(ids, ids, aux_weight=0.5).aux_loss, out.aux_loss / 2)
     with torch.no_grad():
         assert model(ids, ids).aux_loss is None
+
+
+def test_micro_batches_with_sparse_labels_train_the_mean_over_rows() -> None:
+    """A step of two micro-batches whose answers differ in number (27 and 127 targets) has the loss term and the
+    gradients of one batch of both: each micro-batch's term is the mean over its rows, weighted 1/2, not by its
+    share of the targets; a micro-batch without a target keeps its term."""
+    from training import trainer
+
+    ids = torch.randint(0, 512, (2, 200), generator=torch.Generator().manual_seed(6))
+    labels = torch.full_like(ids, -100)
+    labels[0, -27:], labels[1, -127:] = ids[0, -27:], ids[1, -127:]
+    no_autocast = torch.autocast("cpu", enabled=False)
+    results = []
+    for batches in ([[ids, labels]], [[ids[:1], labels[:1]], [ids[1:], labels[1:]]]):
+        model = nsa_model(0.5)
+        _, extras = trainer.forward_backward(model, batches, no_autocast)
+        results.append((extras["aux_loss"], [p.grad for p in model.parameters()]))
+    (one, one_grads), (two, two_grads) = results
+    torch.testing.assert_close(two, one, rtol=1e-6, atol=0)
+    for a, b in zip(one_grads, two_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)  # float32 sums of the same terms in another order
+    labels[1] = -100  # the second micro-batch has no target: its term still counts
+    model = nsa_model(0.5)
+    _, extras = trainer.forward_backward(model, [[ids[:1], labels[:1]], [ids[1:], labels[1:]]], no_autocast)
+    torch.testing.assert_close(extras["aux_loss"], one, rtol=1e-6, atol=0)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients() -> None:
@@ -193,7 +243,7 @@ def test_gradient_checkpointing_recomputes_the_loss_once(monkeypatch: pytest.Mon
         calls.clear()
         model(ids, ids).loss.backward()
         counts.append(len(calls))
-    assert counts == [2 * 4, 2 * 2 * 4]  # 2 layers x 4 chunks of 64, all with blocks to choose (from position 32)
+    assert counts == [2 * 3, 2 * 2 * 3]  # 2 layers x 3 chunks of 64, those where top-n chooses (from n l' = 64)
 
 
 @pytest.mark.parametrize("bad", [-0.1, math.inf, math.nan, "0.1"])

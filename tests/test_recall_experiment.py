@@ -69,6 +69,32 @@ def test_copying_only_curriculum(data_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_a_stopped_stage_ends_the_experiment_and_resumes(data_dir, tmp_path, capsys, monkeypatch):
+    """A stage stopped by SIGTERM (saved at its step, not finished) ends the experiment with one line, before any
+    later stage or score reads its model; the same command then resumes that stage from its checkpoint."""
+    import contextlib
+
+    import training.trainer
+
+    @contextlib.contextmanager
+    def signalled():
+        yield {"stop": True}  # what a SIGTERM during the first step leaves
+
+    out = tmp_path / "stopped"
+    argv = ["--types", "full", "--stages", "copy:32:3", "32:2:2", "--batch_tokens", "64", "--samples", "2",
+            "--data_dir", str(data_dir), "--out_dir", str(out)]
+    with monkeypatch.context() as patch:
+        patch.setattr(training.trainer, "stop_on_signals", signalled)
+        with pytest.raises(SystemExit, match="copy-T32 stopped before its end .* the same command resumes it"):
+            SCRIPT["main"](argv)
+    assert (out / "full-seed0" / "copy-T32" / "step-1").is_dir() and not (out / "full-seed0" / "T32-p2").exists()
+    SCRIPT["main"](argv)
+    metrics = (out / "full-seed0" / "copy-T32" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics if "loss" in json.loads(line)] == [1, 2, 3]
+    assert "| full-seed0 | 32 | 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_runs_side_by_side(data_dir, tmp_path):
     """--jobs 2: each run in a process of its own (its output in its log), the table in the order of --types."""
     out = tmp_path / "jobs"

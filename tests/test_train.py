@@ -168,17 +168,25 @@ def _gradient_parity(data_dir: str) -> None:
         torch.testing.assert_close(loss_other, loss, rtol=1e-6, atol=0)
         for (name, p), q in zip(other.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=f"{variant} {name}")
-    # NSA with its selection-scoring loss: each rank's term, scaled by its share of the step's targets, sums to the
-    # single-process term over the global batch; so do the gradients.
-    nsa_config = dataclasses.replace(config, attention_type="nsa", context_length=64)
+    # NSA with its selection-scoring loss and sparse labels (rank r predicts the last 10 + 40 r tokens of its rows):
+    # each rank's term, a mean over its rows weighted 1 / ranks, sums to the single-process term over the global
+    # batch; so do the gradients.
+    def sparse(labels: torch.Tensor, rank: int) -> torch.Tensor:
+        kept = labels.clone()
+        kept[:, :-(10 + 40 * rank)] = -100
+        return kept
+
+    nsa_config = dataclasses.replace(config, attention_type="nsa", context_length=96)
     nsa_compute = dataclasses.replace(compute, nsa_score_loss_coef=0.5)
     nsa_sharded = trainer.build_model(nsa_config, nsa_compute, cfg, rt)
     nsa_reference = trainer.build_model(nsa_config, nsa_compute, cfg, parallel.Runtime(0, 1, rt.device, None))
-    local_64 = next(TokenLoader(data_dir, 64, 2, rt.rank, 2))  # (2, 64) each: past position 2 l' = 32
-    loss_nsa, extras = trainer.forward_backward(nsa_sharded, [list(local_64)], torch.autocast("cpu", enabled=False))
+    local_ids, local_labels = next(TokenLoader(data_dir, 96, 2, rt.rank, 2))  # (2, 96): past n l' = 64
+    loss_nsa, extras = trainer.forward_backward(nsa_sharded, [[local_ids, sparse(local_labels, rt.rank)]],
+                                                torch.autocast("cpu", enabled=False))
     stats = torch.stack([loss_nsa, extras["aux_loss"]])
     dist.all_reduce(stats)
-    expected = nsa_reference(*next(TokenLoader(data_dir, 64, 4, 0, 1)))
+    global_ids, global_labels = next(TokenLoader(data_dir, 96, 4, 0, 1))
+    expected = nsa_reference(global_ids, torch.cat([sparse(global_labels[2 * r:2 * r + 2], r) for r in range(2)]))
     expected.loss.backward()
     torch.testing.assert_close(stats, torch.stack([expected.loss, expected.aux_loss]).detach(), rtol=1e-6, atol=0)
     for (name, p), q in zip(nsa_sharded.named_parameters(), nsa_reference.parameters(), strict=True):
@@ -363,6 +371,40 @@ def test_leak_watch_warns_on_steady_growth_only() -> None:
     plateau, noisy = monitor.LeakWatch(10, 2, 0.01), monitor.LeakWatch(10, 2, 0.01)
     assert not any(plateau.update(s, min(1.0 + 0.01 * s, 1.1)) for s in range(1, 40))
     assert not any(noisy.update(s, 1.0 + 0.05 * (s % 2)) for s in range(1, 40))
+
+
+def test_thread_plan_gives_up_the_cores_other_processes_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each interval: the busy time of the process's CPUs less its own is what others hold. Another process on one
+    of two cores leaves one thread; when it ends, the threads the run started with come back; OMP_NUM_THREADS or a
+    GPU fixes the number."""
+    clock = {"now": 0.0, "busy": 0.0, "own": 0.0}
+    monkeypatch.setattr(monitor, "busy_core_seconds", lambda cpus: clock["busy"])
+    monkeypatch.setattr(monitor.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(monitor.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(monitor.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        plan = monitor.ThreadPlan(torch.device("cpu"), interval=10)
+
+        def interval(own: float, others: float) -> str | None:  # 10 s: this process's core-seconds, others'
+            clock["now"] += 10
+            clock["own"] += own
+            clock["busy"] += own + others
+            return plan.update()
+
+        assert interval(20, 0) is None and torch.get_num_threads() == 2  # alone
+        assert "CPU threads: 1 (other processes kept 1.0 of 2 cores busy" in interval(10, 10)
+        assert torch.get_num_threads() == 1
+        assert interval(10, 10) is None  # another run beside it: one thread each
+        assert "CPU threads: 2" in interval(10, 0) and torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert not monitor.ThreadPlan(torch.device("cpu")).enabled
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert not monitor.ThreadPlan(torch.device("meta")).enabled
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_memory_metrics_leak_warning_and_cache_interval(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,

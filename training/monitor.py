@@ -126,6 +126,55 @@ class LeakWatch:
                 "loss stored without .item() or .detach())")
 
 
+def busy_core_seconds(cpus: set[int]) -> float | None:
+    """Core-seconds the CPUs `cpus` spent busy since boot, from /proc/stat (Linux); None where it cannot be read."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+            ticks += user + nice + system + irq + softirq + steal
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class ThreadPlan:
+    """On CPU, PyTorch's intra-op threads (NSA's chunk workers follow them) sized to the cores that other processes
+    leave free, measured every `interval` seconds: the busy time of this process's CPUs (/proc/stat) less this
+    process's own. Several threads per process on cores that other jobs hold wait at every operator's barrier for
+    a thread that lost its core, so two runs on two cores each slow down many times; one thread each keeps their
+    sum. Never more threads than the run started with; fixed (no plan) when OMP_NUM_THREADS is set, on GPUs, and
+    where /proc/stat cannot be read. The thread count changes the order of some float sums, so a run on a machine
+    whose load changes is not bitwise repeatable (set OMP_NUM_THREADS for that)."""
+
+    def __init__(self, device: torch.device, interval: float = 10.0) -> None:
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        self.most, self.interval = torch.get_num_threads(), interval
+        self.enabled = (device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and self.most > 1
+                        and busy_core_seconds(self.cpus) is not None)
+        self.mark = self._sample() if self.enabled else None
+
+    def _sample(self) -> tuple[float, float, float]:
+        return time.monotonic(), busy_core_seconds(self.cpus) or 0.0, time.process_time()
+
+    def update(self) -> str | None:
+        """Set the threads for what the last interval showed; a line saying so when the number changes."""
+        if not self.enabled or time.monotonic() - self.mark[0] < self.interval:
+            return None
+        (t0, busy0, own0), (t1, busy1, own1) = self.mark, self._sample()
+        self.mark = (t1, busy1, own1)
+        others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)  # cores other processes kept busy
+        threads = max(1, min(self.most, math.floor(len(self.cpus) - others + 0.25)))  # busy cores: fewer threads
+        if threads == torch.get_num_threads():
+            return None
+        torch.set_num_threads(threads)
+        return (f"CPU threads: {threads} (other processes kept {others:.1f} of {len(self.cpus)} cores busy; "
+                "OMP_NUM_THREADS fixes the number)")
+
+
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[dict]:
     """SIGTERM / SIGINT set flag["stop"]: the loop finishes the step, saves and returns (exit code 0). Repeated

@@ -54,6 +54,7 @@ from training.monitor import (
     Heartbeat,
     LeakWatch,
     MemoryBudgetExceeded,
+    ThreadPlan,
     TooManyBadSteps,
     flops_per_token,
     free_cache,
@@ -156,8 +157,10 @@ def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Ten
             ) -> tuple[Tensor, dict[str, Tensor]]:
     """Language modelling: the micro-batch's summed next-token loss divided by `n_tokens`, the predicted tokens of
     the whole step (all micro-batches on all ranks), plus the attention's training-only terms (as `aux_loss`, the
-    one extra metric, when there are any: e.g. --model_overrides '{"nsa_score_loss_coef": 0.1}')."""
-    out = model(input_ids, labels, loss_normalizer=n_tokens)
+    one extra metric, when there are any: e.g. --model_overrides '{"nsa_score_loss_coef": 0.1}'), each a mean over
+    its own rows, weighted 1 / (the step's micro-batches on all ranks) whatever the labels."""
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    out = model(input_ids, labels, loss_normalizer=n_tokens, aux_weight=1 / (n_micro * ranks))
     return out.loss, {} if out.aux_loss is None else {"aux_loss": out.aux_loss}
 
 
@@ -588,6 +591,7 @@ def loop(run: Run) -> dict:
     heartbeat = (Heartbeat(run.model.layers, cfg.heartbeat_seconds, A, cfg.gradient_checkpointing)
                  if main_rank and cfg.heartbeat_seconds else None)
     tracker = cfg.tracker if main_rank else None
+    threads = ThreadPlan(rt.device)
     with stop_on_signals() as signals, tracking(tracker, run.out_dir, cfg, run.step) as track:
         def requests() -> list[bool]:  # read after each backward: a stop signal; a time-based save due
             minutes = (time.monotonic() - last_save) / 60
@@ -600,6 +604,8 @@ def loop(run: Run) -> dict:
             batches = [[t.to(rt.device, non_blocking=True) for t in next(run.loader)]  # A x [ids, labels] (B, T)
                        for _ in range(A)]
             step_metrics, (stop, save_due) = train_step(run, batches, requests)
+            if (change := threads.update()) and main_rank:
+                tqdm.write(change)
             metrics = {**observe(run, step_metrics, time.perf_counter() - t0, metrics, leaks),
                        **clock.update(run.step)}
             if main_rank:
