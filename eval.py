@@ -1,9 +1,10 @@
 """Does a model use its context? Held-out loss by token position, retrieval grids (passkey, multi-key needle) and
 dense recall (MQAR) accuracy by key-query distance.
 
-    python eval.py runs/demo/model                                   # the export of a run (or step-N/, or a HF dir)
-    python eval.py runs/demo/step-300 --tasks passkey --lengths 256 512 1024 --depths 0 0.25 0.5 0.75 1
+    python eval.py runs/demo-full-256/model                          # a run's export (or step-N/, or a HF dir)
+    python eval.py runs/demo-full-256/step-300 --tasks passkey --lengths 256 512 1024 --depths 0 0.25 0.5 0.75 1
     python eval.py runs/recall/model --tasks mqar --lengths 2048     # accuracy by distance: where retrieval stops
+    python eval.py runs/pk/passkey1024/model --harness niah_single_1 niah_multikey_2 --lengths 512 1024   # RULER
 
 Tasks (each prints a table and writes a PNG; results go to OUT_DIR/eval.json, rewritten after each task):
 - loss: validation loss overall and mean loss by token position in log-spaced buckets [1, 2), [2, 4), ... up to
@@ -20,6 +21,8 @@ Tasks (each prints a table and writes a PNG; results go to OUT_DIR/eval.json, re
   read after the end-of-document id as training shows them, and bits per byte over all. lm-evaluation-harness's
   `loglikelihood_rolling` computes the same numbers on the Hugging Face export (`lm_eval --model hf`), whose
   tokenizer has no bos token (lm_eval then starts a document with eos, as here).
+- --harness TASK...: lm-evaluation-harness tasks (evaluation/harness.py), RULER's at each of --lengths, with
+  --samples prompts per length; scores under "harness" in eval.json.
 Default lengths follow what each task needs and the context (the run's); a length a task cannot hold is skipped with
 one line. Filler, keys and values come from a seeded generator (nothing is downloaded); prompts are built from
 separately encoded text pieces, so any tokenizer works.
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from evaluation.harness import check_harness_tasks, format_harness, harness_lm, run_harness
 from evaluation.tasks import (
     GRID_TASKS,
     TASKS,
@@ -80,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a step-N directory, a run's model/ export (or its model.safetensors), or a "
                                       "Hugging Face directory")
-    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS[:3]),
-                   help="default: loss passkey needle")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, help="default: loss passkey needle (none with --harness)")
+    p.add_argument("--harness", nargs="+", metavar="TASK",
+                   help="lm-evaluation-harness tasks scored on this model, e.g. RULER's niah_single_1 niah_multikey_2 "
+                        "(at each of --lengths, default the context; they download nothing), or any lm-eval task "
+                        "whose data can be reached")
     p.add_argument("--tokenizer", help="a SentencePiece .model, a tokenizer.json or a directory holding one "
                                        "(default: the one stored with the checkpoint, the run's, "
                                        "DATA_DIR/tokenizer.model)")
@@ -97,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(end) (default: 0 0.25 0.5 0.75 1)")
     p.add_argument("--pairs", type=int, help="mqar, mqar_text: key-value pairs in a document (default: a third of "
                                              "its slots, as train.py without --synthetic_pairs)")
-    p.add_argument("--samples", type=int, default=10, help="prompts per grid cell, documents per recall length")
+    p.add_argument("--samples", type=int, default=10, help="prompts per grid cell, documents per recall length, "
+                                                            "documents per --harness task and length")
     p.add_argument("--batch_size", type=int, default=10, help="prompts (or loss windows) per forward")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
 def evaluate(args: argparse.Namespace) -> dict:
     """eval.py's work for parsed arguments; every input is checked (one-line ValueError / FileNotFoundError) before
     the model is loaded, and eval.json is rewritten after each task."""
-    checkpoint, tokenizer, data_dir, context, out_dir = check_inputs(args)
+    checkpoint, tokenizer, data_dir, context, out_dir, ruler = check_inputs(args)
     builder = PromptBuilder(tokenizer)
     plans = {task: plan_lengths(task, args.lengths, context, builder) for task in args.tasks
              if task not in ("loss", "documents")}
@@ -187,16 +195,27 @@ def evaluate(args: argparse.Namespace) -> dict:
                                               args.batch_size, bar)
         print(format_grid(task, results[task]) if task in GRID_TASKS else format_recall(results[task]))
         write()
+    if args.harness:
+        (out_dir / "tokenizer").mkdir(exist_ok=True)
+        tokenizer.save(out_dir / "tokenizer", context)  # RULER builds its prompts with it (transformers' format)
+        lm = harness_lm(model, tokenizer, context, args.batch_size)
+        results["harness"] = run_harness(lm, args.harness, ruler, args.lengths or [context], out_dir / "tokenizer",
+                                         args.samples, args.seed)
+        print(format_harness(results["harness"]))
+        write()
     results["plots"] = [str(p) for p in plot(results, out_dir, title)]
     write()
     print(f"wrote {out_dir / 'eval.json'}" + "".join(f", {p}" for p in results["plots"]))
     return results
 
 
-def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, int, Path]:
-    """(checkpoint, tokenizer, data directory, context length, output directory) from the arguments, each checked
-    before anything large is read (ValueError / FileNotFoundError naming the argument)."""
+def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, int, Path, set[str]]:
+    """(checkpoint, tokenizer, data directory, context length, output directory, the --harness tasks that are
+    RULER's) from the arguments, each checked before anything large is read (ValueError / FileNotFoundError naming
+    the argument)."""
     checkpoint = Path(args.checkpoint)
+    args.tasks = args.tasks if args.tasks is not None else [] if args.harness else list(TASKS[:3])
+    ruler = check_harness_tasks(args.harness) if args.harness else set()
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -241,11 +260,14 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
         raise ValueError(f"--context_length {args.context_length} exceeds the model's context_length "
                          f"{stored.context_length}")
     context = min(args.context_length or run.get("context_length") or 1024, stored.context_length)
+    if args.harness and args.lengths and max(args.lengths) > context:
+        raise ValueError(f"--lengths {max(args.lengths)} exceeds the context of {context} tokens the harness reads "
+                         "(--context_length, the run's, at most the model's)")
     out_dir = Path(args.out_dir) if args.out_dir else (run_dir / f"eval-{checkpoint.stem}" if run_dir
                                                        else Path("eval") / checkpoint.stem)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out_dir {out_dir} is a file; pass a directory for eval.json and the plots")
-    return checkpoint, tokenizer, data_dir, context, out_dir
+    return checkpoint, tokenizer, data_dir, context, out_dir, ruler
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ accumulation micro-steps of half the batch; bf16 autocast; torch.compile of each
 labels (one target in 6, the rest -100, as MQAR documents with --answer_loss have), with the output layer on every
 row ("sparse_labels") or on the target rows only ("answer_loss": what train.py --answer_loss runs); that answer_loss
 step with NSA's selection-scoring loss at weight 0.1 ("score_loss", nsa/scoring.py; for NSA only, with full
-attention it is the answer_loss step). Random token ids (the data pipeline is measured in data.py's benchmark).
-Rounds interleave the variants so that load changes on the machine hit all of them alike; the table reports the
-median step time per variant, tokens/s, the time ratio to the first variant, and the first step's time (for compile:
-the compilation). With --memory, each variant also runs alone in a fresh process: the growth of its peak RSS, over
-two steps, above its RSS before the model was built (weights, optimizer state and activations; for compile also the
-compiler's own memory).
+attention it is the answer_loss step), and with that loss on every 8th query ("score_loss_stride8"). Random token
+ids (the data pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load changes on
+the machine hit all of them alike; the table reports the median step time per variant, tokens/s, the time ratio to
+the first variant, and the first step's time (for compile: the compilation). With --memory, each variant also runs
+alone in a fresh process: the growth of its peak RSS, over two steps, above its RSS before the model was built
+(weights, optimizer state and activations; for compile also the compiler's own memory).
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, s
     return step
 
 
-VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss", "score_loss")
+VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss", "score_loss",
+            "score_loss_stride8")
 
 
-SPARSE = ("sparse_labels", "answer_loss", "score_loss")  # the variants whose labels keep one target in 6
+SPARSE = ("sparse_labels", "answer_loss", "score_loss", "score_loss_stride8")  # labels keep one target in 6
 
 
 def variant_config(base: train_config.TrainConfig, variant: str) -> train_config.TrainConfig:
@@ -78,7 +79,10 @@ def variant_config(base: train_config.TrainConfig, variant: str) -> train_config
                "bf16": {"dtype": "bfloat16"}, "compile": {"compile": True}, "sparse_labels": {},
                "answer_loss": {"answer_loss": True},
                "score_loss": {"answer_loss": True,
-                              "model_overrides": {**base.model_overrides, "nsa_score_loss_coef": 0.1}}}[variant]
+                              "model_overrides": {**base.model_overrides, "nsa_score_loss_coef": 0.1}},
+               "score_loss_stride8": {"answer_loss": True,
+                                      "model_overrides": {**base.model_overrides, "nsa_score_loss_coef": 0.1,
+                                                          "nsa_score_loss_stride": 8}}}[variant]
     return dataclasses.replace(base, **changes)
 
 

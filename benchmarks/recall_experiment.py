@@ -174,7 +174,8 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
     argv += ["--synthetic_pairs", str(stage.pairs)] if stage.pairs else []
     fields = model_fields(kind, stage, args)
     scored = kind == "nsa" and stage.task == "mqar" and args.score_loss
-    score = {"nsa_score_loss_coef": args.score_loss} if scored else {}  # a ComputeConfig field train.py also takes
+    score = {"nsa_score_loss_coef": args.score_loss} if scored else {}  # ComputeConfig fields train.py also takes
+    score |= {"nsa_score_loss_stride": args.score_loss_stride} if scored and args.score_loss_stride > 1 else {}
     if previous is None:
         argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"],
                  *override_args({**fields, **score})]
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--score_loss", type=float, default=0.0, metavar="COEF",
                    help="NSA's MQAR stages add the selection-scoring loss (nsa/scoring.py) with this weight per layer "
                         "(ComputeConfig.nsa_score_loss_coef; default 0: off)")
+    p.add_argument("--score_loss_stride", type=int, default=1, metavar="K",
+                   help="that loss on every K-th query, from a random offset (ComputeConfig.nsa_score_loss_stride; "
+                        "an unbiased estimate at 1/K of its cost)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of a stage without @LR")
     p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     p.add_argument("--jobs", type=int, default=1,
@@ -260,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--control_seeds applies to the window control: add swa to --types, or leave --control_seeds out")
     if args.copy_overrides and not any(stage.task == "copy" for stage in args.stages):
         p.error("--copy_overrides applies to copying stages: add one (copy:LENGTH:STEPS) to --stages, or leave it out")
+    if args.score_loss_stride < 1 or (args.score_loss_stride > 1 and not args.score_loss):
+        p.error(f"--score_loss_stride must be >= 1 and goes with --score_loss, got {args.score_loss_stride}")
     if not (math.isfinite(args.score_loss) and args.score_loss >= 0):
         p.error(f"--score_loss must be a finite number >= 0, got {args.score_loss}")
     if args.score_loss and "nsa" not in args.types:

@@ -160,11 +160,12 @@ class ComputeConfig:
     loss_rows: Literal["all", "targets"] = "all"
     z_loss_coef: float = 0.0  # weight of the z-loss (lse^2), a training objective term
     nsa_score_loss_coef: float = 0.0  # weight of each NSA layer's selection-scoring loss (nsa/scoring.py), likewise
+    nsa_score_loss_stride: int = 1  # that loss scores every k-th of its queries (random offset): 1/k of its cost
     offload_activations: bool = False  # tensors the blocks save for backward live in host memory (offload.py)
 
     def __post_init__(self) -> None:
         _positive_int("ComputeConfig", "ffn_chunk_size", self.ffn_chunk_size, optional=True)
-        for name in ("attention_query_chunk", "loss_chunk_threshold_bytes", "loss_chunk_size"):
+        for name in ("attention_query_chunk", "loss_chunk_threshold_bytes", "loss_chunk_size", "nsa_score_loss_stride"):
             _positive_int("ComputeConfig", name, getattr(self, name))
         if self.loss_mode not in ("auto", "chunked", "standard"):
             raise ValueError(f"ComputeConfig.loss_mode must be 'auto', 'chunked' or 'standard', got "

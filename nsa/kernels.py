@@ -52,11 +52,9 @@ def _launch(kernel: str, grid: tuple[int, ...], *args: object, acc: torch.dtype,
     any machine (profile_memory.py)."""
     if any(isinstance(a, Tensor) and is_fake(a) for a in args):
         return
-    import triton.language as tl
+    from nsa.triton_kernels import launch
 
-    from nsa import triton_kernels
-
-    getattr(triton_kernels, kernel)[grid](*args, ACC=tl.float64 if acc == torch.float64 else tl.float32, **meta)
+    launch(kernel, grid, *args, float64=acc == torch.float64, **meta)
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:

@@ -25,7 +25,8 @@ from torch import Tensor
 from modeling.config import ComputeConfig, ModelConfig
 from modeling.layers import RotaryEmbedding
 from modeling.memtrack import LiveBytesTracker
-from nsa import attention as nsa_attention
+from nsa.attention import explicit_attention, sparse_attention
+from nsa.attention import triton_kernels as triton_path
 
 Spec = tuple[int, int, int, tuple[bool, ...]]  # kept, forward peak, backward peak (bytes), which inputs are kept
 
@@ -66,7 +67,7 @@ def _measure(args: tuple, kwargs: dict, autocast: AbstractContextManager) -> Spe
     grad_out = torch.empty(args[0].shape, dtype=args[0].dtype, device=args[0].device)  # (B, H, T, D)
     with LiveBytesTracker() as tracker:
         with autocast:
-            out = nsa_attention.sparse_attention(*call_args, **kwargs)
+            out = sparse_attention(*call_args, **kwargs)
         kept = tracker.live - out.numel() * out.element_size()
         forward_peak = tracker.peak - kept
         del call_args, inputs
@@ -126,7 +127,7 @@ def calibrated_spec(layer_class: type, config: ModelConfig, compute: ComputeConf
     points = points or calibration_lengths(config, compute, seq_len)
     autocast = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else nullcontext()
     # What a CUDA run takes: PyTorch's CUDA builds bring Triton.
-    path = nsa_attention.triton_kernels() if compute.triton_kernels else nsa_attention.explicit_attention()
+    path = triton_path() if compute.triton_kernels else explicit_attention()
     with path:  # not the CPU kernels
         measured = [_measure(*_arguments(layer_class, config, compute, batch_size, t, dtype, device, autocast),
                              autocast)

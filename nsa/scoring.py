@@ -23,10 +23,12 @@ weighted by `ComputeConfig.nsa_score_loss_coef` (off by default) and added by ns
 `attention.add_aux_loss`.
 
 Cost and memory: the target reads every key of the prefix (a chunk's best-token logits are Q x T in tiles of keys),
-so each NSA layer pays one full-attention score product (QK^T) more per step (two with gradient checkpointing,
-which recomputes the forward). Like loss.py's chunked cross-entropy, the loss computes its gradients during forward,
-chunk by chunk of Q = `ComputeConfig.attention_query_chunk` queries, and keeps only the gradients of q and the
-compressed keys for backward: no chunk's logits outlive it.
+so each NSA layer pays one full-attention score product (QK^T) more per step (two with gradient checkpointing, which
+recomputes the forward). `ComputeConfig.nsa_score_loss_stride` k scores every k-th row from a random offset and
+scales their sum by k: an unbiased estimate of the same mean, and of its gradients, at 1/k of the cost. Like
+loss.py's chunked cross-entropy, the loss computes its gradients during forward, chunk by chunk of Q =
+`ComputeConfig.attention_query_chunk` queries, and keeps only the gradients of q and the compressed keys for
+backward: no chunk's logits outlive it.
 
 Notation: B batch, H query heads, KV key/value heads, D head dimension, T queries, Q queries of a chunk, Nc
 compressed blocks, Ns selection blocks. Block geometry: l (`nsa_block_size`), d (`nsa_stride`), l'
@@ -52,14 +54,13 @@ def _as_is(t: Tensor) -> Tensor:
     return t
 
 
-def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_start: int, config: ModelConfig) -> Tensor:
-    """Summed KL(t || p) of one chunk's rows: queries q (B, H, Q, D) at positions [q_start, q_start + Q), the
-    compressed keys k_cmp (B, KV, Nc', D) they can see, the key blocks k_blocks (B, KV, Ns', l', D). Rows without a
-    block to choose contribute 0."""
+def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: int, config: ModelConfig) -> Tensor:
+    """Summed KL(t || p) of one chunk's rows: queries q (B, H, Q, D) at the ascending positions q_pos (Q,), the last
+    of them `last`, the compressed keys k_cmp (B, KV, Nc', D) they can see, the key blocks k_blocks (B, KV, Ns', l',
+    D). Rows where top-n does not choose contribute 0."""
     l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
-    Q, G = q.shape[2], q.shape[1] // k_cmp.shape[1]
-    q_pos = torch.arange(q_start, q_start + Q, device=q.device)  # (Q,)
-    n_select = (q_start + Q - 1) // l_sel + 1  # blocks up to the last query's own
+    G = q.shape[1] // k_cmp.shape[1]
+    n_select = last // l_sel + 1  # blocks up to the last query's own
     candidate = contested_blocks(q_pos, l_sel, n_select, config.nsa_num_selected)  # (Q, Ns)
     with torch.no_grad():
         target = best_token_scores(q, k_blocks, q_pos, n_select, candidate) / G  # (B, KV, Q, Ns): sum 1 or 0
@@ -72,32 +73,35 @@ class _SelectionScoreLoss(torch.autograd.Function):
     """`selection_score_loss`: gradients computed in forward, chunk by chunk; backward scales them."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int) -> Tensor:
+    def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int, stride: int,
+                offset: int) -> Tensor:
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
         n = config.nsa_num_selected
         first = n * l_sel if n >= 4 else T  # the first position where top-n chooses (`contested_blocks`)
         rows = B * KV * max(0, T - first)
+        scored = range(first + offset, T, stride)  # each row with probability 1 / stride over the offsets
         acc = torch.promote_types(q.dtype, torch.float32)
         k_blocks = as_blocks(k_slc.to(acc), l_sel)  # (B, KV, Ns, l', D)
         total = q.new_zeros((), dtype=acc)
         grad_q, grad_k = torch.zeros_like(q, dtype=acc), torch.zeros_like(k_cmp, dtype=acc)  # k's summed over chunks
-        for q0 in range(first // chunk * chunk, T, chunk):
-            q1 = min(q0 + chunk, T)
-            n_cmp = num_compressed_blocks(q1, l, d)
+        for c0 in range(0, len(scored), chunk):
+            positions = scored[c0:c0 + chunk]
+            q_pos = torch.arange(positions.start, positions.stop, positions.step, device=q.device)  # (Q,)
+            n_cmp = num_compressed_blocks(positions[-1] + 1, l, d)
             # The chunk's own graph lives only in this block: its tensors bypass an enclosing checkpoint's or
             # offload's saved-tensor hooks (a checkpoint would recompute the whole block to unpack them). Autocast
             # is off: the loss runs in `acc` in every set-up.
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is), \
                     torch.autocast(q.device.type, enabled=False):
-                q_c = q[:, :, q0:q1].detach().to(acc).requires_grad_()
+                q_c = q.index_select(2, q_pos).detach().to(acc).requires_grad_()  # (B, H, Q, D)
                 k_c = k_cmp[:, :, :n_cmp].detach().to(acc).requires_grad_()
-                kl = _chunk_kl(q_c, k_c, k_blocks, q0, config)
+                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config)
                 dq, dk = torch.autograd.grad(kl, (q_c, k_c))
             total += kl.detach()
-            grad_q[:, :, q0:q1] = dq
+            grad_q.index_copy_(2, q_pos, dq)
             grad_k[:, :, :n_cmp] += dk
-        scale = 1 / max(rows, 1)
+        scale = stride / max(rows, 1)  # the sampled rows' sum, scaled to an unbiased estimate of the mean
         ctx.save_for_backward(grad_q.mul_(scale).to(q.dtype), grad_k.mul_(scale).to(k_cmp.dtype))
         return total * scale
 
@@ -105,7 +109,8 @@ class _SelectionScoreLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grad_q, grad_k = ctx.saved_tensors
-        return grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype), None, None, None
+        return (grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype), None, None, None, None,
+                None)
 
 
 @torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
@@ -119,9 +124,14 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
         k_slc: `(B, KV, S, D)` the selection branch's keys at positions [0, S), S >= T; no gradient reaches them
             through the target.
         config: block geometry (`nsa_*` fields).
-        compute: `attention_query_chunk` queries are scored at a time.
+        compute: `attention_query_chunk` queries are scored at a time; with `nsa_score_loss_stride` k > 1, every
+            k-th of the rows from a random offset (the CPU generator's, so a resumed run and a checkpoint's
+            recomputation draw the same), their sum times k over the rows' count: an unbiased estimate of the mean
+            at 1/k of the cost.
     Returns:
         A 0-dim tensor in at least float32 (0 when T <= n l': no query chooses yet), differentiable in q and
         k_cmp.
     """
-    return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk)
+    stride = compute.nsa_score_loss_stride
+    offset = int(torch.randint(stride, ())) if stride > 1 else 0  # a host draw: no device sync
+    return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset)

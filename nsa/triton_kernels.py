@@ -10,8 +10,12 @@ Notation: B batch, KV key/value heads, G query heads per KV head, NQ queries of 
 (head-major), D head dimension, S key positions, N_SEL selected blocks per query, NB blocks a query can select.
 """
 
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # nsa/kernels.py launches kernels only when Triton is installed
+    raise ImportError("nsa/triton_kernels.py needs Triton (pip install triton); without it NSA runs its PyTorch "
+                      "path") from e
 
 
 @triton.jit
@@ -282,3 +286,8 @@ def importance_kernel(Q, K, LSE, NVIS, W, IMP, NQ, NC, NS, scale,
     j = j0 + jj
     tl.store(IMP + (bh * NQ + qi[:, None]) * NS + j[None, :], importance,
              mask=q_ok[:, None] & ((jj < J_STEP) & (j < NS))[None, :])
+
+
+def launch(kernel: str, grid: tuple[int, ...], *args: object, float64: bool, **meta: object) -> None:
+    """Run the kernel named `kernel` on `grid`, accumulating in float64 or float32."""
+    globals()[kernel][grid](*args, ACC=tl.float64 if float64 else tl.float32, **meta)

@@ -4,6 +4,10 @@
     model = load_hf_checkpoint("path/to/Qwen3-0.6B", dtype=torch.bfloat16)   # -> Transformer
     export_hf_checkpoint(model, "out/qwen3-finetuned")                       # -> Qwen3ForCausalLM layout
 
+NSA models have no transformers class: their export carries the project's modeling code (remote_code.py) and
+loads with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`; its tensors are ours under
+`model.` (`stored_name`), and this module reads it back like the others.
+
 Family mapping: Qwen3 = qk_norm on, Llama = qk_norm off; everything else (GQA, SwiGLU, RMSNorm, rotate-half RoPE,
 optional tied embeddings, Llama 3.1 "llama3" rope scaling) is shared. Parameter names differ only in a few path
 segments (see `_OURS_TO_HF`) and the `model.` prefix.
@@ -32,9 +36,11 @@ from torch import Tensor
 from model import Transformer
 from modeling.config import YARN_OPTIONAL_KEYS, ComputeConfig, ModelConfig, check_fields
 from storage.checkpoint import written_directory
+from storage.remote_code import AUTO_MAP, remote_code_files
 from text.tokenizer import HFTokenizer, Tokenizer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+REMOTE_TYPES = ("nsa",)  # attention types exported with their modeling code (remote_code.py)
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -58,8 +64,14 @@ def hf_name(name: str) -> str:
     return hf if name.startswith("lm_head.") else "model." + hf
 
 
+def stored_name(name: str, config: ModelConfig) -> str:
+    """Our parameter name -> its name in an export of `config`: `hf_name`, or for an export that carries its
+    modeling code (REMOTE_TYPES) our own name under `model.`."""
+    return "model." + name if config.attention_type in REMOTE_TYPES else hf_name(name)
+
+
 def our_name(name: str) -> str:
-    """Inverse of `hf_name` (for names that passed the key check)."""
+    """Inverse of `hf_name` and `stored_name` (for names that passed the key check)."""
     name = name.removeprefix("model.")
     return ".".join(_HF_TO_OURS.get(part, part) for part in name.split("."))
 
@@ -186,6 +198,9 @@ def config_from_hf(hf_config: dict, **overrides: object) -> ModelConfig:
     ModelConfig field, e.g. context_length or attention_type) applied on top. Features the Transformer lacks (biases,
     sliding windows, other activations or rope scalings) raise ValueError."""
     model_type = hf_config.get("model_type")
+    if model_type == "longctx":  # an export with its modeling code: the ModelConfig whole
+        check_fields(ModelConfig, overrides)
+        return ModelConfig.from_dict({**_require(hf_config, "longctx_model"), **overrides})
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}")
     for key in ("attention_bias", "mlp_bias"):
@@ -218,19 +233,34 @@ def config_from_hf(hf_config: dict, **overrides: object) -> ModelConfig:
 
 
 def export_refusal(config: ModelConfig) -> str | None:
-    """Why `config` cannot be written in the Hugging Face layout, or None when it can."""
-    if config.attention_type != "full":
-        return (f"attention_type {config.attention_type!r} has no Hugging Face equivalent; only full attention "
-                "models can be exported in that layout")
+    """Why `config` cannot be written in the Hugging Face layout, or None when it can: full attention as Qwen3 or
+    Llama, NSA with its modeling code (REMOTE_TYPES, remote_code.py)."""
+    if config.attention_type not in ("full", *REMOTE_TYPES):
+        return (f"attention_type {config.attention_type!r} has no Hugging Face equivalent; full attention and "
+                f"{', '.join(REMOTE_TYPES)} models can be exported in that layout")
     return None
+
+
+def remote_config(config: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json of an export that carries its modeling code (remote_code.py): the ModelConfig whole, and what
+    tools read without loading the model (vocabulary, context, layers, width)."""
+    return {
+        "architectures": ["LongctxForCausalLM"], "model_type": "longctx", "auto_map": AUTO_MAP,
+        "longctx_model": config.to_dict(), "vocab_size": config.vocab_size, "hidden_size": config.dim,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "max_position_embeddings": config.context_length, "tie_word_embeddings": config.tie_embeddings,
+        "dtype": str(dtype).removeprefix("torch."), "torch_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """ModelConfig -> a Hugging Face config.json dict: Qwen3ForCausalLM when qk_norm, else LlamaForCausalLM.
     Rope settings are written both as `rope_theta` + `rope_scaling` (read by every transformers version and by
     serving engines) and as transformers>=5 `rope_parameters`."""
-    if refusal := export_refusal(config):
-        raise ValueError(refusal)
+    if config.attention_type != "full":
+        raise ValueError(f"attention_type {config.attention_type!r} has no Qwen3 or Llama equivalent"
+                         + ("; export_hf_checkpoint writes it with its modeling code (remote_config)"
+                            if config.attention_type in REMOTE_TYPES else ""))
     model_type = "qwen3" if config.qk_norm else "llama"
     hf_config = {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
@@ -363,10 +393,11 @@ def _get_tensor(f: object, name: str, file: Path) -> Tensor:
 def _check_keys(found: dict[str, tuple[Path, tuple[int, ...]]], model: Transformer, path: Path) -> None:
     """ValueError counting the missing, unexpected and wrongly shaped tensors and naming (HF names) the first ten
     of each, before any tensor data is read."""
-    expected = {hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
-    if model.config.tie_embeddings:
-        expected.pop("lm_head.weight")  # absent from tied checkpoints; checked against the embedding if present
-        found = {name: entry for name, entry in found.items() if name != "lm_head.weight"}
+    expected = {stored_name(name, model.config): tuple(t.shape) for name, t in model.state_dict().items()}
+    if model.config.tie_embeddings:  # the output weight may be absent; checked against the embedding if present
+        head = stored_name("lm_head.weight", model.config)
+        expected.pop(head)
+        found = {name: entry for name, entry in found.items() if name != head}
     found = {name: entry for name, entry in found.items() if not name.endswith(_IGNORED_SUFFIXES)}
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
@@ -391,7 +422,8 @@ def check_hf_checkpoint(path: str | Path, **config_overrides: object) -> ModelCo
 
 def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                        compute: ComputeConfig | None = None, **config_overrides: object) -> Transformer:
-    """Build a Transformer from the Hugging Face checkpoint directory `path` (Qwen3 or Llama).
+    """Build a Transformer from the Hugging Face checkpoint directory `path` (Qwen3, Llama, or the project's export
+    with its modeling code).
 
     The model is built on the meta device and the safetensors tensors are assigned to it directly on `device`, so
     peak memory is one copy of the weights (plus one tensor in its stored dtype when casting). `dtype` None keeps
@@ -423,9 +455,12 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dty
 
 
 def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
-    """The model's tensors under Hugging Face names (detached; no lm_head when tied, as transformers saves it)."""
-    state = {hf_name(name): tensor.detach() for name, tensor in model.state_dict().items()}
-    if model.config.tie_embeddings:
+    """The model's tensors under Hugging Face names (detached; no lm_head when tied, as transformers saves it).
+    An export with its own modeling code holds the Transformer under `model.`, a tied output weight as a copy."""
+    state = {stored_name(name, model.config): tensor.detach() for name, tensor in model.state_dict().items()}
+    if model.config.tie_embeddings and model.config.attention_type in REMOTE_TYPES:
+        state["model.lm_head.weight"] = state["model.lm_head.weight"].clone()  # safetensors shares no storage
+    elif model.config.tie_embeddings:
         del state["lm_head.weight"]
     return state
 
@@ -462,7 +497,9 @@ def export_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: 
         raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to replace it")
     state = info.cast(hf_state_dict(model))
     config = info.model_config(model.config)
-    hf_config = config_to_hf(config, next(iter(state.values())).dtype) | info.special_ids()
+    remote = config.attention_type in REMOTE_TYPES
+    dtype = next(iter(state.values())).dtype
+    hf_config = (remote_config if remote else config_to_hf)(config, dtype) | info.special_ids()
     shards = _plan_shards(state, max_shard_bytes)
     names = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                     for i in range(len(shards))]
@@ -477,5 +514,7 @@ def export_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: 
             total_size = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        for file_name, source in (remote_code_files() if remote else {}).items():
+            (tmp / file_name).write_text(source)
         info.write_generation_config(tmp)
         info.write_tokenizer(tmp, config.context_length)

@@ -441,6 +441,30 @@ def test_unwritable_or_wrong_kind_outputs_are_one_line(four_checkpoints, data_di
     assert "is a directory" in one_line_usage_error(gpu_check.main, ["--dry_run", "--out", str(tmp_path)], capsys)
 
 
+@pytest.mark.slow  # lm-eval's task index takes seconds to build
+def test_harness_refusals_come_before_the_model_is_loaded(four_checkpoints, tmp_path, monkeypatch, capsys):
+    """An unknown lm-eval task, a length beyond the context and a missing harness: one line each, exit 2, and the
+    model never loaded."""
+    import storage.weights
+    from evaluation import harness
+
+    pytest.importorskip("lm_eval")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(evaluation, "load_model", no_load)
+    monkeypatch.setattr(storage.weights, "load_model", no_load)
+    model = str(four_checkpoints / "model")
+    err = one_line_usage_error(evaluation.main, [model, "--harness", "niah_single_1", "no_such_task"], capsys)
+    assert "lm-eval has no task no_such_task" in err and "lm_eval ls tasks" in err
+    err = one_line_usage_error(evaluation.main, [model, "--harness", "niah_single_1", "--lengths", "64"], capsys)
+    assert "--lengths 64 exceeds the context of 32 tokens" in err
+    monkeypatch.setattr(harness, "harness_installed", lambda: False)
+    err = one_line_usage_error(evaluation.main, [model, "--harness", "niah_single_1"], capsys)
+    assert "pip install -e '.[eval]'" in err
+
+
 # ---- numbers and option combinations ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [

@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = [
-    "tests/test_lm_eval.py",
+    "tests/test_lm_eval.py::test_lm_eval_scores_the_export_as_the_project_does[full]",
     "tests/test_hf.py::test_load_matches_transformers",
     "tests/test_hf.py::test_rope_scaling_matches_transformers",
     "tests/test_model.py::test_logits_match_float64_reference",

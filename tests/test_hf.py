@@ -300,7 +300,8 @@ def test_export_refuses_to_clobber(tiny_dir):
     export_hf_checkpoint(model, tiny_dir, max_shard_bytes=100_000, overwrite=True)
     assert (tiny_dir / "model.safetensors.index.json").is_file() and not (tiny_dir / "model.safetensors").exists()
     assert [p.name for p in tiny_dir.parent.iterdir()] == ["ckpt"]  # no temporary directories left behind
-    with pytest.raises(ValueError, match="no Hugging Face equivalent"):
+    with pytest.raises(ValueError, match="no Qwen3 or Llama equivalent; export_hf_checkpoint writes it with its "
+                                         "modeling code"):
         config_to_hf(ModelConfig.from_preset("tiny", attention_type="nsa"))
 
 

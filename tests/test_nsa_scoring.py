@@ -22,12 +22,13 @@ def geometry(**overrides: object) -> ModelConfig:
     return ModelConfig.from_preset("tiny", attention_type="nsa", **overrides)
 
 
-def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, config: ModelConfig,
+                     rows_of: torch.Tensor | None = None) -> torch.Tensor:
     """The loss one (batch, KV head, query) row at a time, straight from the definitions: rows where top-n chooses
     (the query's block c >= n: more blocks between block 0 and its previous block than n - 3 free slots), over those
     blocks 1 .. c - 2; the target averages each head's softmax over them of its best key's logit; the prediction
     sums each head's compression probabilities, pooled with Eq. 9's weights, over the group and renormalises them
-    over the same blocks."""
+    over the same blocks. `rows_of` (T,) bool: only those queries."""
     B, H, T, D = q.shape
     KV = k_cmp.shape[1]
     G, l, d, l_sel = H // KV, config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
@@ -37,7 +38,7 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
         for kv in range(KV):
             for t in range(T):
                 c, n = t // l_sel, config.nsa_num_selected
-                if c < n or n < 4:  # every block between the forced ones is selected anyway
+                if c < n or n < 4 or (rows_of is not None and not rows_of[t]):  # every block is selected anyway
                     continue
                 candidates = range(1, c - 1)
                 n_visible = num_compressed_blocks(t + 1, l, d)
@@ -81,6 +82,37 @@ def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_
     for got, want in zip(grads[:2], expected_grads, strict=True):
         torch.testing.assert_close(got, want, **F64)
     assert grads[2] is None
+
+
+def test_a_strided_sample_of_the_rows_is_unbiased(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With stride k, the loss and gradients of one random offset are k x the float64 loop over those rows / all
+    rows; averaged over the k offsets they are exactly the full loss and its gradients (each row is scored for one
+    offset): an unbiased estimate."""
+    config = geometry(nsa_block_size=8, nsa_stride=4, nsa_select_block_size=8, nsa_num_selected=5)
+    g = torch.Generator().manual_seed(7)
+    B, H, KV, T, D, k = 1, 4, 2, 90, 8, 3
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k_cmp = torch.randn(B, KV, num_compressed_blocks(T, 8, 4), D, generator=g, dtype=torch.float64,
+                        requires_grad=True)
+    k_slc = torch.randn(B, KV, T, D, generator=g, dtype=torch.float64)
+    full = selection_score_loss(q, k_cmp, k_slc, config, ComputeConfig(attention_query_chunk=8))
+    full_grads = torch.autograd.grad(full, (q, k_cmp))
+    first, rows = 5 * 8, B * KV * (T - 5 * 8)
+    sampled = []
+    for offset in range(k):
+        monkeypatch.setattr(torch, "randint", lambda high, size, offset=offset: torch.tensor(offset))
+        loss = selection_score_loss(q, k_cmp, k_slc, config,
+                                    ComputeConfig(attention_query_chunk=8, nsa_score_loss_stride=k))
+        sampled.append((loss, *torch.autograd.grad(loss, (q, k_cmp))))
+        keep = torch.zeros(T, dtype=torch.bool)
+        keep[first + offset::k] = True  # the loop over the sampled rows: the other queries cannot choose
+        masked = q.detach().clone().requires_grad_()
+        rows_sampled = B * KV * int(keep.sum())
+        expected = naive_score_loss(masked, k_cmp, k_slc, config, keep) * rows_sampled * k / rows
+        torch.testing.assert_close(loss, expected, **F64)
+    monkeypatch.undo()
+    for i, want in enumerate((full, *full_grads)):
+        torch.testing.assert_close(sum(s[i] for s in sampled) / k, want, **F64)
 
 
 def test_gradcheck_of_the_compressed_keys() -> None:

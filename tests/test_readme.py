@@ -50,6 +50,7 @@ SKIPPED = {  # what a CPU test cannot run, and why
     "pytest": "the test suite itself",
     "benchmarks/": "a benchmark (minutes; its --help is tested)",
     "lm_eval ": "downloads its task's data (tests/test_lm_eval.py runs a local task)",
+    "--harness": "scores a trained passkey model for a minute (tests/test_lm_eval.py runs RULER on a tiny one)",
     "--documents docs.jsonl": "the reader's own documents (tests/test_eval.py scores some)",
 }
 SCALED = {"--context_length 131072": "--context_length 256", "--context_length 32768": "--context_length 256",

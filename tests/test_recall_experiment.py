@@ -236,7 +236,8 @@ def test_score_loss(data_dir, tmp_path, capsys):
         overrides, metrics = run(kind, stage)
         assert "nsa_score_loss_coef" not in overrides and not any("aux_loss" in m for m in metrics)
     for bad, message in ((["--types", "nsa", "--score_loss", "-1"], "--score_loss must be a finite number >= 0"),
-                         (["--types", "full", "--score_loss", "0.1"], "add nsa to --types")):
+                         (["--types", "full", "--score_loss", "0.1"], "add nsa to --types"),
+                         (["--types", "nsa", "--score_loss_stride", "4"], "goes with --score_loss")):
         with pytest.raises(SystemExit) as exit_info:
             SCRIPT["main"]([*common[:-3], "--out_dir", str(tmp_path / "bad"), *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

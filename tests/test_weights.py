@@ -29,14 +29,16 @@ def _logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
 def test_nsa_run_finishes_with_export_and_sample(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
     train.main([*NSA_RUN, "--data_dir", str(data_dir), "--out_dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "no hf/ directory: attention_type 'nsa' has no Hugging Face equivalent" in out
+    assert f"exported {tmp_path / 'model'}, {tmp_path / 'hf'}" in out and "no hf/ directory" not in out
     assert "--- sample (6 tokens" in out
-    assert not (tmp_path / "hf").exists()
+    assert {"modeling_longctx.py", "tokenizer.json", "generation_config.json", "manifest.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()}  # what a full-attention export holds, and its code
     described = json.loads((tmp_path / "model" / "config.json").read_text())
     assert ModelConfig.from_dict(described["model"]).attention_type == "nsa"
     ids = torch.randint(0, 512, (1, 40))
     from_step, from_export = load_model(tmp_path / "step-2"), load_model(tmp_path / "model")
     torch.testing.assert_close(_logits(from_step, ids), _logits(from_export, ids), rtol=0, atol=0)
+    torch.testing.assert_close(_logits(load_model(tmp_path / "hf"), ids), _logits(from_export, ids), rtol=0, atol=0)
     from_file = load_model(tmp_path / "model" / "model.safetensors", compute=ComputeConfig(attention_query_chunk=8))
     torch.testing.assert_close(_logits(from_file, ids), _logits(from_export, ids), rtol=1e-6, atol=1e-6)
 

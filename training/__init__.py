@@ -9,7 +9,7 @@
     parallel.py       the process layout and FSDP2, in one function
     inputs.py         a run's tokenizer and data, checked before anything is prepared
     run_directory.py  one run per directory: the lock, the timelines, foreign directories refused
-    monitor.py        metrics, memory, MFU, signals
+    monitor.py        metrics, memory, MFU, signals, the CPU thread plan
     tracking.py       TensorBoard and W&B
     estimate.py       profile_memory.py's engine: one step under fake tensors, the fit search
     cli.py            the command line's conventions: one-line errors, JSON options
