@@ -33,7 +33,8 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   far pairs at T = 2048: 74% against 84% beyond 64 tokens on the two seeds that copy with blocks of 8; over three
   seeds 72% against 67%, as one seed does not copy from scratch).
   `--score_loss COEF` adds the selection-scoring loss (nsa/scoring.py), which trains the block scores toward each
-  block's best key, to NSA's MQAR stages.
+  block's best key, to NSA's MQAR stages long enough for top-n to choose (longer than n l'); `--score_loss_stride`,
+  `--score_loss_top` and `--score_loss_random` make it cheaper.
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
 more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs 14-16% more steps than one
 run at a time on both cores. --control_seeds N trains the control with the first N seeds only: it shows where a
@@ -173,9 +174,14 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
             "--data_dir", args.data_dir, "--out_dir", str(run_dir)]
     argv += ["--synthetic_pairs", str(stage.pairs)] if stage.pairs else []
     fields = model_fields(kind, stage, args)
-    scored = kind == "nsa" and stage.task == "mqar" and args.score_loss
+    # The loss has rows only where top-n chooses (`nsa.blocks.contested_blocks`): a stage too short for that leaves
+    # it out, and so shares its arguments (and a reused run) with the same stage trained without the loss.
+    n, l_sel = fields.get("nsa_num_selected", 0), fields.get("nsa_select_block_size", 0)
+    scored = kind == "nsa" and stage.task == "mqar" and args.score_loss and n >= 4 and stage.length > n * l_sel
     score = {"nsa_score_loss_coef": args.score_loss} if scored else {}  # ComputeConfig fields train.py also takes
     score |= {"nsa_score_loss_stride": args.score_loss_stride} if scored and args.score_loss_stride > 1 else {}
+    score |= {"nsa_score_loss_top": args.score_loss_top} if scored and args.score_loss_top else {}
+    score |= {"nsa_score_loss_random": args.score_loss_random} if scored and args.score_loss_random else {}
     if previous is None:
         argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"],
                  *override_args({**fields, **score})]
@@ -252,6 +258,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--score_loss_stride", type=int, default=1, metavar="K",
                    help="that loss on every K-th query, from a random offset (ComputeConfig.nsa_score_loss_stride; "
                         "an unbiased estimate at 1/K of its cost)")
+    p.add_argument("--score_loss_top", type=int, default=0, metavar="M",
+                   help="that loss over each query's M blocks of highest importance only (ComputeConfig."
+                        "nsa_score_loss_top; default 0: every block, reading every key)")
+    p.add_argument("--score_loss_random", type=int, default=0, metavar="R",
+                   help="and over R random other blocks (ComputeConfig.nsa_score_loss_random; with --score_loss_top)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of a stage without @LR")
     p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     p.add_argument("--jobs", type=int, default=1,
@@ -266,6 +277,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--copy_overrides applies to copying stages: add one (copy:LENGTH:STEPS) to --stages, or leave it out")
     if args.score_loss_stride < 1 or (args.score_loss_stride > 1 and not args.score_loss):
         p.error(f"--score_loss_stride must be >= 1 and goes with --score_loss, got {args.score_loss_stride}")
+    if args.score_loss_top < 0 or (args.score_loss_top and not args.score_loss):
+        p.error(f"--score_loss_top must be >= 0 and goes with --score_loss, got {args.score_loss_top}")
+    if args.score_loss_random < 0 or (args.score_loss_random and not args.score_loss_top):
+        p.error(f"--score_loss_random must be >= 0 and goes with --score_loss_top, got {args.score_loss_random}")
     if not (math.isfinite(args.score_loss) and args.score_loss >= 0):
         p.error(f"--score_loss must be a finite number >= 0, got {args.score_loss}")
     if args.score_loss and "nsa" not in args.types:

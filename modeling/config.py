@@ -161,12 +161,21 @@ class ComputeConfig:
     z_loss_coef: float = 0.0  # weight of the z-loss (lse^2), a training objective term
     nsa_score_loss_coef: float = 0.0  # weight of each NSA layer's selection-scoring loss (nsa/scoring.py), likewise
     nsa_score_loss_stride: int = 1  # that loss scores every k-th of its queries (random offset): 1/k of its cost
+    nsa_score_loss_top: int = 0  # m > 0: its target over each query's m top blocks by importance (0: every block)
+    nsa_score_loss_random: int = 0  # and over this many random other blocks (with nsa_score_loss_top only)
     offload_activations: bool = False  # tensors the blocks save for backward live in host memory (offload.py)
 
     def __post_init__(self) -> None:
         _positive_int("ComputeConfig", "ffn_chunk_size", self.ffn_chunk_size, optional=True)
         for name in ("attention_query_chunk", "loss_chunk_threshold_bytes", "loss_chunk_size", "nsa_score_loss_stride"):
             _positive_int("ComputeConfig", name, getattr(self, name))
+        for name in ("nsa_score_loss_top", "nsa_score_loss_random"):
+            if not (isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool)
+                    and getattr(self, name) >= 0):
+                raise ValueError(f"ComputeConfig.{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.nsa_score_loss_random and not self.nsa_score_loss_top:
+            raise ValueError("ComputeConfig.nsa_score_loss_random goes with nsa_score_loss_top > 0 (the dense target "
+                             "already reads every block): set nsa_score_loss_top too")
         if self.loss_mode not in ("auto", "chunked", "standard"):
             raise ValueError(f"ComputeConfig.loss_mode must be 'auto', 'chunked' or 'standard', got "
                              f"{self.loss_mode!r}")

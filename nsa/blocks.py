@@ -123,6 +123,51 @@ def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blo
     return p.view(B, KV, G, Q, num_select_blocks).sum(2)  # (B, KV, Q, Ns)
 
 
+def candidate_blocks(scores: Tensor, allowed: Tensor, top: int, random: int,
+                     generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Each row's candidate blocks: for scores (B, KV, Q, Ns) and the blocks each query may take, allowed (Q, Ns)
+    bool, the `top` highest-scoring allowed blocks, then `random` others drawn uniformly (from `generator`) among the
+    allowed blocks left. Returns indices (B, KV, Q, K), K = min(top, Ns) + min(random, Ns - min(top, Ns)), and a
+    validity mask of the same shape (False for slots beyond a row's allowed blocks). No gradient."""
+    Ns = scores.shape[-1]
+    allowed = allowed.expand_as(scores)  # (B, KV, Q, Ns)
+    ranked = scores.masked_fill(~allowed, -math.inf)
+    top_idx = ranked.topk(min(top, Ns), dim=-1, sorted=False).indices  # (B, KV, Q, top')
+    top_ok = allowed.gather(-1, top_idx)
+    if random == 0 or top_idx.shape[-1] == Ns:
+        return top_idx, top_ok
+    rest = allowed.scatter(-1, top_idx, False)  # allowed and not among the top
+    noise = torch.rand(scores.shape, generator=generator, device=scores.device).masked_fill(~rest, -1.0)
+    k_rand = min(random, Ns - top_idx.shape[-1])
+    rand_idx = noise.topk(k_rand, dim=-1, sorted=False).indices  # a uniform subset of the rest
+    return torch.cat([top_idx, rand_idx], dim=-1), torch.cat([top_ok, rest.gather(-1, rand_idx)], dim=-1)
+
+
+_GATHER_BYTES = 64 * 2**20  # bytes of candidate keys `candidate_token_scores` gathers at a time
+
+
+def candidate_token_scores(q: Tensor, k_blocks: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
+    """`best_token_scores` over each row's own candidate blocks: for queries q (B, H, Q, D), key blocks k_blocks
+    (B, KV, Ns', l', D) and candidates idx (B, KV, Q, K) with their mask valid, a query head's score for candidate
+    slot s is the softmax over the valid slots of max over the block's keys of q . k / sqrt(D); summed over each GQA
+    group -> (B, KV, Q, K) in at least float32, zero for a row without a valid slot. Reads the K l' keys of a row's
+    candidates, gathered about `_GATHER_BYTES` at a time: O(Q K l') work, not O(Q S)."""
+    B, H, Q, D = q.shape
+    KV, Ns, l_sel, K = k_blocks.shape[1], k_blocks.shape[2], k_blocks.shape[3], idx.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q_groups = q.to(acc).view(B, KV, H // KV, Q, D)  # (B, KV, G, Q, D)
+    flat = k_blocks.reshape(B * KV * Ns, l_sel * D)  # (B*KV*Ns, l'*D): a block's keys a row
+    rows = idx + (torch.arange(B * KV, device=idx.device) * Ns).view(B, KV, 1, 1)  # (B, KV, Q, K) rows of flat
+    step = max(1, _GATHER_BYTES // (B * KV * Q * l_sel * D * flat.element_size()))
+    best = []
+    for s0 in range(0, K, step):
+        keys = flat.index_select(0, rows[..., s0:s0 + step].reshape(-1)).view(B, KV, Q, -1, D)  # (B, KV, Q, s*l', D)
+        logits = torch.einsum("bkgqd,bkqnd->bkgqn", q_groups, keys.to(acc))  # (B, KV, G, Q, s*l')
+        best.append(logits.unflatten(-1, (-1, l_sel)).amax(-1))  # (B, KV, G, Q, s)
+    p = (torch.cat(best, dim=-1) * D**-0.5).masked_fill(~valid[:, :, None], -math.inf).softmax(-1)
+    return p.nan_to_num(0.0).sum(2)  # (B, KV, Q, K); rows without a valid slot: 0
+
+
 def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_selected: int) -> tuple[Tensor, Tensor]:
     """Top-n selection blocks per query from importance scores (B, KV, Q, Ns) of queries at positions q_pos (Q,).
 

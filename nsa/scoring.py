@@ -24,8 +24,17 @@ weighted by `ComputeConfig.nsa_score_loss_coef` (off by default) and added by ns
 
 Cost and memory: the target reads every key of the prefix (a chunk's best-token logits are Q x T in tiles of keys),
 so each NSA layer pays one full-attention score product (QK^T) more per step (two with gradient checkpointing, which
-recomputes the forward). `ComputeConfig.nsa_score_loss_stride` k scores every k-th row from a random offset and
-scales their sum by k: an unbiased estimate of the same mean, and of its gradients, at 1/k of the cost. Like
+recomputes the forward). Two options make it cheaper:
+- `ComputeConfig.nsa_score_loss_stride` k scores every k-th row from a random offset and scales their sum by k: an
+  unbiased estimate of the same mean, and of its gradients, at 1/k of the cost, still O(T^2 / k);
+- `ComputeConfig.nsa_score_loss_top` m > 0 takes t and p over each row's own candidates only: its m blocks of
+  highest importance (the n - 3 it selects among them when m >= n - 3) and `nsa_score_loss_random` r others drawn
+  uniformly from the rest (`nsa.blocks.candidate_blocks`), so the target reads (m + r) l' keys a query: O(T (m + r)
+  l') work, linear in T. It is another loss, not an estimate of the dense one (equal to it on rows with at most m
+  contested blocks): it ranks each row's best blocks among those it would select or nearly select, and the random
+  blocks let a block it never considers enter. What remains quadratic is the importance itself, the compression
+  branch's own O(T^2 / d) product.
+Like
 loss.py's chunked cross-entropy, the loss computes its gradients during forward, chunk by chunk of Q =
 `ComputeConfig.attention_query_chunk` queries, and keeps only the gradients of q and the compressed keys for
 backward: no chunk's logits outlive it.
@@ -42,7 +51,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from nsa.blocks import as_blocks, best_token_scores, block_importance, contested_blocks, num_compressed_blocks
+from nsa.blocks import (
+    as_blocks,
+    best_token_scores,
+    block_importance,
+    candidate_blocks,
+    candidate_token_scores,
+    contested_blocks,
+    num_compressed_blocks,
+)
 
 if TYPE_CHECKING:
     from modeling.config import ComputeConfig, ModelConfig
@@ -54,17 +71,24 @@ def _as_is(t: Tensor) -> Tensor:
     return t
 
 
-def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: int, config: ModelConfig) -> Tensor:
+def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: int, config: ModelConfig, top: int,
+              random: int, generator: torch.Generator | None) -> Tensor:
     """Summed KL(t || p) of one chunk's rows: queries q (B, H, Q, D) at the ascending positions q_pos (Q,), the last
     of them `last`, the compressed keys k_cmp (B, KV, Nc', D) they can see, the key blocks k_blocks (B, KV, Ns', l',
-    D). Rows where top-n does not choose contribute 0."""
+    D). Over every contested block (top = 0), or over each row's `top` blocks by importance and `random` others
+    (`nsa.blocks.candidate_blocks`, drawn from `generator`). Rows where top-n does not choose contribute 0."""
     l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
     G = q.shape[1] // k_cmp.shape[1]
     n_select = last // l_sel + 1  # blocks up to the last query's own
-    candidate = contested_blocks(q_pos, l_sel, n_select, config.nsa_num_selected)  # (Q, Ns)
+    contested = contested_blocks(q_pos, l_sel, n_select, config.nsa_num_selected)  # (Q, Ns)
+    importance = block_importance(q, k_cmp, q_pos, l, d, l_sel, n_select)  # (B, KV, Q, Ns)
     with torch.no_grad():
-        target = best_token_scores(q, k_blocks, q_pos, n_select, candidate) / G  # (B, KV, Q, Ns): sum 1 or 0
-    importance = block_importance(q, k_cmp, q_pos, l, d, l_sel, n_select) * candidate  # (B, KV, Q, Ns)
+        if top:
+            idx, valid = candidate_blocks(importance, contested, top, random, generator)  # (B, KV, Q, K)
+            target = candidate_token_scores(q, k_blocks, idx, valid) / G  # (B, KV, Q, K): sum 1 or 0
+        else:
+            target = best_token_scores(q, k_blocks, q_pos, n_select, contested) / G  # (B, KV, Q, Ns): sum 1 or 0
+    importance = importance.gather(-1, idx) * valid if top else importance * contested
     log_p = importance.clamp(min=_TINY).log() - importance.sum(-1, keepdim=True).clamp(min=_TINY).log()
     return (torch.xlogy(target, target) - target * log_p).sum()
 
@@ -74,7 +98,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int, stride: int,
-                offset: int) -> Tensor:
+                offset: int, top: int, random: int, seed: int) -> Tensor:
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
         n = config.nsa_num_selected
@@ -84,6 +108,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         k_blocks = as_blocks(k_slc.to(acc), l_sel)  # (B, KV, Ns, l', D)
         total = q.new_zeros((), dtype=acc)
+        generator = torch.Generator(q.device).manual_seed(seed) if random else None
         grad_q, grad_k = torch.zeros_like(q, dtype=acc), torch.zeros_like(k_cmp, dtype=acc)  # k's summed over chunks
         for c0 in range(0, len(scored), chunk):
             positions = scored[c0:c0 + chunk]
@@ -96,7 +121,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
                     torch.autocast(q.device.type, enabled=False):
                 q_c = q.index_select(2, q_pos).detach().to(acc).requires_grad_()  # (B, H, Q, D)
                 k_c = k_cmp[:, :, :n_cmp].detach().to(acc).requires_grad_()
-                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config)
+                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator)
                 dq, dk = torch.autograd.grad(kl, (q_c, k_c))
             total += kl.detach()
             grad_q.index_copy_(2, q_pos, dq)
@@ -109,8 +134,8 @@ class _SelectionScoreLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grad_q, grad_k = ctx.saved_tensors
-        return (grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype), None, None, None, None,
-                None)
+        return (grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype),
+                *([None] * 8))
 
 
 @torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
@@ -127,11 +152,15 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
         compute: `attention_query_chunk` queries are scored at a time; with `nsa_score_loss_stride` k > 1, every
             k-th of the rows from a random offset (the CPU generator's, so a resumed run and a checkpoint's
             recomputation draw the same), their sum times k over the rows' count: an unbiased estimate of the mean
-            at 1/k of the cost.
+            at 1/k of the cost; with `nsa_score_loss_top` m > 0, each row's target and prediction over its m
+            blocks of highest importance and `nsa_score_loss_random` random others (a seed drawn from the same
+            generator) only.
     Returns:
         A 0-dim tensor in at least float32 (0 when T <= n l': no query chooses yet), differentiable in q and
         k_cmp.
     """
-    stride = compute.nsa_score_loss_stride
-    offset = int(torch.randint(stride, ())) if stride > 1 else 0  # a host draw: no device sync
-    return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset)
+    stride, top, random = compute.nsa_score_loss_stride, compute.nsa_score_loss_top, compute.nsa_score_loss_random
+    offset = int(torch.randint(stride, ())) if stride > 1 else 0  # host draws: no device sync
+    seed = int(torch.randint(2**62, ())) if random else 0
+    return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset, top,
+                                     random, seed)

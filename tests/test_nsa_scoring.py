@@ -3,6 +3,7 @@ gradcheck, what it keeps for backward and its memory under fake tensors, and how
 weight, micro-batches with sparse labels, autocast, gradient checkpointing, no gradients, the option's validation)."""
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,12 +24,14 @@ def geometry(**overrides: object) -> ModelConfig:
 
 
 def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, config: ModelConfig,
-                     rows_of: torch.Tensor | None = None) -> torch.Tensor:
+                     rows_of: torch.Tensor | None = None, top: int = 0,
+                     extra: Callable[[int, int, int], list[int]] | None = None) -> torch.Tensor:
     """The loss one (batch, KV head, query) row at a time, straight from the definitions: rows where top-n chooses
     (the query's block c >= n: more blocks between block 0 and its previous block than n - 3 free slots), over those
-    blocks 1 .. c - 2; the target averages each head's softmax over them of its best key's logit; the prediction
-    sums each head's compression probabilities, pooled with Eq. 9's weights, over the group and renormalises them
-    over the same blocks. `rows_of` (T,) bool: only those queries."""
+    blocks 1 .. c - 2; the prediction sums each head's compression probabilities, pooled with Eq. 9's weights, over
+    the group; the target averages each head's softmax of its best key's logit. With top = m > 0, both only over the
+    row's m blocks of highest prediction and the blocks extra(b, kv, t) names; the prediction renormalised over the
+    same blocks. `rows_of` (T,) bool: only those queries."""
     B, H, T, D = q.shape
     KV = k_cmp.shape[1]
     G, l, d, l_sel = H // KV, config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
@@ -40,20 +43,25 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
                 c, n = t // l_sel, config.nsa_num_selected
                 if c < n or n < 4 or (rows_of is not None and not rows_of[t]):  # every block is selected anyway
                     continue
-                candidates = range(1, c - 1)
                 n_visible = num_compressed_blocks(t + 1, l, d)
-                target, importance = 0.0, {j: q.new_zeros(()) for j in candidates}
+                importance = {j: q.new_zeros(()) for j in range(1, c - 1)}
                 for h in range(kv * G, (kv + 1) * G):
-                    best = torch.stack([(k_slc[b, kv, j * l_sel:(j + 1) * l_sel] @ q[b, h, t]).max()
-                                        for j in candidates]) / math.sqrt(D)
-                    target = target + best.softmax(0).detach() / G
                     p_cmp = (k_cmp[b, kv, :n_visible] @ q[b, h, t] / math.sqrt(D)).softmax(0)
-                    for j in candidates:
+                    for j in importance:
                         for offset, weight in enumerate(weights):
                             i = (l_sel // d) * j + first + offset
                             if 0 <= i < n_visible:
                                 importance[j] = importance[j] + weight * p_cmp[i]
-                p = torch.stack(list(importance.values()))
+                chosen = list(importance)
+                if top:
+                    chosen = sorted(chosen, key=lambda j: -float(importance[j].detach()))[:top]
+                    chosen += [j for j in (extra(b, kv, t) if extra else []) if j not in chosen]
+                target = 0.0
+                for h in range(kv * G, (kv + 1) * G):
+                    best = torch.stack([(k_slc[b, kv, j * l_sel:(j + 1) * l_sel] @ q[b, h, t]).max()
+                                        for j in chosen]) / math.sqrt(D)
+                    target = target + best.softmax(0).detach() / G
+                p = torch.stack([importance[j] for j in chosen])
                 p = p / p.sum()
                 total = total + (target * (target.log() - p.log())).sum()
                 rows += 1
@@ -115,6 +123,94 @@ def test_a_strided_sample_of_the_rows_is_unbiased(monkeypatch: pytest.MonkeyPatc
         torch.testing.assert_close(sum(s[i] for s in sampled) / k, want, **F64)
 
 
+def inputs(seed: int, B: int, H: int, KV: int, T: int, D: int, l: int, d: int) -> tuple[torch.Tensor, ...]:
+    """Random float64 q (B, H, T, D), compressed keys and selection keys (B, KV, ., D); q and k_cmp need grad."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k_cmp = torch.randn(B, KV, num_compressed_blocks(T, l, d), D, generator=g, dtype=torch.float64,
+                        requires_grad=True)
+    return q, k_cmp, torch.randn(B, KV, T, D, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("top,random,stride", [(3, 0, 1), (2, 3, 1), (4, 2, 1), (4, 2, 3)])
+def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: int, stride: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """nsa_score_loss_top m, nsa_score_loss_random r: the loop over each row's m blocks of highest importance and the
+    random blocks the loss drew (read back from `candidate_blocks`), its value and gradients to 1e-12, in chunks of
+    16 queries; with a stride, over the sampled rows (the offset drawn as stride - 1), scaled as the strided loss
+    is."""
+    config = geometry(nsa_block_size=8, nsa_stride=4, nsa_select_block_size=8, nsa_num_selected=5)
+    q, k_cmp, k_slc = inputs(3, B=2, H=4, KV=2, T=110, D=8, l=8, d=4)
+    drawn = []
+    choose = scoring.candidate_blocks
+    monkeypatch.setattr(scoring, "candidate_blocks", lambda *a: drawn.append(choose(*a)) or drawn[-1])
+    randint = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda high, size: randint(high, size) if high > stride else high - 1)
+    compute = ComputeConfig(attention_query_chunk=16, nsa_score_loss_top=top, nsa_score_loss_random=random,
+                            nsa_score_loss_stride=stride)
+    loss = selection_score_loss(q, k_cmp, k_slc, config, compute)
+    grads = torch.autograd.grad(loss, (q, k_cmp))
+    idx = torch.cat([i for i, _ in drawn], dim=2)  # (B, KV, rows, K): the rows from position n l' = 40 on
+    valid = torch.cat([v for _, v in drawn], dim=2)
+    assert idx.shape[-1] == top + random
+    first = 40 + stride - 1  # the first sampled row
+    rows_of = torch.zeros(110, dtype=torch.bool)
+    rows_of[first::stride] = True
+
+    def extra(b: int, kv: int, t: int) -> list[int]:
+        row = (t - first) // stride
+        return [int(j) for j, ok in zip(idx[b, kv, row, top:], valid[b, kv, row, top:], strict=True) if ok]
+
+    sampled_share = int(rows_of.sum()) * stride / (110 - 40)  # the strided loss: the sampled rows' mean, rescaled
+    expected = naive_score_loss(q, k_cmp, k_slc, config, rows_of, top=top, extra=extra) * sampled_share
+    torch.testing.assert_close(loss, expected, **F64)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k_cmp)), strict=True):
+        torch.testing.assert_close(got, want, **F64)
+    if random:
+        assert any(extra(0, 0, t) for t in range(first, 110, stride))  # rows with more blocks than m drew some
+
+
+def test_enough_candidates_give_the_dense_loss() -> None:
+    """A row with at most m contested blocks takes them all: with m at least the count of the longest row's the
+    candidate loss is the dense one (and its gradients), to 1e-12."""
+    config = geometry(nsa_block_size=8, nsa_stride=4, nsa_select_block_size=8, nsa_num_selected=5)
+    q, k_cmp, k_slc = inputs(4, B=1, H=4, KV=2, T=100, D=8, l=8, d=4)
+    results = []
+    for compute in (ComputeConfig(attention_query_chunk=32), ComputeConfig(attention_query_chunk=32,
+                                                                            nsa_score_loss_top=11)):
+        loss = selection_score_loss(q, k_cmp, k_slc, config, compute)
+        results.append((loss, *torch.autograd.grad(loss, (q, k_cmp))))
+    for dense, candidates in zip(*results, strict=True):
+        torch.testing.assert_close(candidates, dense, **F64)
+
+
+def test_candidate_blocks_are_the_top_ones_and_a_uniform_draw_of_the_rest() -> None:
+    """`candidate_blocks`: the m highest allowed scores, then r distinct allowed others; every block left out of the
+    top is drawn with probability r / (blocks left), within 5 standard deviations over 4000 rows; rows with fewer
+    allowed blocks than slots mark the rest invalid."""
+    g = torch.Generator().manual_seed(8)
+    Q, Ns, top, random = 4000, 12, 3, 2
+    scores = torch.rand(1, 1, Q, Ns, generator=g)
+    allowed = torch.ones(Q, Ns, dtype=torch.bool)
+    allowed[:, 10:] = False  # 10 allowed blocks: 7 left after the top 3
+    allowed[0, 4:] = False  # row 0: 4 allowed blocks, one random slot invalid
+    idx, valid = blocks.candidate_blocks(scores, allowed, top, random, torch.Generator().manual_seed(9))
+    assert idx.shape == valid.shape == (1, 1, Q, top + random)
+    ranked = scores.masked_fill(~allowed, -1).argsort(-1, descending=True)[..., :top]
+    assert torch.equal(idx[..., :top].sort(-1).values, ranked.sort(-1).values)
+    assert valid[0, 0, 1:].all() and valid[0, 0, 0].tolist() == [True] * 4 + [False]
+    rows = idx[0, 0, 1:]
+    assert (rows < 10).all() and all(len(set(r.tolist())) == top + random for r in rows)
+    counts = torch.zeros(Ns)
+    for r in rows[:, top:]:
+        counts[r] += 1
+    drawn = counts / (Q - 1)  # per block: the times it was drawn / rows; expected r / 7 when not in the top
+    not_top = torch.ones(Q - 1, Ns, dtype=torch.bool).scatter(-1, rows[:, :top], False)[:, :10].float().mean(0)
+    expected = not_top * random / 7
+    sd = (expected * (1 - expected) / (Q - 1)).sqrt()  # a Bernoulli count's
+    assert ((drawn[:10] - expected).abs() <= 5 * sd + 1e-9).all()
+
+
 def test_gradcheck_of_the_compressed_keys() -> None:
     """Finite differences in the compressed keys (on which the target does not depend; in q they would also move
     the detached target)."""
@@ -172,11 +268,14 @@ def test_backward_keeps_only_the_input_gradients() -> None:
 
 
 @pytest.mark.slow
-def test_memory_grows_linearly_with_the_sequence() -> None:
-    """Forward peak (inputs excluded) under fake tensors at T and 2T with the query chunk fixed: no T x T tensor,
-    so doubling T at most doubles it (a (T, T) score matrix would quadruple its share)."""
+@pytest.mark.parametrize("top,random", [(0, 0), (8, 4)])
+def test_memory_grows_linearly_with_the_sequence(top: int, random: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward peak (inputs excluded) under fake tensors at T and 2T with the query chunk fixed, with the dense
+    target and with candidate blocks: no T x T tensor, so doubling T at most doubles it (a (T, T) score matrix
+    would quadruple its share)."""
+    monkeypatch.setattr(torch, "randint", lambda high, size: 1)  # the host draw of a seed has no value when faked
     config = geometry(nsa_block_size=8, nsa_stride=8, nsa_select_block_size=8)
-    compute = ComputeConfig(attention_query_chunk=256)
+    compute = ComputeConfig(attention_query_chunk=256, nsa_score_loss_top=top, nsa_score_loss_random=random)
     peaks = []
     for T in (4096, 8192):
         with FakeTensorMode():
@@ -282,3 +381,14 @@ def test_gradient_checkpointing_recomputes_the_loss_once(monkeypatch: pytest.Mon
 def test_bad_coefficient_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="ComputeConfig.nsa_score_loss_coef must be a finite number >= 0"):
         ComputeConfig(nsa_score_loss_coef=bad)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"nsa_score_loss_top": -1}, "nsa_score_loss_top must be an integer >= 0"),
+    ({"nsa_score_loss_top": 2.0}, "nsa_score_loss_top must be an integer >= 0"),
+    ({"nsa_score_loss_top": 4, "nsa_score_loss_random": True}, "nsa_score_loss_random must be an integer >= 0"),
+    ({"nsa_score_loss_random": 2}, "goes with nsa_score_loss_top > 0"),
+])
+def test_bad_candidate_counts_are_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ComputeConfig(**fields)
