@@ -13,8 +13,9 @@ accumulation micro-steps of half the batch; bf16 autocast; torch.compile of each
 labels (one target in 6, the rest -100, as MQAR documents with --answer_loss have), with the output layer on every
 row ("sparse_labels") or on the target rows only ("answer_loss": what train.py --answer_loss runs); that answer_loss
 step with NSA's selection-scoring loss at weight 0.1 ("score_loss", nsa/scoring.py; for NSA only, with full
-attention it is the answer_loss step), with that loss on every 8th query ("score_loss_stride8") and with it over each
-query's 24 blocks of highest importance and 8 random others ("score_loss_top24_random8"). Random token
+attention it is the answer_loss step), with that loss on every 8th query ("score_loss_stride8"), over each query's
+24 blocks of highest importance and 8 random others ("score_loss_top24_random8") and both
+("score_loss_top24_random8_stride8"). Random token
 ids (the data pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load changes on
 the machine hit all of them alike; the table reports the median step time per variant, tokens/s, the time ratio to
 the first variant, and the first step's time (for compile: the compilation). With --memory, each variant also runs
@@ -66,29 +67,24 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, s
     return step
 
 
-VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss", "score_loss",
-            "score_loss_stride8", "score_loss_top24_random8")
-
-
-# labels keep one target in 6
-SPARSE = ("sparse_labels", "answer_loss", "score_loss", "score_loss_stride8", "score_loss_top24_random8")
+# NSA's selection-scoring loss at weight 0.1 (nsa/scoring.py) on the answer-loss step, in its forms
+SCORE_LOSS = {"score_loss": {}, "score_loss_stride8": {"nsa_score_loss_stride": 8},
+              "score_loss_top24_random8": {"nsa_score_loss_top": 24, "nsa_score_loss_random": 8},
+              "score_loss_top24_random8_stride8": {"nsa_score_loss_top": 24, "nsa_score_loss_random": 8,
+                                                   "nsa_score_loss_stride": 8}}
+VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss", *SCORE_LOSS)
+SPARSE = ("sparse_labels", "answer_loss", *SCORE_LOSS)  # labels keep one target in 6
 
 
 def variant_config(base: train_config.TrainConfig, variant: str) -> train_config.TrainConfig:
     """`base` changed as `variant` says (one of VARIANTS)."""
+    if variant in SCORE_LOSS:
+        overrides = {**base.model_overrides, "nsa_score_loss_coef": 0.1, **SCORE_LOSS[variant]}
+        return dataclasses.replace(base, answer_loss=True, model_overrides=overrides)
     changes = {"default": {}, "checkpointing": {"gradient_checkpointing": True},
                "microsteps": {"batch_size": base.batch_size // 2, "gradient_accumulation_steps": 2},
                "bf16": {"dtype": "bfloat16"}, "compile": {"compile": True}, "sparse_labels": {},
-               "answer_loss": {"answer_loss": True},
-               "score_loss": {"answer_loss": True,
-                              "model_overrides": {**base.model_overrides, "nsa_score_loss_coef": 0.1}},
-               "score_loss_stride8": {"answer_loss": True,
-                                      "model_overrides": {**base.model_overrides, "nsa_score_loss_coef": 0.1,
-                                                          "nsa_score_loss_stride": 8}},
-               "score_loss_top24_random8": {"answer_loss": True,
-                                            "model_overrides": {**base.model_overrides, "nsa_score_loss_coef": 0.1,
-                                                                "nsa_score_loss_top": 24,
-                                                                "nsa_score_loss_random": 8}}}[variant]
+               "answer_loss": {"answer_loss": True}}[variant]
     return dataclasses.replace(base, **changes)
 
 

@@ -256,13 +256,15 @@ def test_autocast_does_not_change_the_loss() -> None:
         assert torch.equal(plain, autocast)
 
 
-def test_backward_keeps_only_the_input_gradients() -> None:
+@pytest.mark.parametrize("top,random", [(0, 0), (3, 2)])
+def test_backward_keeps_only_the_input_gradients(top: int, random: int) -> None:
     """Gradients are computed in forward: what backward keeps is one gradient of q and one of the compressed keys,
-    no chunk's logits."""
+    no chunk's logits, with the dense target and with candidate blocks."""
     config = geometry()
     q = torch.randn(2, 4, 256, 16, requires_grad=True)
     k_cmp = torch.randn(2, 2, num_compressed_blocks(256, 8, 4), 16, requires_grad=True)
-    loss = selection_score_loss(q, k_cmp, torch.randn(2, 2, 256, 16), config, ComputeConfig(attention_query_chunk=64))
+    compute = ComputeConfig(attention_query_chunk=64, nsa_score_loss_top=top, nsa_score_loss_random=random)
+    loss = selection_score_loss(q, k_cmp, torch.randn(2, 2, 256, 16), config, compute)
     saved = loss.grad_fn.saved_tensors
     assert sum(t.nbytes for t in saved) == q.nbytes + k_cmp.nbytes
 
