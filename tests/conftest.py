@@ -10,6 +10,15 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (pyproject's `-n auto`) each worker takes its share of the CPUs for its intra-op threads,
+    so that the workers together use each core once instead of oversubscribing them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cpus // workers))
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_restore_dtype():
     """Every test starts from the same RNG state and leaves the global default dtype untouched."""

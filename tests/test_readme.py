@@ -114,6 +114,8 @@ def test_every_readme_command_runs_in_sequence_from_a_fresh_clone(tmp_path: Path
         if any(marker in command for marker in SKIPPED) or command.startswith(("for ", "ruff")):
             continue
         args = scaled(command)
+        if args[1] == "profile_memory.py" and any(scaled(c) == args for c in ran):
+            continue  # an estimate the docs print twice reads no state: once is enough
         proc = subprocess.run(args, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{command}\n{' '.join(args)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         ran.append(command)
