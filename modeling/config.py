@@ -52,11 +52,13 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _positive_int(owner: str, name: str, value: object, optional: bool = False) -> None:
+def _positive_int(owner: str, name: str, value: object, optional: bool = False, minimum: int = 1) -> None:
+    """A ValueError naming the field unless `value` is an integer >= minimum (or None where optional)."""
     if optional and value is None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be {'None or ' if optional else ''}a positive integer, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{owner}.{name} must be {'None or ' if optional else ''}{what}, got {value!r}")
 
 
 @dataclass
@@ -170,9 +172,7 @@ class ComputeConfig:
         for name in ("attention_query_chunk", "loss_chunk_threshold_bytes", "loss_chunk_size", "nsa_score_loss_stride"):
             _positive_int("ComputeConfig", name, getattr(self, name))
         for name in ("nsa_score_loss_top", "nsa_score_loss_random"):
-            if not (isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool)
-                    and getattr(self, name) >= 0):
-                raise ValueError(f"ComputeConfig.{name} must be an integer >= 0, got {getattr(self, name)!r}")
+            _positive_int("ComputeConfig", name, getattr(self, name), minimum=0)
         if self.nsa_score_loss_random and not self.nsa_score_loss_top:
             raise ValueError("ComputeConfig.nsa_score_loss_random goes with nsa_score_loss_top > 0 (the dense target "
                              "already reads every block): set nsa_score_loss_top too")

@@ -118,9 +118,7 @@ def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blo
                      dim=-1) * D**-0.5  # (B, KV, G*Q, Ns)
     if candidates is None:
         candidates = choosable_blocks(q_pos, l_sel, num_select_blocks)  # (Q, Ns): never a key after the query
-    past = candidates.repeat(G, 1)  # (G*Q, Ns)
-    p = best.masked_fill(~past, -math.inf).softmax(-1).nan_to_num(0.0)  # rows without a past block: 0
-    return p.view(B, KV, G, Q, num_select_blocks).sum(2)  # (B, KV, Q, Ns)
+    return _group_softmax(best.view(B, KV, G, Q, num_select_blocks), candidates)  # (B, KV, Q, Ns)
 
 
 def candidate_blocks(scores: Tensor, allowed: Tensor, top: int, random: int,
@@ -164,8 +162,13 @@ def candidate_token_scores(q: Tensor, k_blocks: Tensor, idx: Tensor, valid: Tens
         keys = flat.index_select(0, rows[..., s0:s0 + step].reshape(-1)).view(B, KV, Q, -1, D)  # (B, KV, Q, s*l', D)
         logits = torch.einsum("bkgqd,bkqnd->bkgqn", q_groups, keys.to(acc))  # (B, KV, G, Q, s*l')
         best.append(logits.unflatten(-1, (-1, l_sel)).amax(-1))  # (B, KV, G, Q, s)
-    p = (torch.cat(best, dim=-1) * D**-0.5).masked_fill(~valid[:, :, None], -math.inf).softmax(-1)
-    return p.nan_to_num(0.0).sum(2)  # (B, KV, Q, K); rows without a valid slot: 0
+    return _group_softmax(torch.cat(best, dim=-1) * D**-0.5, valid[:, :, None])  # (B, KV, Q, K)
+
+
+def _group_softmax(best: Tensor, allowed: Tensor) -> Tensor:
+    """Each query head's softmax of its best-key logits best (B, KV, G, Q, N) over the blocks `allowed` (a bool mask
+    broadcast to best's shape), zero for a row with none allowed, summed over the GQA group -> (B, KV, Q, N)."""
+    return best.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0).sum(2)
 
 
 def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_selected: int) -> tuple[Tensor, Tensor]:
