@@ -3,11 +3,19 @@ for its forms side by side: the dense target (every key of every contested block
 24 blocks of highest importance and 8 random others, and both.
 
     python benchmarks/bench_score_loss.py [--lengths 2048 4096 8192 16384] [--rounds 5] [--threads N]
+    python benchmarks/bench_score_loss.py --flops [--lengths 8192 32768 131072]
 
 The geometry is the MQAR recipe's (benchmarks/RESULTS.md): the demo model's heads (4 query heads, 2 key/value heads
 of 32), blocks l = d = l' = 8, n = 18, one sequence. Random inputs (the cost does not depend on their values).
 Rounds interleave the forms, so that load changes on the machine hit all of them alike; the table reports each
 form's median milliseconds and its ratio to the dense target at the same length.
+
+With --flops it counts instead of timing, on any machine: floating-point operations of one layer's call with its
+backward (torch.utils.flop_counter on fake tensors: matrix products only) at the 4B preset's geometry (32 query
+heads, 8 key/value heads of 128, the paper's blocks l = 32, d = 16, l' = 64, n = 16), each form's as a share of
+full attention's forward and backward at the same length (6 H D T^2 causal: QK^T and PV forward, four products
+backward), and how much of the last form is its importance (the compression branch's product, counted by the
+difference with a stand-in that has none).
 """
 
 from __future__ import annotations
@@ -17,11 +25,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeling.config import ComputeConfig, ModelConfig  # noqa: E402
+from nsa import scoring  # noqa: E402
+from nsa.blocks import num_compressed_blocks  # noqa: E402
 from nsa.scoring import selection_score_loss  # noqa: E402
 
 FORMS = {"dense target": {}, "every 8th query": {"nsa_score_loss_stride": 8},
@@ -46,12 +57,66 @@ def call_seconds(T: int, form: dict, seed: int) -> float:
     return time.perf_counter() - start
 
 
+def call_flops(T: int, form: dict, config: ModelConfig) -> int:
+    """Floating-point operations (matrix products) of one call of the loss with its backward at length T."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    H, KV, D = config.n_heads, config.n_kv_heads, config.head_dim
+    compute = ComputeConfig(nsa_score_loss_coef=0.1, **form)  # the default query chunk, as training runs it
+    # Fake tensors hold no values: the loss's host draws (a stride's offset, a seed) are fixed at 1.
+    with mock.patch.object(torch, "randint", lambda high, size: 1), FakeTensorMode(), \
+            FlopCounterMode(display=False) as counter:
+        q = torch.empty(1, H, T, D, requires_grad=True)
+        k_cmp = torch.empty(1, KV, num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride), D,
+                            requires_grad=True)
+        selection_score_loss(q, k_cmp, torch.empty(1, KV, T, D), config, compute).backward()
+    return counter.get_total_flops()
+
+
+def flops_table(lengths: list[int]) -> None:
+    """The --flops table (module docstring)."""
+    config = ModelConfig.from_preset("4B", attention_type="nsa")
+    H, D = config.n_heads, config.head_dim
+    print(f"4B geometry: {H} heads, {config.n_kv_heads} KV heads, D = {D}, l = {config.nsa_block_size}, "
+          f"d = {config.nsa_stride}, l' = {config.nsa_select_block_size}, n = {config.nsa_num_selected}; "
+          "TFLOP of one layer's loss, forward and backward, and its share of full attention's")
+    print(f"| T | full attention | {' | '.join(FORMS)} | importance in the last |")
+    print(f"|---|---|{'---|' * len(FORMS)}---|")
+    last = list(FORMS.values())[-1]
+    for T in lengths:
+        full = 6 * H * D * T * T
+        flops = [call_flops(T, form, config) for form in FORMS.values()]
+        original, scoring.block_importance = scoring.block_importance, flat_importance
+        try:
+            beside_importance = call_flops(T, last, config)
+        finally:
+            scoring.block_importance = original
+        cells = [f"{f / 1e12:.3g} ({f / full:.1%})" for f in flops]
+        print(f"| {T} | {full / 1e12:.3g} | {' | '.join(cells)} | {1 - beside_importance / flops[-1]:.0%} |",
+              flush=True)
+
+
+def flat_importance(q: torch.Tensor, k_cmp: torch.Tensor, q_pos: torch.Tensor, l: int, d: int, l_sel: int,
+                     n_select: int) -> torch.Tensor:
+    """A stand-in for `nsa.blocks.block_importance` without a matrix product: equal scores, gradients of zero."""
+    return (q.sum() * 0 + k_cmp.sum() * 0 + 1).expand(q.shape[0], k_cmp.shape[1], q.shape[2], n_select)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="sequence lengths (default 2048 4096 8192 16384; with --flops 8192 32768 131072)")
+    p.add_argument("--flops", action="store_true", help="count operations at the 4B geometry instead of timing")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
+    if args.flops:
+        args.lengths = args.lengths or [8192, 32768, 131072]
+        if min(args.lengths) < 2048 or any(T % 64 for T in args.lengths):
+            p.error("with --flops, --lengths must be multiples of 64 of at least 2048")
+        return flops_table(args.lengths)
+    args.lengths = args.lengths or [2048, 4096, 8192, 16384]
     if min(args.lengths) < 256 or any(T % 8 for T in args.lengths) or args.rounds < 1:
         p.error("--lengths must be multiples of 8 of at least 256, --rounds at least 1")
     if args.threads:
