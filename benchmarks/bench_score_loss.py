@@ -87,11 +87,8 @@ def flops_table(lengths: list[int]) -> None:
     for T in lengths:
         full = 6 * H * D * T * T
         flops = [call_flops(T, form, config) for form in FORMS.values()]
-        original, scoring.block_importance = scoring.block_importance, flat_importance
-        try:
+        with mock.patch.object(scoring, "block_importance", flat_importance):
             beside_importance = call_flops(T, last, config)
-        finally:
-            scoring.block_importance = original
         cells = [f"{f / 1e12:.3g} ({f / full:.1%})" for f in flops]
         print(f"| {T} | {full / 1e12:.3g} | {' | '.join(cells)} | {1 - beside_importance / flops[-1]:.0%} |",
               flush=True)

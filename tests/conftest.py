@@ -15,8 +15,9 @@ def pytest_configure(config: pytest.Config) -> None:
     so that the workers together use each core once instead of oversubscribing them."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cpus // workers))
+        from training.monitor import process_cpus
+
+        torch.set_num_threads(max(1, len(process_cpus()) // workers))
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from model import Transformer
 from modeling.config import ComputeConfig, ModelConfig
@@ -302,19 +301,11 @@ def test_work_beside_the_importance_is_linear_with_candidate_blocks(top: int, ra
     the prefix, so doubling T quadruples it; candidate blocks read (m + r) l' keys a row, so it doubles with the
     rows. (The importance is the compression branch's own O(T^2 / d) product, which NSA's selection computes too.)"""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from bench_score_loss import flat_importance  # differentiable, without a matrix product
+    from bench_score_loss import call_flops, flat_importance  # flat_importance: no matrix product
 
-    monkeypatch.setattr(torch, "randint", lambda high, size: 1)  # the host draw of a seed has no value when faked
     monkeypatch.setattr(scoring, "block_importance", flat_importance)
-    config = geometry()
-    compute = ComputeConfig(attention_query_chunk=512, nsa_score_loss_top=top, nsa_score_loss_random=random)
-    flops = []
-    for T in (2048, 4096):
-        with FakeTensorMode(), FlopCounterMode(display=False) as counter:
-            q = torch.empty(1, 4, T, 16, requires_grad=True)
-            k_cmp = torch.empty(1, 2, num_compressed_blocks(T, 8, 4), 16, requires_grad=True)
-            selection_score_loss(q, k_cmp, torch.empty(1, 2, T, 16), config, compute).backward()
-        flops.append(counter.get_total_flops())
+    form = {"nsa_score_loss_top": top, "nsa_score_loss_random": random}
+    flops = [call_flops(T, form, geometry()) for T in (2048, 4096)]  # 4 heads, 2 K/V heads of 16, chunks of 512
     assert flops[0] > 0 and growth[0] <= flops[1] / flops[0] <= growth[1]
 
 

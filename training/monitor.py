@@ -126,6 +126,11 @@ class LeakWatch:
                 "loss stored without .item() or .detach())")
 
 
+def process_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity where the OS reports one, else all of them)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def busy_core_seconds(cpus: set[int]) -> float | None:
     """Core-seconds the CPUs `cpus` spent busy since boot, from /proc/stat (Linux); None where it cannot be read."""
     try:
@@ -151,7 +156,7 @@ class ThreadPlan:
     whose load changes is not bitwise repeatable (set OMP_NUM_THREADS for that)."""
 
     def __init__(self, device: torch.device, interval: float = 10.0) -> None:
-        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        self.cpus = process_cpus()
         self.most, self.interval = torch.get_num_threads(), interval
         self.enabled = (device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and self.most > 1
                         and busy_core_seconds(self.cpus) is not None)
