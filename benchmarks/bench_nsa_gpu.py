@@ -75,7 +75,7 @@ def main() -> None:
         sys.exit("no CUDA device: this benchmark measures the GPU path (--device cpu only smoke-tests the script)")
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before nsa.kernels is imported
-    from nsa.attention import triton_kernels
+    from nsa.primitive import triton_kernels
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "

@@ -1,6 +1,6 @@
 """Which NSA branch carries a model's recall, and how much does its block selection lose? Scores synthetic
 documents (copying or MQAR, synthetic.py) under teacher forcing, by key-query distance (eval.py's log-spaced
-buckets): once as the model is, once with exact block scores (`nsa.attention.exact_block_scores`: each block scored
+buckets): once as the model is, once with exact block scores (`nsa.primitive.exact_block_scores`: each block scored
 by its best token's logit, reading every key: a diagnosis of the block scoring), and once with each branch
 switched off: its gate forced to 0 in every layer (sigmoid(-inf) = 0 exactly), the other two gates left as the
 model computes them.
@@ -28,9 +28,9 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from evaluation.tasks import recall_scores  # noqa: E402
-from nsa.attention import exact_block_scores  # noqa: E402
 from nsa.inspection import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
+from nsa.primitive import exact_block_scores  # noqa: E402
 from storage.weights import load_model  # noqa: E402
 from text.synthetic import TOKEN_TASKS, SyntheticDocuments  # noqa: E402
 

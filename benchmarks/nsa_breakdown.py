@@ -1,7 +1,8 @@
 """Where NSA's time goes, on CPU: (1) forward and backward seconds of each branch's attention kernel calls
-(`nsa.attention.attend` / `attend_backward`, grouped by the rows per call) inside one forward+backward of the
-benchmark layer of bench_nsa.py; (2) the fused CPU flash kernels on selection tiles of 64 and 128 rows (R = 16 and
-32 queries of 4 heads) at equal total rows, the measurement behind `nsa.attention._SMALL_TILE_COST`.
+(`attend` / `attend_backward` of nsa/primitive.py as nsa/attention.py calls them, grouped by the rows per call)
+inside one forward+backward of the benchmark layer of bench_nsa.py; (2) the fused CPU flash kernels on selection
+tiles of 64 and 128 rows (R = 16 and 32 queries of 4 heads) at equal total rows, the measurement behind
+`nsa.attention._SMALL_TILE_COST`.
 
     MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_THRESHOLD_=33554432 python benchmarks/nsa_breakdown.py   # ~1 min
 

@@ -19,14 +19,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from modeling.config import ComputeConfig, ModelConfig  # noqa: E402
 from modeling.memtrack import LiveBytesTracker  # noqa: E402
-from nsa import attention as nsa_attention  # noqa: E402
+from nsa import primitive  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 
 T = 131072
 
 
-PATHS = {"fused": contextlib.nullcontext, "explicit": nsa_attention.explicit_attention,
-         "triton": nsa_attention.triton_kernels}
+PATHS = {"fused": contextlib.nullcontext, "explicit": primitive.explicit_attention,
+         "triton": primitive.triton_kernels}
 
 
 def peak_gib(query_chunk: int, path: str) -> tuple[float, float]:

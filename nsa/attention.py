@@ -1,13 +1,10 @@
 """The attention of Native Sparse Attention (nsa/layer.py holds the layer, nsa/blocks.py the block geometry and
 top-n): the three gated branches over given queries, keys and values, chunk by chunk, with a custom backward.
 
-Every branch is one primitive, `attend`: softmax attention over a key set with an additive mask, returning its
-output and each row's log-sum-exp (lse). On CPU tensors it is PyTorch's fused flash-attention kernel
-(`aten._scaled_dot_product_flash_attention_for_cpu` and its backward); on other devices an explicit computation of
-the same two results (`_fused` decides). Branch outputs combine through their lse like flash attention's key
-blocks, and backward needs no recomputation of the forward: `attend_backward` given the output and lse of a larger
-attention yields this part's share of its gradients (the flash-attention backward identity
-dS = P * (dO V^T - rowsum(dO * O))).
+Every branch is one primitive, `attend` (nsa/primitive.py): softmax attention over a key set with an additive mask,
+returning its output and each row's log-sum-exp (lse); on CPU tensors PyTorch's fused flash-attention kernel.
+Branch outputs combine through their lse like flash attention's key blocks, and backward needs no recomputation of
+the forward (`attend_backward`).
 
 - Compression: queries (G*Q rows per KV head) against the compressed keys with a visibility mask. Its forward is
   explicit: one logits matrix gives the branch's output and the probabilities that score the selection blocks
@@ -53,11 +50,9 @@ d (`nsa_stride`), l' (`nsa_select_block_size`), n (`nsa_num_selected`), w (`nsa_
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -75,125 +70,19 @@ from nsa.blocks import (
     pool_to_selection_blocks,
     select_blocks,
 )
+from nsa.primitive import (
+    additive_mask,
+    attend,
+    attend_backward,
+    attend_explicit,
+    exact_scores_active,
+    fused,
+    triton_ready,
+)
 
 if TYPE_CHECKING:
     from modeling.config import ModelConfig
     from nsa.kernels import TritonSelection
-
-
-# ---- attention with log-sum-exp: the primitive of every branch ---------------------------------------------------
-
-
-# set by `explicit_attention`, `triton_kernels` and `exact_block_scores`
-_forced = {"explicit": False, "triton": False, "exact": False}
-
-
-def _fused(t: Tensor) -> bool:
-    """Whether `attend` uses PyTorch's fused CPU flash-attention kernels (CPU tensors, fake ones included) rather
-    than the explicit computation (every other device)."""
-    return t.device.type == "cpu" and not _forced["explicit"]
-
-
-@contextmanager
-def _forcing(name: str) -> Iterator[None]:
-    previous, _forced[name] = _forced[name], True
-    try:
-        yield
-    finally:
-        _forced[name] = previous
-
-
-def explicit_attention() -> AbstractContextManager[None]:
-    """Within the block, `attend` computes explicitly on every device, as it does on CUDA: for tests of that path
-    and for profile_memory.py's estimates of GPU runs (the fused CPU kernels keep no chunk-sized logits)."""
-    return _forcing("explicit")
-
-
-def triton_kernels() -> AbstractContextManager[None]:
-    """Within the block, the branches run on the Triton kernels (nsa/kernels.py) on every device, as they do on
-    CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa.triton_kernels is imported), for
-    tests; on fake tensors without launching them (their outputs are allocated; Triton need not be installed), for
-    profile_memory.py's estimates."""
-    return _forcing("triton")
-
-
-def exact_block_scores() -> AbstractContextManager[None]:
-    """Within the block, selection blocks are scored by their best token instead of the compression branch: a
-    query head's score for a past block j (before its own and the previous block, which are always selected) is
-    softmax over those blocks of max_{s in j} q . k_s / sqrt(D), with the selection branch's keys, summed over the
-    group's heads as Eq. 10 sums the compression probabilities (`nsa.blocks.best_token_scores`). It reads every key
-    of the prefix, so it is no sparse attention: it measures the recall the model reaches with its n and l' when
-    each block is judged by its best-matching key (a heuristic, not an upper bound;
-    benchmarks/nsa_branch_ablation.py)."""
-    return _forcing("exact")
-
-
-def triton_installed() -> bool:
-    """Whether Triton can be imported here (nsa/triton_kernels.py needs it to launch a kernel)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def _triton_ready(t: Tensor, compute: ComputeConfig) -> bool:
-    """Whether the Triton kernels' path runs for t: real CUDA tensors when `compute.triton_kernels` and Triton is
-    installed; under `triton_kernels()` any tensors, real ones only with Triton installed (fake ones launch nothing,
-    so they need no Triton: nsa/kernels.py)."""
-    if _forced["triton"]:
-        return is_fake(t) or triton_installed()
-    return compute.triton_kernels and t.is_cuda and not is_fake(t) and triton_installed()
-
-
-def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """Boolean mask -> additive mask (0 where allowed, -inf elsewhere) in `dtype`."""
-    zero, minus_inf = (torch.tensor(v, dtype=dtype, device=allowed.device) for v in (0.0, -math.inf))
-    return torch.where(allowed, zero, minus_inf)
-
-
-def _logits(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """Scaled, masked logits (..., L, S) in at least float32, built in one new buffer."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    logits = (q.to(acc) * scale) @ k.to(acc).transpose(-1, -2)
-    return logits if mask is None else logits.add_(mask)
-
-
-def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, lse: Tensor, scale: float) -> Tensor:
-    """Attention probabilities exp(logits - lse) (..., L, S) given each row's log-sum-exp lse (..., L)."""
-    return _logits(q, k, mask, scale).sub_(lse[..., None]).exp_()
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    """Softmax attention of q (N, M, L, D) over k, v (N, M, S, D) under an additive mask broadcastable to
-    (N, M, L, S) (q's dtype; None: every key). Every row must see at least one key.
-
-    Returns (out (N, M, L, D) in q's dtype, lse (N, M, L) in at least float32)."""
-    if _fused(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                          scale=scale)
-    out, lse, _ = attend_explicit(q, k, v, mask, scale)
-    return out, lse
-
-
-def attend_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
-                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """`attend` computed explicitly on any device, also returning the probabilities: (out, lse, p (N, M, L, S) in at
-    least float32, zero where the mask is -inf)."""
-    logits = _logits(q, k, mask, scale)  # (N, M, L, S)
-    lse = logits.logsumexp(-1)
-    p = logits.sub_(lse[..., None]).exp_()
-    return p.to(v.dtype) @ v, lse, p
-
-
-def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of `attend`. With `out` and `lse` those of a larger attention that also covers other
-    keys (and grad_out its gradient), the result is this key set's share of the larger attention's gradients."""
-    if _fused(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-    p = _probabilities(q, k, mask, lse, scale)  # (N, M, L, S)
-    dv = p.to(v.dtype).transpose(-1, -2) @ grad_out
-    delta = (grad_out * out).sum(-1, keepdim=True).to(p.dtype)  # (N, M, L, 1)
-    ds = p.mul_((grad_out @ v.transpose(-1, -2)).to(p.dtype).sub_(delta)).mul_(scale).to(q.dtype)  # dS = P(dP - delta)
-    return ds @ k, ds.transpose(-1, -2) @ q, dv
 
 
 # ---- selection branch: own block densely, past blocks in tiles ---------------------------------------------------
@@ -270,7 +159,7 @@ class _Selection:
         self.k_own = k_blocks[:, :, own].flatten(0, 2)[:, None]  # (B*KV*nb, 1, l', D)
         self.v_own = v_blocks[:, :, own].flatten(0, 2)[:, None]
         query = torch.arange(l_sel * G, device=q.device) // G  # (l'*G,) query of each own-block row
-        self.causal = _additive(torch.arange(l_sel, device=q.device) <= query[:, None], q.dtype)  # (l'*G, l')
+        self.causal = additive_mask(torch.arange(l_sel, device=q.device) <= query[:, None], q.dtype)  # (l'*G, l')
         self.q_tiles, self.q_own = self._tiles(q), self._own(q)
 
     def _tiles(self, x: Tensor) -> Tensor:
@@ -375,7 +264,7 @@ class _Window:
         row = torch.arange(G * s, device=q.device) % s  # (G*s,) query of each row within its piece
         band = (slot >= row[:, None]) & (slot <= row[:, None] + window - 1)  # (G*s, s + w - 1): w keys, own last
         real = torch.arange(ns, device=q.device)[:, None] * s + slot >= self.left  # (ns, s + w - 1)
-        self.mask = _additive(band & real[:, None, None], q.dtype)  # (ns, 1, G*s, s + w - 1)
+        self.mask = additive_mask(band & real[:, None, None], q.dtype)  # (ns, 1, G*s, s + w - 1)
 
     def _split(self, x: Tensor) -> Tensor:
         """Rows (B, KV, G*Q, *E) -> pieces (ns, B*KV, G*s, *E), queries zero-padded to ns * s."""
@@ -442,7 +331,7 @@ class _Chunk:
         # Compression: block i visible to t iff i*d + l - 1 <= t. The first l - 1 positions see no block: they are
         # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
         self.n_empty = min(Q, max(0, l - 1 - q_start))
-        self.triton = _triton_ready(q, compute)
+        self.triton = triton_ready(q, compute)
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
             from nsa.kernels import RangeAttention
 
@@ -454,7 +343,7 @@ class _Chunk:
         else:
             block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
             visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
-            self.compression = _MaskedAttention(self.q_heads, k_cmp, v_cmp, _additive(visible, q.dtype), self.scale)
+            self.compression = _MaskedAttention(self.q_heads, k_cmp, v_cmp, additive_mask(visible, q.dtype), self.scale)
             self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G, self.scale)
         # Until n*l' keys exist every block of every query is selected: the branch is causal attention over the
         # prefix, one call, and needs neither importance scores nor top-n.
@@ -467,7 +356,7 @@ class _Chunk:
                                              self.scale)
             else:
                 causal = torch.arange(S, device=q.device) <= q_pos.repeat(G)[:, None]  # (G*Q, S)
-                self.prefix = _MaskedAttention(self.q_heads, k_all, v_all, _additive(causal, q.dtype), self.scale)
+                self.prefix = _MaskedAttention(self.q_heads, k_all, v_all, additive_mask(causal, q.dtype), self.scale)
 
     def _heads_to_rows(self, x: Tensor) -> Tensor:
         """(B, KV, G*Q, *E) -> (B, KV, Q, G, *E)."""
@@ -506,7 +395,7 @@ class _Chunk:
         takes the output and the scores from the same probabilities; the Triton kernels recompute the scores from
         the lse without the probabilities in memory."""
         cfg, (B, KV, G, Q, D) = self.config, self.shape
-        if n_select is not None and _forced["exact"]:
+        if n_select is not None and exact_scores_active():
             out, lse, _ = self._compression(None)
             q = self.q_heads.view(B, KV * G, Q, D)  # (B, H, Q, D)
             return out, lse, best_token_scores(q, self.k_blocks, self.q_pos, n_select)
@@ -616,7 +505,7 @@ def _workers(q: Tensor, compute: ComputeConfig, n_chunks: int) -> int:
     """How many threads run the chunks (`_for_each_chunk`): for real CPU tensors on the fused kernels, one per
     intra-op thread (at most one per chunk); else 1. Under a dispatch mode (fake tensors, a memory tracker) 1, so
     that the mode sees every operator."""
-    if not _fused(q) or _triton_ready(q, compute) or is_fake(q) or _get_current_dispatch_mode() is not None:
+    if not fused(q) or triton_ready(q, compute) or is_fake(q) or _get_current_dispatch_mode() is not None:
         return 1
     return max(1, min(torch.get_num_threads(), n_chunks))
 

@@ -9,7 +9,7 @@ own scores. For each query where top-n really chooses (`nsa.blocks.contested_blo
 and its previous block than the n - 3 slots those forced blocks leave; the query's block c >= n), over those
 blocks j (1 .. c - 2):
 
-    target  t_j  = best-token scores (`nsa.blocks.best_token_scores`, what `nsa.attention.exact_block_scores`
+    target  t_j  = best-token scores (`nsa.blocks.best_token_scores`, what `nsa.primitive.exact_block_scores`
                    selects by): per query head, softmax over those blocks of max_{s in j} q . k_s / sqrt(D),
                    averaged over the group's heads; no gradient;
     predict p_j  = importance of block j (`nsa.blocks.block_importance`), renormalised over the same blocks;

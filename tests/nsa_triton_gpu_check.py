@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from modeling.config import ComputeConfig, ModelConfig  # noqa: E402
-from nsa.attention import sparse_attention, triton_kernels  # noqa: E402
+from nsa.attention import sparse_attention  # noqa: E402
 from nsa.blocks import num_compressed_blocks  # noqa: E402
+from nsa.primitive import triton_kernels  # noqa: E402
 
 
 def run(config: ModelConfig, chunk: int, inputs: list[torch.Tensor], grad: torch.Tensor, triton: bool

@@ -11,6 +11,7 @@ from modeling.config import ComputeConfig
 from nsa import attention as nsa_attention
 from nsa.blocks import as_blocks
 from nsa.inspection import inspect, report, selected_blocks
+from nsa.primitive import explicit_attention
 
 
 def test_reported_selection_is_the_attention_s_own():
@@ -22,7 +23,7 @@ def test_reported_selection_is_the_attention_s_own():
     k_cmp, v_cmp = torch.randn(B, KV, n_cmp, D, dtype=torch.float64), torch.randn(B, KV, n_cmp, D, dtype=torch.float64)
     k = torch.randn(B, KV, T, D, dtype=torch.float64)
     blocks = as_blocks(k, config.nsa_select_block_size)
-    with nsa_attention.explicit_attention():
+    with explicit_attention():
         compute = ComputeConfig(attention_query_chunk=T)
         span, = nsa_attention._spans(T, 0, 0, config, compute)
         chunk = nsa_attention._chunk(span, q, k_cmp, v_cmp, blocks, blocks, k, k, config, compute)

@@ -24,9 +24,10 @@ from modeling.config import ComputeConfig
 from modeling.layers import RotaryEmbedding, apply_rope
 from modeling.memtrack import LiveBytesTracker
 from nsa import attention as nsa_attention
-from nsa.attention import attend, attend_backward, explicit_attention, sparse_attention, tile_plan, triton_kernels
+from nsa.attention import sparse_attention, tile_plan
 from nsa.blocks import as_blocks, num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights
 from nsa.layer import NativeSparseAttention
+from nsa.primitive import additive_mask, attend, attend_backward, exact_block_scores, explicit_attention, triton_kernels
 from nsa.reference import naive_nsa
 
 F64 = dict(rtol=0, atol=1e-12)
@@ -305,7 +306,7 @@ def test_exact_block_scores_select_the_blocks_of_the_best_tokens():
     blocks = as_blocks(k, ls)
     compute = ComputeConfig(attention_query_chunk=T)
     span, = nsa_attention._spans(T, 0, 0, config, compute)
-    with nsa_attention.exact_block_scores():
+    with exact_block_scores():
         _, _, idx = nsa_attention._chunk(span, q, k_cmp, v_cmp, blocks, as_blocks(v, ls), k_win, v_win, config,
                                                 compute).forward()
     G = H // KV
@@ -327,7 +328,7 @@ def test_exact_block_scores_are_causal():
     config = nsa_config(nsa_num_selected=5)
     inputs = random_inputs(1, 4, 2, 90, 8, config)
     compute = ComputeConfig(attention_query_chunk=24)
-    with nsa_attention.exact_block_scores():
+    with exact_block_scores():
         base = sparse_attention(*inputs, config, compute=compute)
         for t in (47, 79, 81, 85):  # queries from n l' = 80 on choose blocks
             changed = [x.clone() for x in inputs]
@@ -525,7 +526,7 @@ def test_attend_backward_is_a_share_of_the_larger_attention(explicit):
     the union's output and lse returns each set's share of the union's gradients (float64)."""
     q = torch.randn(2, 3, 7, 5, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 3, 11, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    mask = nsa_attention._additive(torch.rand(7, 11) > 0.3, torch.float64)
+    mask = additive_mask(torch.rand(7, 11) > 0.3, torch.float64)
     mask[:, 0] = 0.0  # every row sees a key in both parts
     mask[:, 6] = 0.0
     ref = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + mask, -1) @ v

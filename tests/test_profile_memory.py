@@ -164,13 +164,13 @@ def test_nsa_estimate_is_the_same_without_triton(monkeypatch):
     """The estimate models the Triton kernels' path (what a CUDA run takes) whether Triton is installed here or
     not: on fake tensors that path allocates its outputs and launches nothing (nsa/kernels.py). With Triton's import
     blocked, every stage equals the estimate with Triton, byte for byte."""
-    import nsa.attention
+    import nsa.primitive
 
     config = pm.StepConfig.of(model_size="tiny", context_length=320, attention_type="nsa", attention_query_chunk=16,
                               gradient_checkpointing=True, loss="chunked")
     with_triton = pm.estimate(config)
     assert "Triton kernels" in with_triton["stand_in"]
-    monkeypatch.setattr(nsa.attention, "triton_installed", lambda: False)
+    monkeypatch.setattr(nsa.primitive, "triton_installed", lambda: False)
     for name in [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "nsa.triton_kernels"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
