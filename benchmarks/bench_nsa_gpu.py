@@ -2,10 +2,13 @@
 memory of one attention layer, side by side in one process, bf16, the 4B geometry by default (dim 2560, H=32,
 KV=8, D=128). `nsa` runs its three branches and the importance scores on the Triton kernels (nsa/kernels.py);
 `nsa-torch` is the same layer with `ComputeConfig.triton_kernels=False` (the explicit PyTorch path, tiles for the
-selection).
+selection). `nsa+loss` and `nsa+dense-loss` are `nsa` training with the selection-scoring loss (nsa/scoring.py, weight
+0.1, its PyTorch path): on candidate blocks (24 of highest importance + 8 random, every 8th query), and the dense
+target (every key, every query); their last column is the step's time over `nsa`'s, the loss's share of a step.
 
     python benchmarks/bench_nsa_gpu.py                               # T = 8k, 32k, 64k
     python benchmarks/bench_nsa_gpu.py --seq-lens 8192 --repeats 10 --impls sdpa nsa
+    python benchmarks/bench_nsa_gpu.py --seq-lens 32768 --impls nsa nsa+loss nsa+dense-loss   # the loss's cost
     python benchmarks/bench_nsa_gpu.py --device cpu --seq-lens 256 --dim 64 --heads 4 --kv-heads 2 --head-dim 16
         # a smoke run of this script without a GPU (Triton's interpreter; times meaningless)
 
@@ -29,14 +32,28 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_nsa  # noqa: E402
 
-IMPLS = ("sdpa", "nsa", "nsa-torch")  # full attention, NSA on the Triton kernels, NSA without them
+IMPLS = ("sdpa", "nsa", "nsa-torch", "nsa+loss", "nsa+dense-loss")
+SCORE_LOSS = {"nsa+loss": {"nsa_score_loss_coef": 0.1, "nsa_score_loss_stride": 8, "nsa_score_loss_top": 24,
+                           "nsa_score_loss_random": 8},
+              "nsa+dense-loss": {"nsa_score_loss_coef": 0.1}}
 
 
 def build(impl: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Callable:
     """The layer as a function x (1, T, dim) -> (1, T, dim) on device, in dtype (bench_nsa.py's layers)."""
-    layer, run = bench_nsa.build("sdpa" if impl == "sdpa" else "nsa", args, triton_kernels=impl == "nsa")
+    triton = impl not in ("sdpa", "nsa-torch")
+    layer, run = bench_nsa.build("sdpa" if impl == "sdpa" else "nsa", args, triton_kernels=triton,
+                                 **SCORE_LOSS.get(impl, {}))
     layer.to(device, dtype)
     return run
+
+
+def training_step(run: Callable, x: torch.Tensor) -> None:
+    """Forward and backward of a stand-in loss, with the layer's training-only terms (the score loss) added."""
+    from modeling.attention import collect_aux_losses  # after main() sets TRITON_INTERPRET: it imports the kernels
+
+    with collect_aux_losses() as aux:
+        loss = run(x).float().square().mean()
+    sum(aux, loss).backward()
 
 
 def timed(step: Callable[[], None], device: torch.device, repeats: int) -> tuple[float, int]:
@@ -68,7 +85,7 @@ def main() -> None:
     parser.add_argument("--query-chunk", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS[:3]), choices=IMPLS)
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -81,22 +98,23 @@ def main() -> None:
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
           f"{dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}; NSA l=32 d=16 l'=64 n=16 "
           f"w=512, query chunk {args.query_chunk}; median of {args.repeats}")
-    print("| T | layer | fwd ms | fwd+bwd ms | peak MiB | SDPA fwd / this | SDPA fwd+bwd / this |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | layer | fwd ms | fwd+bwd ms | peak MiB | SDPA fwd / this | SDPA fwd+bwd / this | fwd+bwd / nsa's |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in args.seq_lens:
-        sdpa = None
+        sdpa = nsa = None
         for impl in args.impls:
             run = build(impl, args, device, dtype)
             x = torch.randn(1, T, args.dim, device=device, dtype=dtype, requires_grad=True)
-            forced = impl == "nsa" and device.type == "cpu"  # the interpreter stands in for the GPU
+            forced = impl != "nsa-torch" and device.type == "cpu"  # the interpreter stands in for the GPU
             with triton_kernels() if forced else contextlib.nullcontext():
                 with torch.no_grad():
                     fwd, _ = timed(lambda run=run, x=x: run(x), device, args.repeats)
-                both, peak = timed(lambda run=run, x=x: run(x).float().square().mean().backward(), device,
-                                   args.repeats)
+                both, peak = timed(lambda run=run, x=x: training_step(run, x), device, args.repeats)
             del run, x
             sdpa = (fwd, both) if impl == "sdpa" else sdpa
+            nsa = both if impl == "nsa" else nsa
             ratios = f"{sdpa[0] / fwd:.2f}x | {sdpa[1] / both:.2f}x" if sdpa else "- | -"
+            ratios += f" | {both / nsa:.2f}" if nsa and impl.startswith("nsa") else " | -"
             print(f"| {T} | {impl} | {fwd * 1e3:.1f} | {both * 1e3:.1f} | {peak / 2**20:.0f} | {ratios} |", flush=True)
 
 
