@@ -9,6 +9,9 @@ Sections, each run as its own subprocess (an out-of-memory error or a crash in o
             (tests/nsa_triton_gpu_check.py)
   bench     one NSA layer against SDPA (flash), forward and forward+backward at 8k, 32k and 64k
             (benchmarks/bench_nsa_gpu.py); target: NSA forward at least 3x faster than SDPA at 64k
+  loss      that layer training with the selection-scoring loss at 32k (nsa/scoring.py's PyTorch path), on
+            candidate blocks and with the dense target: the step's time over NSA's without it; above 1.10 for the
+            candidate blocks, the loss wants a Triton kernel
   estimate  profile_memory.py --measure against its CPU estimate, 0.6B and 1.7B at 8k (full attention) and 32k (the
             long-context recipe: NSA, checkpointing, tiled FFN, chunked loss); target: within 10% of the measured peak
   train     train.py for 20 steps at 32k on 1.7B with NSA: tokens/s, MFU and peak memory
@@ -162,6 +165,12 @@ SECTIONS = [
             lambda work: [[sys.executable, "benchmarks/bench_nsa_gpu.py"]], _needs_triton,
             lambda outputs, work: (_table_lines(outputs[0]) or _tail(outputs[0]))
             + "\n\nTarget: NSA forward at least 3x faster than SDPA at 64k (the paper reports 9x)."),
+    Section("loss", "The selection-scoring loss's share of an NSA step, one 4B-geometry layer at 32k",
+            lambda work: [[sys.executable, "benchmarks/bench_nsa_gpu.py", "--seq-lens", "32768", "--impls", "nsa",
+                           "nsa+loss", "nsa+dense-loss"]], _needs_triton,
+            lambda outputs, work: (_table_lines(outputs[0]) or _tail(outputs[0]))
+            + "\n\nLast column: the step's time over NSA's without the loss. Above 1.10 for `nsa+loss` (candidate "
+              "blocks), the loss's PyTorch path costs more than a tenth of the step: give it a Triton kernel."),
     Section("estimate", "profile_memory.py: estimate against measured peak",
             lambda work: [_estimate_command(size, T) for size, T in ESTIMATE_RUNS], _needs_cuda,
             _summarise_estimates, timeout_s=1200),
