@@ -1,12 +1,14 @@
 """Which NSA branch carries a model's recall, and how much does its block selection lose? Scores synthetic
 documents (copying or MQAR, synthetic.py) under teacher forcing, by key-query distance (eval.py's log-spaced
-buckets): once as the model is, once with exact block scores (`nsa.primitive.exact_block_scores`: each block scored
+buckets), or eval.py's passkey and needle prompts by exact match of the greedy continuation, by depth: once as the
+model is, once with exact block scores (`nsa.primitive.exact_block_scores`: each block scored
 by its best token's logit, reading every key: a diagnosis of the block scoring), and once with each branch
 switched off: its gate forced to 0 in every layer (sigmoid(-inf) = 0 exactly), the other two gates left as the
 model computes them.
 
     python benchmarks/nsa_branch_ablation.py runs/recall_copy/nsa-seed0/copy-T64/model --task copy --length 64
     python benchmarks/nsa_branch_ablation.py runs/recall_copy/nsa-seed0/T2048-p4/model --length 2048 --pairs 4
+    python benchmarks/nsa_branch_ablation.py runs/pk/passkey1024/model --task passkey --length 1014 --samples 10
 
 A branch whose removal costs nothing is not needed (the others cover for it); one whose removal drops a bucket to
 chance is the only path to those answers. Where exact block scores gain much, the selected blocks would carry the
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,14 +29,15 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluation.tasks import recall_scores  # noqa: E402
+from evaluation.tasks import recall_scores, retrieval_grid  # noqa: E402
 from nsa.inspection import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 from nsa.primitive import exact_block_scores  # noqa: E402
 from storage.weights import load_model  # noqa: E402
-from text.synthetic import TOKEN_TASKS, SyntheticDocuments  # noqa: E402
+from text.synthetic import TOKEN_TASKS, PromptBuilder, SyntheticDocuments  # noqa: E402
 
 BRANCHES = ("compression", "selection", "window")  # the order of gate_proj's 3 outputs per head
+PROMPT_TASKS = ("passkey", "needle")  # eval.py's retrieval grid: exact match by depth
 
 
 @contextmanager
@@ -54,13 +57,9 @@ def branch_off(model: nn.Module, branch: int) -> Iterator[None]:
             handle.remove()
 
 
-def ablation(model: nn.Module, documents: SyntheticDocuments, length: int, samples: int, seed: int,
-             batch_size: int) -> dict[str, dict]:
-    """eval.recall_scores on the same documents with every branch ("all"), with exact block scores, and without each
-    of BRANCHES."""
-    def score() -> dict:
-        return recall_scores(model, documents, [length], samples, seed, batch_size)
-
+def ablation(model: nn.Module, score: Callable[[], dict]) -> dict[str, dict]:
+    """score() (`recall_scores` or `retrieval_grid` of one length) with every branch ("all"), with exact block scores,
+    and without each of BRANCHES."""
     results = {"all": score()}
     with exact_block_scores():
         results["exact block scores"] = score()
@@ -71,26 +70,37 @@ def ablation(model: nn.Module, documents: SyntheticDocuments, length: int, sampl
 
 
 def report(results: dict[str, dict]) -> str:
-    """The table: per distance bucket, its answers and the accuracy of each variant; the last row all answers."""
-    names = list(results)
-    header = ["distance", "answers", *names]
+    """The table: per distance bucket (documents) or depth (prompts), its answers and the accuracy of each variant;
+    the last row all answers."""
+    names, first = list(results), results["all"]
+    header = ["distance" if "buckets" in first else "depth", "answers", *names]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for i, bucket in enumerate(results["all"]["buckets"]):
-        cells = [f"{bucket['start']}-{bucket['end'] - 1}", str(bucket["count"]),
-                 *(f"{results[n]['buckets'][i]['accuracy']:.1%}" for n in names)]
+    if "buckets" in first:
+        for i, bucket in enumerate(first["buckets"]):
+            cells = [f"{bucket['start']}-{bucket['end'] - 1}", str(bucket["count"]),
+                     *(f"{results[n]['buckets'][i]['accuracy']:.1%}" for n in names)]
+            lines.append("| " + " | ".join(cells) + " |")
+        total = {n: results[n]["accuracy"] for n in names}
+        lines.append("| all | " + str(first["answers"]) + " | " + " | ".join(f"{total[n]:.1%}" for n in names) + " |")
+        return "\n".join(lines)
+    for i, depth in enumerate(first["depths"]):  # one length: accuracy [[per depth]]
+        cells = [f"{depth:g}", str(first["samples"]), *(f"{results[n]['accuracy'][0][i]:.0%}" for n in names)]
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("| all | " + str(results["all"]["answers"]) + " | "
-                 + " | ".join(f"{results[n]['accuracy']:.1%}" for n in names) + " |")
+    mean = {n: sum(results[n]["accuracy"][0]) / len(first["depths"]) for n in names}
+    lines.append(f"| all | {first['samples'] * len(first['depths'])} | "
+                 + " | ".join(f"{mean[n]:.1%}" for n in names) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="an NSA model: a run's model/ export or a checkpoint")
-    p.add_argument("--task", choices=TOKEN_TASKS, default="mqar")
-    p.add_argument("--length", type=int, default=512, help="tokens a document")
+    p.add_argument("--task", choices=TOKEN_TASKS + PROMPT_TASKS, default="mqar")
+    p.add_argument("--length", type=int, default=512, help="tokens a document or prompt")
     p.add_argument("--pairs", type=int, help="MQAR: key-value pairs a document (default: a third of its slots)")
-    p.add_argument("--samples", type=int, default=64, help="documents")
+    p.add_argument("--samples", type=int, default=64, help="documents, or prompts a depth")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="passkey, needle: where the needle sits (0 = start, 1 = end)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seed", type=int, default=3000)
     p.add_argument("--tokenizer", help="default: the one stored with the model")
@@ -99,14 +109,30 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if min(args.samples, args.batch_size) < 1:
             raise ValueError(f"--samples and --batch_size must be at least 1, got {args.samples} and "
                              f"{args.batch_size}")
-        _, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches", args.length)
-        documents = SyntheticDocuments(args.task, tokenizer, args.pairs)
-        documents.check_length(args.length)
+        config, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches", args.length)
+        if args.task in PROMPT_TASKS:
+            if args.pairs is not None or not all(0 <= d <= 1 for d in args.depths):
+                raise ValueError(f"--task {args.task} takes no --pairs and --depths between 0 and 1")
+            builder, room = PromptBuilder(tokenizer), 10  # room: the answer and two more tokens generated
+            if not builder.required_length(args.task) <= args.length <= config.context_length - room:
+                raise ValueError(f"--length for {args.task} must be at least {builder.required_length(args.task)} "
+                                 f"(its text) and at most {config.context_length - room} (the context of "
+                                 f"{config.context_length} less {room} generated tokens), got {args.length}")
+        else:
+            documents = SyntheticDocuments(args.task, tokenizer, args.pairs)
+            documents.check_length(args.length)
     except (OSError, ValueError) as e:
         p.error(str(e))
     model = load_model(args.model).eval()
+    if args.task in PROMPT_TASKS:
+        def score() -> dict:
+            return retrieval_grid(model, builder, args.task, [args.length], args.depths, args.samples, args.seed,
+                                  args.batch_size)
+    else:
+        def score() -> dict:
+            return recall_scores(model, documents, [args.length], args.samples, args.seed, args.batch_size)
     with torch.no_grad():
-        results = ablation(model, documents, args.length, args.samples, args.seed, args.batch_size)
+        results = ablation(model, score)
     print(report(results))
     return results
 

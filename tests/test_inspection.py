@@ -113,11 +113,14 @@ def test_branch_ablation_switches_gates_off(data_dir, tmp_path, capsys):
     """benchmarks/nsa_branch_ablation.py: switching a branch off zeroes that branch's gates in every layer (read
     by nsa.inspection) and leaves the first layer's other two as they were; with all three off every NSA layer
     outputs exactly 0; leaving the blocks returns the model to its own output; the table has a row per distance
-    bucket plus the total. A missing model or a zero --samples is one line with exit 2."""
+    bucket (documents) or depth (passkey prompts) plus the total. A missing model, a zero --samples or a passkey
+    prompt shorter than its text is one line with exit 2."""
     import runpy
     from pathlib import Path
 
-    from text.synthetic import SyntheticDocuments
+    from evaluation.tasks import recall_scores, retrieval_grid
+    from storage.weights import export_model
+    from text.synthetic import PromptBuilder, SyntheticDocuments
     from text.tokenizer import Tokenizer
 
     script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_branch_ablation.py"))
@@ -137,14 +140,26 @@ def test_branch_ablation_switches_gates_off(data_dir, tmp_path, capsys):
     with script["branch_off"](model, 0), script["branch_off"](model, 1), script["branch_off"](model, 2):
         assert torch.equal(attn(x, cos, sin), torch.zeros_like(x))
     torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
-    documents = SyntheticDocuments("copy", Tokenizer(data_dir / "tokenizer.model"))
-    results = script["ablation"](model, documents, 64, 2, 0, 2)
+    tokenizer = Tokenizer(data_dir / "tokenizer.model")
+    documents = SyntheticDocuments("copy", tokenizer)
+    results = script["ablation"](model, lambda: recall_scores(model, documents, [64], 2, 0, 2))
     assert list(results) == ["all", "exact block scores", "without compression", "without selection", "without window"]
     table = script["report"](results).splitlines()
     assert len(table) == 2 + len(results["all"]["buckets"]) + 1 and table[-1].startswith("| all | ")
+    builder, depths = PromptBuilder(tokenizer), [0.0, 1.0]  # the passkey grid: a row per depth, exact match
+    grid = script["ablation"](model, lambda: retrieval_grid(model, builder, "passkey", [160], depths, 1, 0, 1))
+    table = script["report"](grid).splitlines()
+    assert table[0].startswith("| depth | answers | all | exact block scores |") and len(table) == 2 + 2 + 1
+    assert table[2].startswith("| 0 | 1 | ") and table[-1].startswith("| all | 2 | ")
     for argv in ([str(tmp_path / "missing")], [str(tmp_path / "missing"), "--samples", "0"]):
         with pytest.raises(SystemExit) as exit_info:
             script["main"](argv)
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "Traceback" not in err
     assert "--samples and --batch_size must be at least 1" in err
+    export_model(model, tmp_path / "nsa")
+    with pytest.raises(SystemExit) as exit_info:
+        script["main"]([str(tmp_path / "nsa" / "model"), "--tokenizer", str(data_dir / "tokenizer.model"), "--task",
+                        "passkey", "--length", "20"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--length for passkey must be at least" in err and "Traceback" not in err
