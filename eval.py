@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from evaluation.harness import check_harness_tasks, format_harness, harness_lm, run_harness
 from evaluation.tasks import (
+    GRID_ROOM,
     GRID_TASKS,
     TASKS,
     document_loglikelihoods,
@@ -118,11 +119,10 @@ def plan_lengths(task: str, asked: list[int] | None, context: int, builder: Prom
     """The lengths `task` runs at: `asked` or the defaults (grids: 1/8, 1/4, 1/2 of the context and its end;
     recall: the context), without those the task cannot hold (one line each); ValueError for a length beyond the
     context."""
-    room = 10  # generated tokens after a grid prompt: the answer and two more
-    longest = context - (room if task in GRID_TASKS else 0)
+    longest = context - (GRID_ROOM if task in GRID_TASKS else 0)
     if asked and max(asked) > longest:
         raise ValueError(f"--lengths {max(asked)} does not fit the context of {context} tokens"
-                         + (f" with the {room} answer tokens {task} generates" if task in GRID_TASKS else ""))
+                         + (f" with the {GRID_ROOM} answer tokens {task} generates" if task in GRID_TASKS else ""))
     if task in GRID_TASKS:
         needed = builder.required_length(task)
         lengths = asked or sorted({context // 8, context // 4, context // 2, longest})

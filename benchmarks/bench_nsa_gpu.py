@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_nsa  # noqa: E402
 
 IMPLS = ("sdpa", "nsa", "nsa-torch", "nsa+loss", "nsa+dense-loss")
+TRITON_IMPLS = ("nsa", "nsa+loss", "nsa+dense-loss")  # NSA's branches on the Triton kernels
 SCORE_LOSS = {"nsa+loss": {"nsa_score_loss_coef": 0.1, "nsa_score_loss_stride": 8, "nsa_score_loss_top": 24,
                            "nsa_score_loss_random": 8},
               "nsa+dense-loss": {"nsa_score_loss_coef": 0.1}}
@@ -40,8 +41,7 @@ SCORE_LOSS = {"nsa+loss": {"nsa_score_loss_coef": 0.1, "nsa_score_loss_stride": 
 
 def build(impl: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Callable:
     """The layer as a function x (1, T, dim) -> (1, T, dim) on device, in dtype (bench_nsa.py's layers)."""
-    triton = impl not in ("sdpa", "nsa-torch")
-    layer, run = bench_nsa.build("sdpa" if impl == "sdpa" else "nsa", args, triton_kernels=triton,
+    layer, run = bench_nsa.build("sdpa" if impl == "sdpa" else "nsa", args, triton_kernels=impl in TRITON_IMPLS,
                                  **SCORE_LOSS.get(impl, {}))
     layer.to(device, dtype)
     return run
@@ -105,7 +105,7 @@ def main() -> None:
         for impl in args.impls:
             run = build(impl, args, device, dtype)
             x = torch.randn(1, T, args.dim, device=device, dtype=dtype, requires_grad=True)
-            forced = impl != "nsa-torch" and device.type == "cpu"  # the interpreter stands in for the GPU
+            forced = impl in TRITON_IMPLS and device.type == "cpu"  # the interpreter stands in for the GPU
             with triton_kernels() if forced else contextlib.nullcontext():
                 with torch.no_grad():
                     fwd, _ = timed(lambda run=run, x=x: run(x), device, args.repeats)

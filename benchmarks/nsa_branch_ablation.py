@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluation.tasks import recall_scores, retrieval_grid  # noqa: E402
+from evaluation.tasks import GRID_ROOM, GRID_TASKS, recall_scores, retrieval_grid  # noqa: E402
 from nsa.inspection import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 from nsa.primitive import exact_block_scores  # noqa: E402
@@ -37,7 +37,6 @@ from storage.weights import load_model  # noqa: E402
 from text.synthetic import TOKEN_TASKS, PromptBuilder, SyntheticDocuments  # noqa: E402
 
 BRANCHES = ("compression", "selection", "window")  # the order of gate_proj's 3 outputs per head
-PROMPT_TASKS = ("passkey", "needle")  # eval.py's retrieval grid: exact match by depth
 
 
 @contextmanager
@@ -95,7 +94,7 @@ def report(results: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="an NSA model: a run's model/ export or a checkpoint")
-    p.add_argument("--task", choices=TOKEN_TASKS + PROMPT_TASKS, default="mqar")
+    p.add_argument("--task", choices=TOKEN_TASKS + GRID_TASKS, default="mqar")
     p.add_argument("--length", type=int, default=512, help="tokens a document or prompt")
     p.add_argument("--pairs", type=int, help="MQAR: key-value pairs a document (default: a third of its slots)")
     p.add_argument("--samples", type=int, default=64, help="documents, or prompts a depth")
@@ -110,21 +109,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             raise ValueError(f"--samples and --batch_size must be at least 1, got {args.samples} and "
                              f"{args.batch_size}")
         config, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches", args.length)
-        if args.task in PROMPT_TASKS:
+        if args.task in GRID_TASKS:
             if args.pairs is not None or not all(0 <= d <= 1 for d in args.depths):
                 raise ValueError(f"--task {args.task} takes no --pairs and --depths between 0 and 1")
-            builder, room = PromptBuilder(tokenizer), 10  # room: the answer and two more tokens generated
-            if not builder.required_length(args.task) <= args.length <= config.context_length - room:
+            builder, longest = PromptBuilder(tokenizer), config.context_length - GRID_ROOM
+            if not builder.required_length(args.task) <= args.length <= longest:
                 raise ValueError(f"--length for {args.task} must be at least {builder.required_length(args.task)} "
-                                 f"(its text) and at most {config.context_length - room} (the context of "
-                                 f"{config.context_length} less {room} generated tokens), got {args.length}")
+                                 f"(its text) and at most {longest} (the context of {config.context_length} less "
+                                 f"{GRID_ROOM} generated tokens), got {args.length}")
         else:
             documents = SyntheticDocuments(args.task, tokenizer, args.pairs)
             documents.check_length(args.length)
     except (OSError, ValueError) as e:
         p.error(str(e))
     model = load_model(args.model).eval()
-    if args.task in PROMPT_TASKS:
+    if args.task in GRID_TASKS:
         def score() -> dict:
             return retrieval_grid(model, builder, args.task, [args.length], args.depths, args.samples, args.seed,
                                   args.batch_size)

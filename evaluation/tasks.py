@@ -28,6 +28,7 @@ from text.tokenizer import HFTokenizer, Tokenizer
 
 TASKS = ("loss", "passkey", "needle", "mqar", "mqar_text", "documents")
 GRID_TASKS = ("passkey", "needle")
+GRID_ROOM = 10  # tokens a grid prompt leaves in the context for generation: the answer and two more
 LOSS_CHUNK = 512  # positions whose logits exist at a time when scoring windows
 
 
