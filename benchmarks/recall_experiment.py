@@ -34,7 +34,8 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   seeds 72% against 67%, as one seed does not copy from scratch).
   `--score_loss COEF` adds the selection-scoring loss (nsa/scoring.py), which trains the block scores toward each
   block's best key, to NSA's MQAR stages long enough for top-n to choose (longer than n l'); `--score_loss_stride`,
-  `--score_loss_top` and `--score_loss_random` make it cheaper.
+  `--score_loss_top` and `--score_loss_random` make it cheaper; `--score_loss_target selection` trains the scores
+  toward the set of blocks the best keys select.
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
 more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs 14-16% more steps than one
 run at a time on both cores. --control_seeds N trains the control with the first N seeds only: it shows where a
@@ -182,6 +183,7 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
     score |= {"nsa_score_loss_stride": args.score_loss_stride} if scored and args.score_loss_stride > 1 else {}
     score |= {"nsa_score_loss_top": args.score_loss_top} if scored and args.score_loss_top else {}
     score |= {"nsa_score_loss_random": args.score_loss_random} if scored and args.score_loss_random else {}
+    score |= {"nsa_score_loss_target": args.score_loss_target} if scored and args.score_loss_target != "scores" else {}
     if previous is None:
         argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"],
                  *override_args({**fields, **score})]
@@ -263,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
                         "nsa_score_loss_top; default 0: every block, reading every key)")
     p.add_argument("--score_loss_random", type=int, default=0, metavar="R",
                    help="and over R random other blocks (ComputeConfig.nsa_score_loss_random; with --score_loss_top)")
+    p.add_argument("--score_loss_target", choices=("scores", "selection"), default="scores",
+                   help="that loss's target: each block's best-key softmax (default), or uniform over the blocks "
+                        "the best keys select (ComputeConfig.nsa_score_loss_target)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of a stage without @LR")
     p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     p.add_argument("--jobs", type=int, default=1,
@@ -281,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--score_loss_top must be >= 0 and goes with --score_loss, got {args.score_loss_top}")
     if args.score_loss_random < 0 or (args.score_loss_random and not args.score_loss_top):
         p.error(f"--score_loss_random must be >= 0 and goes with --score_loss_top, got {args.score_loss_random}")
+    if args.score_loss_target != "scores" and not args.score_loss:
+        p.error("--score_loss_target goes with --score_loss")
     if not (math.isfinite(args.score_loss) and args.score_loss >= 0):
         p.error(f"--score_loss must be a finite number >= 0, got {args.score_loss}")
     if args.score_loss and "nsa" not in args.types:

@@ -165,6 +165,8 @@ class ComputeConfig:
     nsa_score_loss_stride: int = 1  # that loss scores every k-th of its queries (random offset): 1/k of its cost
     nsa_score_loss_top: int = 0  # m > 0: its target over each query's m top blocks by importance (0: every block)
     nsa_score_loss_random: int = 0  # and over this many random other blocks (with nsa_score_loss_top only)
+    # Its target: "scores", the blocks' best-key softmax; "selection", uniform over the n - 3 blocks it would select
+    nsa_score_loss_target: Literal["scores", "selection"] = "scores"
     offload_activations: bool = False  # tensors the blocks save for backward live in host memory (offload.py)
 
     def __post_init__(self) -> None:
@@ -179,6 +181,9 @@ class ComputeConfig:
         if self.loss_mode not in ("auto", "chunked", "standard"):
             raise ValueError(f"ComputeConfig.loss_mode must be 'auto', 'chunked' or 'standard', got "
                              f"{self.loss_mode!r}")
+        if self.nsa_score_loss_target not in ("scores", "selection"):
+            raise ValueError(f"ComputeConfig.nsa_score_loss_target must be 'scores' or 'selection', got "
+                             f"{self.nsa_score_loss_target!r}")
         if self.loss_rows not in ("all", "targets"):
             raise ValueError(f"ComputeConfig.loss_rows must be 'all' or 'targets', got {self.loss_rows!r}")
         for name in ("z_loss_coef", "nsa_score_loss_coef"):

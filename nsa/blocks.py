@@ -141,6 +141,16 @@ def candidate_blocks(scores: Tensor, allowed: Tensor, top: int, random: int,
     return torch.cat([top_idx, rand_idx], dim=-1), torch.cat([top_ok, rest.gather(-1, rand_idx)], dim=-1)
 
 
+def selection_target(scores: Tensor, allowed: Tensor, free: int) -> Tensor:
+    """The set a selection by `scores` would choose, as a distribution: for scores (B, KV, Q, N) and the blocks a
+    row chooses among, allowed (bool, broadcast to scores' shape), uniform over each row's `free` highest-scoring
+    allowed blocks (all of them when it has fewer), zero for a row with none allowed. No gradient."""
+    allowed = allowed.expand_as(scores)  # (B, KV, Q, N)
+    idx = scores.masked_fill(~allowed, -math.inf).topk(min(free, scores.shape[-1]), dim=-1).indices
+    chosen = torch.zeros_like(scores).scatter_(-1, idx, 1.0) * allowed  # (B, KV, Q, N): 1 on the chosen blocks
+    return chosen / chosen.sum(-1, keepdim=True).clamp(min=1.0)
+
+
 _GATHER_BYTES = 64 * 2**20  # bytes of candidate keys `candidate_token_scores` gathers at a time
 
 

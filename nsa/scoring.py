@@ -13,10 +13,16 @@ blocks j (1 .. c - 2):
                    selects by): per query head, softmax over those blocks of max_{s in j} q . k_s / sqrt(D),
                    averaged over the group's heads; no gradient;
     predict p_j  = importance of block j (`nsa.blocks.block_importance`), renormalised over the same blocks;
-    loss         = KL(t || p) = sum_j t_j (log t_j - log p_j),
+    loss         = KL(t || p) = sum_j t_j (log t_j - log p_j).
 
-averaged over those (batch, KV head, query) rows: a mean over the rows that choose, so the coefficient means the
-same at every length, and independent of the labels. Computed in at least float32 with autocast off (a bf16
+With `ComputeConfig.nsa_score_loss_target` "selection", t is instead the set selection by t would take: uniform
+over the n - 3 blocks t ranks highest (`nsa.blocks.selection_target`). Top-n needs a block's rank, not its share:
+t often puts nearly all its mass on one or two blocks, so a block it ranks fifth weighs almost nothing in KL(t || p)
+though selection by t takes it; the set weighs each of the n - 3 alike. The loss is then the cross-entropy of p on
+the set, less log(n - 3).
+
+The loss is averaged over those (batch, KV head, query) rows: a mean over the rows that choose, so the coefficient
+means the same at every length, and independent of the labels. Computed in at least float32 with autocast off (a bf16
 autocast run and a float32 one train the same objective). Gradients reach the queries and the compressed keys (so
 the projections and, with the "mlp" compressor, its MLP), not the target's keys. It is a training objective,
 weighted by `ComputeConfig.nsa_score_loss_coef` (off by default) and added by nsa/layer.py through
@@ -59,6 +65,7 @@ from nsa.blocks import (
     candidate_token_scores,
     contested_blocks,
     num_compressed_blocks,
+    selection_target,
 )
 
 if TYPE_CHECKING:
@@ -72,11 +79,12 @@ def _as_is(t: Tensor) -> Tensor:
 
 
 def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: int, config: ModelConfig, top: int,
-              random: int, generator: torch.Generator | None) -> Tensor:
+              random: int, generator: torch.Generator | None, as_set: bool) -> Tensor:
     """Summed KL(t || p) of one chunk's rows: queries q (B, H, Q, D) at the ascending positions q_pos (Q,), the last
     of them `last`, the compressed keys k_cmp (B, KV, Nc', D) they can see, the key blocks k_blocks (B, KV, Ns', l',
     D). Over every contested block (top = 0), or over each row's `top` blocks by importance and `random` others
-    (`nsa.blocks.candidate_blocks`, drawn from `generator`). Rows where top-n does not choose contribute 0."""
+    (`nsa.blocks.candidate_blocks`, drawn from `generator`); `as_set`: the target made uniform over the n - 3
+    blocks it ranks highest (`nsa.blocks.selection_target`). Rows where top-n does not choose contribute 0."""
     l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
     G = q.shape[1] // k_cmp.shape[1]
     n_select = last // l_sel + 1  # blocks up to the last query's own
@@ -88,6 +96,8 @@ def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: i
             target = candidate_token_scores(q, k_blocks, idx, valid) / G  # (B, KV, Q, K): sum 1 or 0
         else:
             target = best_token_scores(q, k_blocks, q_pos, n_select, contested) / G  # (B, KV, Q, Ns): sum 1 or 0
+        if as_set:
+            target = selection_target(target, valid if top else contested, config.nsa_num_selected - 3)
     importance = importance.gather(-1, idx) * valid if top else importance * contested
     log_p = importance.clamp(min=_TINY).log() - importance.sum(-1, keepdim=True).clamp(min=_TINY).log()
     return (torch.xlogy(target, target) - target * log_p).sum()
@@ -98,7 +108,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int, stride: int,
-                offset: int, top: int, random: int, seed: int) -> Tensor:
+                offset: int, top: int, random: int, seed: int, as_set: bool) -> Tensor:
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
         n = config.nsa_num_selected
@@ -121,7 +131,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
                     torch.autocast(q.device.type, enabled=False):
                 q_c = q.index_select(2, q_pos).detach().to(acc).requires_grad_()  # (B, H, Q, D)
                 k_c = k_cmp[:, :, :n_cmp].detach().to(acc).requires_grad_()
-                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator)
+                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator, as_set)
                 dq, dk = torch.autograd.grad(kl, (q_c, k_c))
             total += kl.detach()
             grad_q.index_copy_(2, q_pos, dq)
@@ -135,7 +145,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grad_q, grad_k = ctx.saved_tensors
         return (grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype),
-                *([None] * 8))
+                *([None] * 9))
 
 
 @torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
@@ -154,7 +164,8 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
             recomputation draw the same), their sum times k over the rows' count: an unbiased estimate of the mean
             at 1/k of the cost; with `nsa_score_loss_top` m > 0, each row's target and prediction over its m
             blocks of highest importance and `nsa_score_loss_random` random others (a seed drawn from the same
-            generator) only.
+            generator) only; with `nsa_score_loss_target` "selection", the target uniform over the n - 3 blocks
+            it ranks highest.
     Returns:
         A 0-dim tensor in at least float32 (0 when T <= n l': no query chooses yet), differentiable in q and
         k_cmp.
@@ -163,4 +174,4 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
     offset = int(torch.randint(stride, ())) if stride > 1 else 0  # host draws: no device sync
     seed = int(torch.randint(2**62, ())) if random else 0
     return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset, top,
-                                     random, seed)
+                                     random, seed, compute.nsa_score_loss_target == "selection")

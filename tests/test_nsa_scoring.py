@@ -26,13 +26,14 @@ def geometry(**overrides: object) -> ModelConfig:
 
 def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, config: ModelConfig,
                      rows_of: torch.Tensor | None = None, top: int = 0,
-                     extra: Callable[[int, int, int], list[int]] | None = None) -> torch.Tensor:
+                     extra: Callable[[int, int, int], list[int]] | None = None, as_set: bool = False) -> torch.Tensor:
     """The loss one (batch, KV head, query) row at a time, straight from the definitions: rows where top-n chooses
     (the query's block c >= n: more blocks between block 0 and its previous block than n - 3 free slots), over those
     blocks 1 .. c - 2; the prediction sums each head's compression probabilities, pooled with Eq. 9's weights, over
     the group; the target averages each head's softmax of its best key's logit. With top = m > 0, both only over the
     row's m blocks of highest prediction and the blocks extra(b, kv, t) names; the prediction renormalised over the
-    same blocks. `rows_of` (T,) bool: only those queries."""
+    same blocks. `rows_of` (T,) bool: only those queries. `as_set`: the target uniform over its n - 3 highest
+    blocks (all of them when fewer)."""
     B, H, T, D = q.shape
     KV = k_cmp.shape[1]
     G, l, d, l_sel = H // KV, config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
@@ -62,9 +63,13 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
                     best = torch.stack([(k_slc[b, kv, j * l_sel:(j + 1) * l_sel] @ q[b, h, t]).max()
                                         for j in chosen]) / math.sqrt(D)
                     target = target + best.softmax(0).detach() / G
+                if as_set:
+                    kept = sorted(range(len(chosen)), key=lambda i: -float(target[i]))[:n - 3]
+                    target = torch.zeros_like(target)
+                    target[kept] = 1 / len(kept)
                 p = torch.stack([importance[j] for j in chosen])
                 p = p / p.sum()
-                total = total + (target * (target.log() - p.log())).sum()
+                total = total + torch.where(target > 0, target * (target.log() - p.log()), 0).sum()
                 rows += 1
     return total / rows
 
@@ -91,6 +96,36 @@ def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_
     for got, want in zip(grads[:2], expected_grads, strict=True):
         torch.testing.assert_close(got, want, **F64)
     assert grads[2] is None
+
+
+@pytest.mark.parametrize("l,d,l_sel,n", [(8, 4, 16, 4), (8, 8, 8, 6)])
+def test_the_selection_target_equals_a_float64_loop_over_queries(l: int, d: int, l_sel: int, n: int) -> None:
+    """nsa_score_loss_target "selection": the loop with the target made uniform over the n - 3 blocks its scores rank
+    highest (with n = 4 one block, a cross-entropy on the best one), value and gradients to 1e-12."""
+    config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel, nsa_num_selected=n)
+    q, k_cmp, k_slc = inputs(11, B=2, H=4, KV=2, T=100, D=8, l=l, d=d)
+    compute = ComputeConfig(attention_query_chunk=24, nsa_score_loss_target="selection")
+    loss = selection_score_loss(q, k_cmp, k_slc, config, compute)
+    expected = naive_score_loss(q, k_cmp, k_slc, config, as_set=True)
+    torch.testing.assert_close(loss, expected, **F64)
+    for got, want in zip(torch.autograd.grad(loss, (q, k_cmp)), torch.autograd.grad(expected, (q, k_cmp)),
+                         strict=True):
+        torch.testing.assert_close(got, want, **F64)
+
+
+def test_selection_target_is_uniform_over_the_top_allowed_blocks() -> None:
+    """`selection_target`: 1 / free on each row's free highest allowed scores, 1 / count on all of them when a row
+    has fewer, zero for a row with none; a loop over the rows says the same."""
+    g = torch.Generator().manual_seed(12)
+    scores = torch.rand(2, 3, 5, 9, generator=g)
+    allowed = torch.rand(5, 9, generator=g) < 0.7
+    allowed[0], allowed[1, 2:] = False, False  # a row with none, a row with 2 (fewer than free = 3)
+    target = blocks.selection_target(scores, allowed, 3)
+    for b, kv, t in [(b, kv, t) for b in range(2) for kv in range(3) for t in range(5)]:
+        ranked = [j for j in sorted(range(9), key=lambda j: -float(scores[b, kv, t, j])) if allowed[t, j]][:3]
+        want = torch.zeros(9)
+        want[ranked] = 1 / max(len(ranked), 1)
+        assert torch.equal(target[b, kv, t], want)
 
 
 def test_a_strided_sample_of_the_rows_is_unbiased(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,13 +168,14 @@ def inputs(seed: int, B: int, H: int, KV: int, T: int, D: int, l: int, d: int) -
     return q, k_cmp, torch.randn(B, KV, T, D, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("top,random,stride", [(3, 0, 1), (2, 3, 1), (4, 2, 1), (4, 2, 3)])
-def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: int, stride: int,
+@pytest.mark.parametrize("top,random,stride,target", [(3, 0, 1, "scores"), (2, 3, 1, "scores"), (4, 2, 1, "scores"),
+                                                   (4, 2, 3, "scores"), (4, 2, 1, "selection"), (2, 3, 3, "selection")])
+def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: int, stride: int, target: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """nsa_score_loss_top m, nsa_score_loss_random r: the loop over each row's m blocks of highest importance and the
     random blocks the loss drew (read back from `candidate_blocks`), its value and gradients to 1e-12, in chunks of
     16 queries; with a stride, over the sampled rows (the offset drawn as stride - 1), scaled as the strided loss
-    is."""
+    is; with the "selection" target, its n - 3 = 2 best candidates."""
     config = geometry(nsa_block_size=8, nsa_stride=4, nsa_select_block_size=8, nsa_num_selected=5)
     q, k_cmp, k_slc = inputs(3, B=2, H=4, KV=2, T=110, D=8, l=8, d=4)
     drawn = []
@@ -148,7 +184,7 @@ def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: in
     randint = torch.randint
     monkeypatch.setattr(torch, "randint", lambda high, size: randint(high, size) if high > stride else high - 1)
     compute = ComputeConfig(attention_query_chunk=16, nsa_score_loss_top=top, nsa_score_loss_random=random,
-                            nsa_score_loss_stride=stride)
+                            nsa_score_loss_stride=stride, nsa_score_loss_target=target)
     loss = selection_score_loss(q, k_cmp, k_slc, config, compute)
     grads = torch.autograd.grad(loss, (q, k_cmp))
     idx = torch.cat([i for i, _ in drawn], dim=2)  # (B, KV, rows, K): the rows from position n l' = 40 on
@@ -163,7 +199,8 @@ def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: in
         return [int(j) for j, ok in zip(idx[b, kv, row, top:], valid[b, kv, row, top:], strict=True) if ok]
 
     sampled_share = int(rows_of.sum()) * stride / (110 - 40)  # the strided loss: the sampled rows' mean, rescaled
-    expected = naive_score_loss(q, k_cmp, k_slc, config, rows_of, top=top, extra=extra) * sampled_share
+    expected = naive_score_loss(q, k_cmp, k_slc, config, rows_of, top=top, extra=extra,
+                                as_set=target == "selection") * sampled_share
     torch.testing.assert_close(loss, expected, **F64)
     for got, want in zip(grads, torch.autograd.grad(expected, (q, k_cmp)), strict=True):
         torch.testing.assert_close(got, want, **F64)
@@ -257,14 +294,15 @@ def test_autocast_does_not_change_the_loss() -> None:
         assert torch.equal(plain, autocast)
 
 
-@pytest.mark.parametrize("top,random", [(0, 0), (3, 2)])
-def test_backward_keeps_only_the_input_gradients(top: int, random: int) -> None:
+@pytest.mark.parametrize("top,random,target", [(0, 0, "scores"), (3, 2, "scores"), (0, 0, "selection")])
+def test_backward_keeps_only_the_input_gradients(top: int, random: int, target: str) -> None:
     """Gradients are computed in forward: what backward keeps is one gradient of q and one of the compressed keys,
     no chunk's logits, with the dense target and with candidate blocks."""
     config = geometry()
     q = torch.randn(2, 4, 256, 16, requires_grad=True)
     k_cmp = torch.randn(2, 2, num_compressed_blocks(256, 8, 4), 16, requires_grad=True)
-    compute = ComputeConfig(attention_query_chunk=64, nsa_score_loss_top=top, nsa_score_loss_random=random)
+    compute = ComputeConfig(attention_query_chunk=64, nsa_score_loss_top=top, nsa_score_loss_random=random,
+                            nsa_score_loss_target=target)
     loss = selection_score_loss(q, k_cmp, torch.randn(2, 2, 256, 16), config, compute)
     saved = loss.grad_fn.saved_tensors
     assert sum(t.nbytes for t in saved) == q.nbytes + k_cmp.nbytes
@@ -408,7 +446,8 @@ def test_bad_coefficient_is_refused(bad: object) -> None:
     ({"nsa_score_loss_top": 2.0}, "nsa_score_loss_top must be an integer >= 0"),
     ({"nsa_score_loss_top": 4, "nsa_score_loss_random": True}, "nsa_score_loss_random must be an integer >= 0"),
     ({"nsa_score_loss_random": 2}, "goes with nsa_score_loss_top > 0"),
+    ({"nsa_score_loss_target": "best"}, "nsa_score_loss_target must be 'scores' or 'selection'"),
 ])
-def test_bad_candidate_counts_are_refused(fields: dict, message: str) -> None:
+def test_bad_loss_options_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ComputeConfig(**fields)

@@ -216,16 +216,17 @@ def test_documented_overrides_pass_the_checks(types, model_overrides, copy_overr
 @pytest.mark.slow
 def test_score_loss(data_dir, tmp_path, capsys):
     """--score_loss: NSA's MQAR stages long enough for top-n to choose (longer than n l' = 16) train with the
-    scoring loss (train.py logs it as aux_loss), with --score_loss_top and --score_loss_random passed on; the copying
-    stage, a stage of 16 tokens and the other types without; a negative weight, or one without an NSA run, or the
-    candidate counts without what they refine, are refused before training."""
+    scoring loss (train.py logs it as aux_loss), with --score_loss_top, --score_loss_random and --score_loss_target
+    passed on; the copying stage, a stage of 16 tokens and the other types without; a negative weight, or one
+    without an NSA run, or the candidate counts and the target without what they refine, are refused before
+    training."""
     out = tmp_path / "score"
     fine = {"nsa_compressor": "mean", "nsa_separate_kv": False, "nsa_block_size": 4, "nsa_stride": 4,
             "nsa_select_block_size": 4, "nsa_num_selected": 4}
     common = ["--samples", "2", "--batch_tokens", "64", "--data_dir", str(data_dir), "--out_dir", str(out),
               "--stages", "copy:32:2", "16:2:2", "32:2:2"]
     SCRIPT["main"]([*common, "--types", "nsa", "full", "--model_overrides", json.dumps(fine), "--score_loss", "0.1",
-                    "--score_loss_top", "2", "--score_loss_random", "1"])
+                    "--score_loss_top", "2", "--score_loss_random", "1", "--score_loss_target", "selection"])
 
     def run(kind: str, stage: str) -> tuple[dict, list[dict]]:
         args = json.loads((out / f"{kind}-seed0" / stage / "stage.json").read_text())["args"]
@@ -234,7 +235,8 @@ def test_score_loss(data_dir, tmp_path, capsys):
         return overrides, [m for m in metrics if "loss" in m]
 
     overrides, metrics = run("nsa", "T32-p2")
-    assert overrides == {"nsa_score_loss_coef": 0.1, "nsa_score_loss_top": 2, "nsa_score_loss_random": 1}
+    assert overrides == {"nsa_score_loss_coef": 0.1, "nsa_score_loss_top": 2, "nsa_score_loss_random": 1,
+                         "nsa_score_loss_target": "selection"}
     assert all(m["aux_loss"] > 0 for m in metrics)
     for kind, stage in (("nsa", "copy-T32"), ("nsa", "T16-p2"), ("full", "copy-T32"), ("full", "T32-p2")):
         overrides, metrics = run(kind, stage)
@@ -244,7 +246,8 @@ def test_score_loss(data_dir, tmp_path, capsys):
                          (["--types", "nsa", "--score_loss_stride", "4"], "goes with --score_loss"),
                          (["--types", "nsa", "--score_loss_top", "4"], "goes with --score_loss"),
                          (["--types", "nsa", "--score_loss", "0.1", "--score_loss_random", "2"],
-                          "goes with --score_loss_top")):
+                          "goes with --score_loss_top"),
+                         (["--types", "nsa", "--score_loss_target", "selection"], "goes with --score_loss")):
         with pytest.raises(SystemExit) as exit_info:
             SCRIPT["main"]([*common[:-4], "--out_dir", str(tmp_path / "bad"), *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
