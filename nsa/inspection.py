@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from model import Transformer
-from nsa.blocks import block_importance, select_blocks
+from nsa.blocks import as_blocks, best_token_scores, block_importance, contested_blocks, select_blocks
 from nsa.layer import NativeSparseAttention
 
 if TYPE_CHECKING:
@@ -30,28 +30,47 @@ if TYPE_CHECKING:
     from text.tokenizer import HFTokenizer, Tokenizer
 
 
-def selected_blocks(q: Tensor, k_cmp: Tensor, config: object) -> Tensor:
+def selected_blocks(q: Tensor, k_cmp: Tensor, config: object, k_slc: Tensor | None = None) -> Tensor:
     """Selection blocks (B, KV, T, n) chosen for queries q (B, H, T, D) at positions 0..T-1 from compressed keys
     k_cmp (B, KV, Nc, D): compression probabilities over the visible blocks, summed over each GQA group and pooled
-    onto selection blocks (Eq. 9), then top-n with block 0 and the two most recent forced in. Slots beyond the
-    blocks that exist yet hold -1."""
+    onto selection blocks (Eq. 9), then top-n with block 0 and the two most recent forced in. With the selection
+    keys k_slc (B, KV, T, D): the blocks exact block scores select instead (`nsa.primitive.exact_block_scores`: each
+    block by its best key, reading every key). Slots beyond the blocks that exist yet hold -1."""
     T = q.shape[2]
     l, d, l_sel, n = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_num_selected
     positions = torch.arange(T, device=q.device)
-    scores = block_importance(q, k_cmp, positions, l, d, l_sel, (T - 1) // l_sel + 1)  # (B, KV, T, Ns)
+    if k_slc is None:
+        scores = block_importance(q, k_cmp, positions, l, d, l_sel, (T - 1) // l_sel + 1)  # (B, KV, T, Ns)
+    else:
+        scores = best_token_scores(q, as_blocks(k_slc, l_sel), positions, (T - 1) // l_sel + 1)
     idx, valid = select_blocks(scores, positions, l_sel, n)
     return idx.masked_fill(~valid, -1).sort(-1).values
 
 
-def inspect(model: Transformer, input_ids: Tensor) -> list[dict[str, Tensor]]:
+def score_loss_target(q: Tensor, k_slc: Tensor, config: object) -> Tensor:
+    """The selection-scoring loss's target t (nsa/scoring.py, "scores") for queries q (B, H, T, D) at positions
+    0..T-1 and the selection keys k_slc (B, KV, T, D): (B, KV, T, Ns), each row a distribution over the blocks top-n
+    chooses among, zero where it chooses none."""
+    T, G = q.shape[2], q.shape[1] // k_slc.shape[1]
+    l_sel, n = config.nsa_select_block_size, config.nsa_num_selected
+    positions, n_select = torch.arange(T, device=q.device), (T - 1) // l_sel + 1
+    contested = contested_blocks(positions, l_sel, n_select, n)  # (T, Ns)
+    return best_token_scores(q, as_blocks(k_slc, l_sel), positions, n_select, contested) / G
+
+
+def inspect(model: Transformer, input_ids: Tensor, exact: bool = False) -> list[dict[str, Tensor]]:
     """Per NSA layer: {"gates": (B, H, T, 3) compression/selection/window gates, "selected": (B, KV, T, n) selection
-    blocks} for `input_ids` (B, T), from one forward of the model."""
+    blocks} for `input_ids` (B, T), from one forward of the model; `exact` adds "exact" (B, KV, T, n), the blocks
+    exact block scores select, and "target" (B, KV, T, Ns), the score loss's target (`score_loss_target`)."""
     found: list[dict[str, Tensor]] = []
 
     def capture(layer: NativeSparseAttention):
         def attend(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                    v_win: Tensor, gates: Tensor, config: object, *args: object, **kwargs: object) -> Tensor:
             found.append({"gates": gates.detach().float(), "selected": selected_blocks(q, k_cmp, config)})
+            if exact:
+                found[-1] |= {"exact": selected_blocks(q, k_cmp, config, k_slc),
+                              "target": score_loss_target(q, k_slc, config)}
             return NativeSparseAttention.sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config,
                                                           *args, **kwargs)
         return attend

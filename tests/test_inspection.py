@@ -3,6 +3,8 @@ path, chunk by chunk), the gates are the layer's, and the command prints them fo
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -10,11 +12,14 @@ from model import ModelConfig, Transformer
 from modeling.config import ComputeConfig
 from nsa import attention as nsa_attention
 from nsa.blocks import as_blocks
-from nsa.inspection import inspect, report, selected_blocks
-from nsa.primitive import explicit_attention
+from nsa.inspection import inspect, report, score_loss_target, selected_blocks
+from nsa.primitive import exact_block_scores, explicit_attention
 
 
-def test_reported_selection_is_the_attention_s_own():
+@pytest.mark.parametrize("exact", [False, True])
+def test_reported_selection_is_the_attention_s_own(exact: bool):
+    """The compression branch's importance, or with the selection keys exact block scores (as the attention
+    selects under `exact_block_scores`)."""
     torch.manual_seed(0)
     config = ModelConfig.from_preset("tiny", attention_type="nsa", nsa_num_selected=3)
     B, H, KV, T, D = 1, 4, 2, 90, 8
@@ -23,15 +28,19 @@ def test_reported_selection_is_the_attention_s_own():
     k_cmp, v_cmp = torch.randn(B, KV, n_cmp, D, dtype=torch.float64), torch.randn(B, KV, n_cmp, D, dtype=torch.float64)
     k = torch.randn(B, KV, T, D, dtype=torch.float64)
     blocks = as_blocks(k, config.nsa_select_block_size)
-    with explicit_attention():
+    with explicit_attention(), exact_block_scores() if exact else contextlib.nullcontext():
         compute = ComputeConfig(attention_query_chunk=T)
         span, = nsa_attention._spans(T, 0, 0, config, compute)
         chunk = nsa_attention._chunk(span, q, k_cmp, v_cmp, blocks, blocks, k, k, config, compute)
         _, _, idx = chunk.forward()  # (B, KV, T, n); unused slots hold the number of blocks
     n_blocks = blocks.shape[2]
     want = idx.masked_fill(idx >= n_blocks, -1).sort(-1).values
-    got = selected_blocks(q, k_cmp, config)
+    got = selected_blocks(q, k_cmp, config, k if exact else None)
     assert torch.equal(got, want)
+    if exact:  # the loss's target (n = 4): a distribution where top-n chooses (from n l' = 64 on), zero before
+        target = score_loss_target(q, k, ModelConfig.from_preset("tiny", attention_type="nsa"))  # (B, KV, T, Ns)
+        torch.testing.assert_close(target.sum(-1)[..., 64:], torch.ones(B, KV, T - 64, dtype=torch.float64))
+        assert not target[..., :64, :].any()
 
 
 def test_inspect_reports_every_layer_and_the_gates():
@@ -67,29 +76,46 @@ def test_bad_inputs_are_one_line_errors(attention, text, message, data_dir, tmp_
 
 def test_recall_selection_marks_the_pair_blocks(data_dir):
     """benchmarks/nsa_recall_selection.py: one row per MQAR answer, and a pair in the query's own or previous
-    selection block (always selected) counts as selected in every layer."""
+    selection block (always selected) counts as selected in every layer, by the importance and by exact block
+    scores; one row per passkey prompt, whose needle blocks are those of the passkey's digits. The loss target's
+    weight lies in [0, 1]."""
     import runpy
     from pathlib import Path
 
-    from text.synthetic import SyntheticDocuments
+    from text.synthetic import PromptBuilder, SyntheticDocuments
     from text.tokenizer import Tokenizer
 
     script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "nsa_recall_selection.py"))
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa", vocab_size=8192)).eval()
-    documents = SyntheticDocuments("mqar", Tokenizer(data_dir / "tokenizer.model"), 8)
-    rows = script["selection_hits"](model, 256, 2, 0, documents)
-    assert len(rows) >= 12 and all(len(row["hits"]) == model.config.n_layers for row in rows)
+    tokenizer = Tokenizer(data_dir / "tokenizer.model")
+    documents = SyntheticDocuments("mqar", tokenizer, 8)
     block = model.config.nsa_select_block_size
-    assert all(all(row["hits"]) for row in rows if row["distance"] <= block)
+    rows = script["selection_hits"](model, script["mqar_lookups"](documents, 256, 2, 0, block))
+    assert len(rows) >= 12 and all(len(row["hits"]) == model.config.n_layers for row in rows)
+    assert all(all(row["hits"]) and all(row["exact"]) for row in rows if row["distance"] <= block)
+    assert all(0 <= w <= 1 + 1e-6 for row in rows for w in row["weight"])
     table = script["report"](rows, model.config.nsa_window)
     assert table.splitlines()[2].startswith("| ") and "accuracy if selected" in table
+    assert "layer 1: selected / by best keys / target weight" in table
+    builder = PromptBuilder(tokenizer)
+    items = list(script["prompt_lookups"](builder, "passkey", 200, [0.0, 0.5], 2, 0, block))
+    assert len(items) == 4
+    for ids, [(answer, distance, blocks)] in items:
+        assert answer.start == 200 and ids[200:] == tokenizer.encode(" " + tokenizer.decode(ids[200:]).strip())
+        digits = set(tokenizer.encode(tokenizer.decode(ids[200:]).strip()))
+        assert blocks and all(any(ids[p] in digits for p in range(b * block, (b + 1) * block)) for b in blocks)
+        assert 0 < distance < 200 and all((200 - distance) // block <= b < 200 // block for b in blocks)
+    rows = script["selection_hits"](model, iter(items))
+    assert len(rows) == 4 and all(isinstance(row["right"], bool) for row in rows)
 
 
 @pytest.mark.parametrize("attention, args, message", [
     ("full", [], "has 'full' attention; this tool recomputes NSA's selection"),
     ("nsa", ["--length", "2048"], "--length 2048 is longer than the model's context of 1024"),
     ("nsa", ["--samples", "0"], "--samples must be at least 1"),
+    ("nsa", ["--task", "passkey", "--length", "1020"], "--length for passkey must be at least"),
+    ("nsa", ["--task", "passkey", "--depths", "1.5"], "takes no --pairs and --depths between 0 and 1"),
 ])
 def test_recall_selection_bad_inputs_before_loading(attention, args, message, data_dir, tmp_path, capsys,
                                                     monkeypatch):

@@ -32,6 +32,7 @@ class Prompt:
     answer: str  # the digits the model should continue with
     needle_start: int  # token position where the queried needle begins
     text_tokens: int  # tokens that are not filler: the shortest prompt that holds the task
+    needle_end: int  # token position just past the queried needle
 
 
 class PromptBuilder:
@@ -92,7 +93,7 @@ class PromptBuilder:
         needle = self._encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
         question = self._encode(" What is the pass key? The pass key is")
         ids, (start,), text = self._assemble(length, head, [(depth, needle)], question, rng)
-        return Prompt(ids, key, start, text)
+        return Prompt(ids, key, start, text, start + len(needle))
 
     def needle(self, length: int, depth: float, rng: random.Random, n_keys: int = 4) -> Prompt:
         keys = rng.sample([f"{a}{b}" for a in ("red", "blue", "green", "gold", "grey", "pink") for b in
@@ -103,7 +104,7 @@ class PromptBuilder:
                    for i, (k, v) in enumerate(zip(keys, values, strict=True))]
         question = self._encode(f" What is the value of key {keys[0]}? The value of key {keys[0]} is")
         ids, starts, text = self._assemble(length, head, needles, question, rng)
-        return Prompt(ids, values[0], starts[0], text)
+        return Prompt(ids, values[0], starts[0], text, starts[0] + len(needles[0][1]))
 
 
 # ---- dense recall: multi-query associative recall (MQAR, Arora et al. 2023, "Zoology") -------------------------
