@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluation.tasks import GRID_ROOM, GRID_TASKS, recall_scores, retrieval_grid  # noqa: E402
+from evaluation.tasks import GRID_TASKS, check_prompt_options, recall_scores, retrieval_grid  # noqa: E402
 from nsa.inspection import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 from nsa.primitive import exact_block_scores  # noqa: E402
@@ -110,13 +110,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                              f"{args.batch_size}")
         config, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches", args.length)
         if args.task in GRID_TASKS:
-            if args.pairs is not None or not all(0 <= d <= 1 for d in args.depths):
-                raise ValueError(f"--task {args.task} takes no --pairs and --depths between 0 and 1")
-            builder, longest = PromptBuilder(tokenizer), config.context_length - GRID_ROOM
-            if not builder.required_length(args.task) <= args.length <= longest:
-                raise ValueError(f"--length for {args.task} must be at least {builder.required_length(args.task)} "
-                                 f"(its text) and at most {longest} (the context of {config.context_length} less "
-                                 f"{GRID_ROOM} generated tokens), got {args.length}")
+            builder = PromptBuilder(tokenizer)
+            check_prompt_options(builder, args.task, args.length, args.depths, args.pairs, config.context_length)
         else:
             documents = SyntheticDocuments(args.task, tokenizer, args.pairs)
             documents.check_length(args.length)

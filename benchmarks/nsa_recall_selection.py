@@ -1,12 +1,12 @@
 """Why does an NSA model miss a far answer? Beyond the sliding window an answer is looked up through the selection
 branch: the answering query must select a block that holds what it looks for. For MQAR documents
 (synthetic.mqar_document) that is the block of the pair's value (whose hidden state carries the key); for eval.py's
-passkey and needle prompts (`--task passkey|needle`, the needle at `--depths`), a block of the needle, looked up by
-the prompt's last token. This script scores every answer under teacher forcing and asks, layer by layer, whether
-that block was among the blocks the query's position selected (any KV group), whether exact block scores (each
-block by its best key, `nsa.primitive.exact_block_scores`) would have selected it, and what weight the
-selection-scoring loss's target (nsa/scoring.py) gives it (the most of any KV group), using nsa.inspection's
-recomputation of the selection.
+passkey and needle prompts (`--task passkey|needle`, the needle at `--depths`), the blocks of the needle that hold
+the answer's tokens, looked up by the prompt's last token. This script scores every answer under teacher forcing
+and asks, layer by layer, whether those blocks were all among the blocks the query's position selected (each by
+some KV group), whether exact block scores (each block by its best key, `nsa.primitive.exact_block_scores`) would
+have selected them, and what weight the selection-scoring loss's target (nsa/scoring.py) gives them (the most of
+any KV group), using nsa.inspection's recomputation of the selection.
 
     python benchmarks/nsa_recall_selection.py runs/recall_pairs/nsa-seed0/T512-p4/model --length 512 --pairs 4
     python benchmarks/nsa_recall_selection.py runs/pk/passkey1024/model --task passkey --length 1014 \\
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluation.tasks import GRID_ROOM, GRID_TASKS, score_answers  # noqa: E402
+from evaluation.tasks import GRID_TASKS, check_prompt_options, score_answers  # noqa: E402
 from nsa.inspection import check_nsa_model, inspect  # noqa: E402
 from storage.weights import load_model  # noqa: E402
 from text.synthetic import PromptBuilder, SyntheticDocuments  # noqa: E402
@@ -133,12 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             items = mqar_lookups(documents, args.length, args.samples, args.seed, block)
         else:
             builder = PromptBuilder(tokenizer)
-            if args.pairs is not None or not all(0 <= d <= 1 for d in args.depths):
-                raise ValueError(f"--task {args.task} takes no --pairs and --depths between 0 and 1")
-            if not builder.required_length(args.task) <= args.length <= config.context_length - GRID_ROOM:
-                raise ValueError(f"--length for {args.task} must be at least {builder.required_length(args.task)} "
-                                 f"(its text) and at most {config.context_length - GRID_ROOM} (the context of "
-                                 f"{config.context_length} less {GRID_ROOM} for the answer), got {args.length}")
+            check_prompt_options(builder, args.task, args.length, args.depths, args.pairs, config.context_length)
             items = prompt_lookups(builder, args.task, args.length, args.depths, args.samples, args.seed, block)
     except (OSError, ValueError) as e:
         p.error(str(e))

@@ -32,6 +32,20 @@ GRID_ROOM = 10  # tokens a grid prompt leaves in the context for generation: the
 LOSS_CHUNK = 512  # positions whose logits exist at a time when scoring windows
 
 
+def check_prompt_options(builder: PromptBuilder, task: str, length: int, depths: list[float], pairs: int | None,
+                         context_length: int) -> None:
+    """ValueError naming the option when a `task` ("passkey" | "needle") prompt of `length` tokens cannot be built
+    for a model of `context_length`: --pairs given, a depth outside [0, 1], a length shorter than the task's text
+    or leaving less than GRID_ROOM tokens of the context for generation."""
+    if pairs is not None or not all(0 <= d <= 1 for d in depths):
+        raise ValueError(f"--task {task} takes no --pairs and --depths between 0 and 1")
+    longest = context_length - GRID_ROOM
+    if not builder.required_length(task) <= length <= longest:
+        raise ValueError(f"--length for {task} must be at least {builder.required_length(task)} (its text) and at "
+                         f"most {longest} (the context of {context_length} less {GRID_ROOM} generated tokens), "
+                         f"got {length}")
+
+
 # ---- loss by position -------------------------------------------------------------------------------------------
 
 

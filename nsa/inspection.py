@@ -38,11 +38,11 @@ def selected_blocks(q: Tensor, k_cmp: Tensor, config: object, k_slc: Tensor | No
     block by its best key, reading every key). Slots beyond the blocks that exist yet hold -1."""
     T = q.shape[2]
     l, d, l_sel, n = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_num_selected
-    positions = torch.arange(T, device=q.device)
+    positions, n_select = torch.arange(T, device=q.device), (T - 1) // l_sel + 1
     if k_slc is None:
-        scores = block_importance(q, k_cmp, positions, l, d, l_sel, (T - 1) // l_sel + 1)  # (B, KV, T, Ns)
+        scores = block_importance(q, k_cmp, positions, l, d, l_sel, n_select)  # (B, KV, T, Ns)
     else:
-        scores = best_token_scores(q, as_blocks(k_slc, l_sel), positions, (T - 1) // l_sel + 1)
+        scores = best_token_scores(q, as_blocks(k_slc, l_sel), positions, n_select)
     idx, valid = select_blocks(scores, positions, l_sel, n)
     return idx.masked_fill(~valid, -1).sort(-1).values
 
