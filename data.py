@@ -10,11 +10,13 @@ source (`corpus.stdlib_files`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from storage.checkpoint import MANIFEST_NAME
 from text.corpus import (
     find_input_files,
     iter_documents,
@@ -23,6 +25,7 @@ from text.corpus import (
 from text.shards import DEFAULT_SHARD_TOKENS, DEFAULT_VALIDATION_FRACTION, prepare
 from text.tokenizer import Tokenizer, load_tokenizer
 from training.cli import Parser
+from training.run_directory import holds_run, run_record
 
 # ---------------------------------------------------------------- command line
 
@@ -48,11 +51,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     prep.add_argument("--input", nargs="+", help=inputs_help)
     prep.add_argument("--tokenizer", required=True,
                       help="a SentencePiece .model file, or a Hugging Face tokenizer.json (pip install tokenizers)")
-    prep.add_argument("--out_dir", required=True)
+    prep.add_argument("--out_dir", required=True,
+                      help="a new or empty directory (a tokenizer file may be there), outside any run or model")
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     prep.add_argument("--text_field", default="text", help="text field of .jsonl and .parquet records")
     prep.add_argument("--errors", choices=["strict", "replace"], default="strict", help=errors_help)
-    prep.add_argument("--overwrite", action="store_true", help="replace existing prepared data in out_dir")
+    prep.add_argument("--overwrite", action="store_true",
+                      help="replace the prepared data in OUT_DIR (the files its index.json lists, nothing else)")
     prep.add_argument("--validation_fraction", type=float, default=DEFAULT_VALIDATION_FRACTION,
                       help="share of documents held out in OUT_DIR/validation (every k-th; 0: none)")
     args = parser.parse_args(argv)
@@ -82,6 +87,25 @@ def check_tokenizer_options(args: argparse.Namespace) -> Path:
     return target
 
 
+def _owner(place: Path) -> str | None:
+    """What `place` is when training rewrites or prunes its files (a model, a checkpoint, a run); else None."""
+    if (place / MANIFEST_NAME).is_file() or (place / "config.json").is_file() and any(place.glob("*.safetensors")):
+        return "a model or checkpoint"
+    with contextlib.suppress(FileExistsError):  # a config.json that is nobody's run
+        if run_record(place) is not None or not (place / "config.json").is_file() and holds_run(place):
+            return "a training run"
+    return None
+
+
+def check_out_dir(out_dir: str) -> None:
+    """FileExistsError unless --out_dir lies outside every run, model and checkpoint directory, whose files training
+    rewrites or prunes (prepared data there would be deleted with them)."""
+    for place in (Path(out_dir).resolve(), *Path(out_dir).resolve().parents):
+        if owner := _owner(place):
+            raise FileExistsError(f"--out_dir {out_dir} is inside {place}, {owner}, whose files training replaces "
+                                  "or prunes: prepare the data outside it (e.g. --out_dir data/NAME)")
+
+
 def run(args: argparse.Namespace) -> None:
     """data.py's work for parsed arguments."""
     t0 = time.perf_counter()
@@ -92,6 +116,7 @@ def run(args: argparse.Namespace) -> None:
                                     args.model_prefix, max_train_bytes=int(args.max_train_mb * 1e6))
         print(f"wrote {tokenizer.path} (vocab_size {tokenizer.vocab_size}) in {time.perf_counter() - t0:.1f} s")
         return
+    check_out_dir(args.out_dir)
     index = prepare(args.input, load_tokenizer(args.tokenizer), args.out_dir, shard_tokens=args.shard_tokens,
                     text_field=args.text_field, overwrite=args.overwrite,
                     validation_fraction=args.validation_fraction, errors=args.errors)

@@ -25,15 +25,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import mmap
 import os
 import pickle
 import re
 import shutil
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -54,13 +51,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model import Transformer
+from storage.manifest import file_records
 
 STATE_NAME = "train_state.json"
 # A checkpoint holds the trained parameters only: a frozen base (LoRA) comes from the run's --init_from weights.
 # strict=False on load: the entries come from `_trained_state` of the same model, and DCP fails on any it lacks.
 TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 MANIFEST_NAME = "manifest.json"
-_CRC_BLOCK = 16 * 2**20  # bytes per checksum: blocks are checksummed in parallel
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -93,24 +90,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def file_records(paths: list[Path]) -> dict[str, dict]:
-    """name -> {"bytes": size, "crc32": [8 hex digits per _CRC_BLOCK bytes]} of each file of `paths`. The blocks are
-    read through memory maps (no copy) and checksummed by one thread pool (zlib releases the GIL): ~3 GB/s a core."""
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        jobs = {}
-        for path in paths:
-            size = path.stat().st_size
-            view = None
-            if size:
-                f = stack.enter_context(path.open("rb"))
-                view = memoryview(stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)))
-                stack.callback(view.release)
-            jobs[path.name] = (size, [pool.submit(zlib.crc32, view[i:i + _CRC_BLOCK]) for i in range(0, size,
-                                                                                                       _CRC_BLOCK)])
-        return {name: {"bytes": size, "crc32": [f"{job.result():08x}" for job in blocks]}
-                for name, (size, blocks) in jobs.items()}
 
 
 def _write_manifest(tmp: Path) -> None:

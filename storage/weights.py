@@ -35,7 +35,6 @@ from modeling.config import ComputeConfig, ModelConfig
 from storage.checkpoint import (
     MANIFEST_NAME,
     STATE_NAME,
-    file_records,
     load_model_weights,
     rank,
     verify_files,
@@ -51,6 +50,7 @@ from storage.hf import (
     json_object,
     load_hf_checkpoint,
 )
+from storage.manifest import file_records
 from text.tokenizer import tokenizer_file
 
 WEIGHTS_NAME = "model.safetensors"
@@ -215,7 +215,7 @@ def verify(path: Path) -> None:
 
 def weights_fingerprint(path: str | Path) -> str:
     """A checksum of the weight files stored at `path` (any layout `load_model` reads): SHA-256 over their names,
-    sizes and block CRC-32s (checkpoint.file_records), 16 hex digits. Tells whether two runs adapt the same base."""
+    sizes and block CRC-32s (manifest.file_records), 16 hex digits. Tells whether two runs adapt the same base."""
     path = Path(path)
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".distcp"))
     records = file_records(files)

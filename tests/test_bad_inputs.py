@@ -6,6 +6,7 @@ data, a model, another run) is deleted or rewritten before the new thing is know
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -463,6 +464,73 @@ def test_harness_refusals_come_before_the_model_is_loaded(four_checkpoints, tmp_
     monkeypatch.setattr(harness, "harness_installed", lambda: False)
     err = one_line_usage_error(evaluation.main, [model, "--harness", "niah_single_1"], capsys)
     assert "pip install -e '.[eval]'" in err
+
+
+def test_prepare_deletes_nothing_it_did_not_write(four_checkpoints, data_dir, tmp_path, capsys):
+    """prepare writes into a new or empty directory (its tokenizer may be there), never inside a run, model or
+    checkpoint, and --overwrite replaces only what the old index lists."""
+    import data
+
+    tokenizer = str(data_dir / "tokenizer.model")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"x = {i}\n" * 40)
+    (tmp_path / "results" / "validation").mkdir(parents=True)
+    (tmp_path / "results" / "validation" / "results.csv").write_text("a,b\n")
+    (corpus / "validation").mkdir()
+    (corpus / "validation" / "held.txt").write_text("mine\n")
+
+    def files(root: Path) -> dict[Path, bytes]:
+        return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    before = files(tmp_path)
+    refusals = [(tmp_path / "results", re.escape("holds files that are not prepared data (validation)")),
+                (corpus, re.escape("holds files that are not prepared data (0.txt, 1.txt, 2.txt and 4 more)")),
+                (four_checkpoints / "x", "is inside .*, a training run"),
+                (four_checkpoints / "model" / "data", "is inside .*model, a model or checkpoint"),
+                (four_checkpoints / "step-2" / "data", "is inside .*step-2, a model or checkpoint")]
+    for out_dir, message in refusals:
+        for extra in ([], ["--overwrite"]):
+            err = one_line_usage_error(data.main, ["prepare", "--input", str(corpus), "--tokenizer", tokenizer,
+                                                   "--out_dir", str(out_dir), *extra], capsys)
+            assert re.search(message, err), err
+    assert files(tmp_path) == before
+    assert not (four_checkpoints / "x").exists() and not (four_checkpoints / "model" / "data").exists()
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "tokenizer.model").write_bytes((data_dir / "tokenizer.model").read_bytes())  # a tokenizer may be there
+    data.main(["prepare", "--input", str(corpus), "--tokenizer", tokenizer, "--out_dir", str(out)])
+    (out / "notes.txt").write_text("keep")
+    (out / "validation" / "extra.csv").write_text("keep")
+    data.main(["prepare", "--input", str(corpus / "0.txt"), str(corpus / "1.txt"), "--tokenizer", tokenizer,
+               "--out_dir", str(out), "--overwrite", "--validation_fraction", "0"])
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "index.json", "notes.txt", "shard_00000.bin", "tokenizer.model", "validation", "validation/extra.csv"]
+    (out / "shard_00001.bin").write_bytes(b"mine")  # a file the next prepare would write, not listed by the index
+    kept = files(out)
+    err = one_line_usage_error(data.main, ["prepare", "--input", str(corpus), "--tokenizer", tokenizer, "--out_dir",
+                                           str(out), "--overwrite", "--shard_tokens", "40"], capsys)
+    assert "holds shard_00001.bin, which a prepare did not write" in err and files(out) == kept
+
+
+def test_a_damaged_shard_is_named_when_a_run_opens_it(data_dir, tmp_path):
+    """Shards carry CRC-32s in their index, checked whenever a loader opens them."""
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    TokenLoader(copy, 16, 1)
+    shard = copy / "shard_00000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"shard {shard} is damaged: its CRC-32 differs from index.json's; prepare "
+                                         "the data again"):
+        TokenLoader(copy, 16, 1)
+    with pytest.raises(ValueError, match="is damaged"):
+        train.main([*TINY, "--data_dir", str(copy), "--out_dir", str(tmp_path / "run")])
 
 
 # ---- numbers and option combinations ----------------------------------------------------------------------------

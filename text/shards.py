@@ -2,24 +2,31 @@
 
 Data directory layout (written by `prepare`, read by `TokenLoader`):
     index.json        {"format": 1, "dtype": "uint16", "vocab_size": V, "num_tokens": N,
-                       "shards": [{"file": "shard_00000.bin", "num_tokens": n0}, ...],
+                       "shards": [{"file": "shard_00000.bin", "num_tokens": n0, "crc32": [...]}, ...],
                        "num_documents": D, "eod_id": e, "tokenizer": {"path": ..., "vocab_size": V, "sha256": ...},
                        "replaced": {file: invalid UTF-8 sequences read as U+FFFD} (with errors="replace"),
                        "validation": {"dir": "validation", "every": k, "num_documents": Dv, "num_tokens": Nv}}
-    shard_00000.bin   raw native-endian token ids (np.memmap-able); uint16 when V < 65536, else uint32
+    shard_00000.bin   raw native-endian token ids (np.memmap-able); uint16 when V < 65536, else uint32; its entry
+                      holds the CRC-32 of every 16 MiB (storage.manifest.file_records, as checkpoints' manifests),
+                      checked whenever a TokenLoader opens the data (a mask's as "mask_crc32")
     mask_00000.bin    prompt/response data only (a shard entry's "mask"): one uint8 per token, 1 where it is a
                       target of the loss, 0 where it is only context (a prompt)
     validation/       the held-out split, a data directory of the same layout: every k-th document (documents
                       0, k, 2k, ... in corpus order; k = round(1 / validation_fraction)), never in the stream above
 The shards, concatenated in index order, form one token stream: every document followed by the
 end-of-document id (`Tokenizer.eod_id`). Documents may straddle shard boundaries. Data prepared before the
-validation split existed (no "validation" entry) still loads; `validation_dir` then says how to make one.
+validation split existed (no "validation" entry) still loads; `validation_dir` then says how to make one. Data
+prepared before shards carried checksums loads unchecked.
+
+`prepare` owns only the files its index lists: it writes into a new or empty directory (a tokenizer file may be
+there), and --overwrite replaces a previous prepare's listed files and nothing else.
 
 Notation: T = sequence length (tokens the model sees), B = batch size per rank, W = world size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from modeling.loss import IGNORE_INDEX
+from storage.manifest import file_records
 from text.corpus import (
     Decoder,
     Document,
@@ -39,7 +47,7 @@ from text.corpus import (
     has_pairs,
     stdlib_files,
 )
-from text.tokenizer import HFTokenizer, Tokenizer, chat_turn
+from text.tokenizer import HF_FILE, SPM_FILE, HFTokenizer, Tokenizer, chat_turn
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = 1
@@ -119,6 +127,11 @@ class ShardWriter:
         """Write the last shard and `index.json` (with `metadata` merged in); return the index."""
         if self._fill:
             self._flush()
+        records = file_records([self.out_dir / name for shard in self.shards for name in _shard_files(shard)])
+        for shard in self.shards:
+            shard["crc32"] = records[shard["file"]]["crc32"]
+            if "mask" in shard:
+                shard["mask_crc32"] = records[shard["mask"]]["crc32"]
         index = {
             "format": INDEX_FORMAT,
             "dtype": self.dtype.name,
@@ -168,9 +181,10 @@ def prepare(
             (tokenizer.chat_turn), and the corpus then gets a loss mask (mask_XXXXX.bin beside each shard: 1 for
             the response's tokens and the end-of-document id, 0 for the prompt's; 1 for other documents), which
             the loader applies to the labels.
-        out_dir: created if needed. Prepared data it holds is replaced only with `overwrite=True`, and only once
-            the new data is complete: it is prepared in a staging directory beside `out_dir` and moved in at the end
-            (the old index goes first, the new one last). A failed prepare leaves `out_dir` as it was.
+        out_dir: created if needed; otherwise it must be empty (a tokenizer file aside) or hold prepared data,
+            which is replaced only with `overwrite=True`, and only the files its index lists, once the new data is
+            complete: it is prepared in a staging directory beside `out_dir` and moved in at the end (the old index
+            goes first, the new one last). A failed prepare leaves `out_dir` as it was.
         shard_tokens: ids per shard file (the last one is shorter).
         text_field: the field holding the text in `.jsonl` and `.parquet` records.
         progress: show a progress bar over input bytes.
@@ -188,15 +202,20 @@ def prepare(
     given, out_dir = Path(out_dir), Path(out_dir).resolve()  # a symlink's target: staging goes on its file system
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"--out_dir {given} is a file; pass a directory")
-    if (out_dir / INDEX_NAME).exists() and not overwrite:
+    own = own_files(out_dir)
+    if own and not overwrite:
         raise FileExistsError(f"{given} already holds prepared data ({INDEX_NAME}); pass overwrite=True "
                               "(--overwrite) to replace it")
+    if not own and (foreign := _foreign_entries(out_dir, own)):
+        raise FileExistsError(f"--out_dir {given} holds files that are not prepared data ({_names(foreign)}): "
+                              "prepare writes into a new or empty directory (its tokenizer may be there); choose "
+                              "another --out_dir")
     files = stdlib_files() if inputs is None else find_input_files(inputs)
     remove_stale_staging(out_dir)
     staging = out_dir.parent / f".{out_dir.name}.preparing-{os.getpid()}"
     try:
         index = _prepare(files, tokenizer, staging, shard_tokens, text_field, progress, validation_fraction, errors)
-        _install(staging, out_dir)
+        _install(staging, out_dir, own)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return index
@@ -210,27 +229,71 @@ def remove_stale_staging(out_dir: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _data_files(data_dir: Path) -> list[Path]:
-    """The files and directories of prepared data in `data_dir` (its index, shards, masks, validation split)."""
-    return [p for p in (data_dir / INDEX_NAME, data_dir / VALIDATION_DIR) if p.exists()] + sorted(
-        [*data_dir.glob("shard_*.bin"), *data_dir.glob("mask_*.bin")])
+def _shard_files(shard: dict) -> list[str]:
+    """The file names of one index entry: the shard and its loss mask, if any."""
+    return [shard["file"], *([shard["mask"]] if "mask" in shard else [])]
 
 
-def _install(staging: Path, out_dir: Path) -> None:
-    """Move the complete prepared data in `staging` to `out_dir`, replacing the prepared data there (other files,
-    such as a tokenizer, stay): the old index goes first, so no half-replaced directory is ever loadable, and the
-    new index comes last."""
+def own_files(data_dir: Path) -> list[Path]:
+    """What a prepare wrote into `data_dir`, as its index lists it: the index first, then the shards and masks, then
+    the validation split's own files and its directory; [] when `data_dir` holds no index. ValueError when the
+    index is unreadable (nothing can then be told apart)."""
+    path = data_dir / INDEX_NAME
+    if not path.is_file():
+        return []
+    try:
+        index = json.loads(path.read_text())
+        names = [name for shard in index["shards"] for name in _shard_files(shard)]
+        split = index["validation"]["dir"] if "validation" in index else None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is unreadable ({e!r}), so prepare cannot tell its own files from others: move "
+                         f"{data_dir} aside, or choose another --out_dir") from None
+    files = [path, *(data_dir / name for name in names if isinstance(name, str) and Path(name).name == name)]
+    if isinstance(split, str) and Path(split).name == split and (data_dir / split).is_dir():
+        files += [*own_files(data_dir / split), data_dir / split]
+    return [file for file in files if file.exists()]
+
+
+def _foreign_entries(data_dir: Path, own: list[Path]) -> list[Path]:
+    """The entries of `data_dir` (and of its validation split) that no prepare wrote, tokenizer files aside."""
+    if not data_dir.is_dir():
+        return []
+    owned = set(own)
+    dirs = [data_dir, *(p for p in own if p.is_dir())]
+    return sorted(entry for d in dirs for entry in d.iterdir()
+                  if entry not in owned and not (d == data_dir and entry.name in (SPM_FILE, HF_FILE)))
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(p.name for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def _install(staging: Path, out_dir: Path, old: list[Path]) -> None:
+    """Move the complete prepared data in `staging` to `out_dir`, replacing `old` (the previous prepare's own
+    files) and nothing else: FileExistsError before anything moves when a new file would replace one that prepare
+    did not write. The old index goes first, so no half-replaced directory is ever loadable, and the new index
+    comes last."""
     if not out_dir.exists():
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging.rename(out_dir)
         return
-    for old in _data_files(out_dir):  # the index first
-        if old.is_dir():
-            shutil.rmtree(old)
+    new = own_files(staging)
+    targets = [out_dir / path.relative_to(staging) for path in new]
+    in_the_way = [t for t in targets if t.exists() and t not in old and not t.is_dir()]
+    if in_the_way:
+        raise FileExistsError(f"{out_dir} holds {_names(in_the_way)}, which a prepare did not write and the new data "
+                              "would replace: move it, or choose another --out_dir")
+    for path in old:  # the index first; a split's directory after its files, kept if other files remain
+        if path.is_dir():
+            with contextlib.suppress(OSError):
+                path.rmdir()
         else:
-            old.unlink()
-    for new in reversed(_data_files(staging)):  # the index last
-        new.rename(out_dir / new.name)
+            path.unlink()
+    for path, target in reversed(list(zip(new, targets, strict=True))):  # directories first, the index last
+        if path.is_dir():
+            target.mkdir(exist_ok=True)
+        else:
+            path.rename(target)
 
 
 def _prepare(files: list[Path], tokenizer: Tokenizer | HFTokenizer, out_dir: Path, shard_tokens: int,
@@ -327,6 +390,21 @@ def load_index(data_dir: str | os.PathLike) -> dict:
     return index
 
 
+def check_shards(data_dir: str | os.PathLike, index: dict) -> None:
+    """Check every shard and loss mask of `data_dir` against the CRC-32s its index (from `load_index`) records:
+    ValueError naming the first damaged file. Shards prepared before they carried checksums are not checked."""
+    data_dir = Path(data_dir)
+    expected = {name: shard[key] for shard in index["shards"] for name, key in zip(_shard_files(shard), (
+        "crc32", "mask_crc32"), strict=False) if key in shard}
+    found = file_records([data_dir / name for name in expected])
+    damaged = [name for name, crc in expected.items() if found[name]["crc32"] != crc]
+    if damaged:
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        raise ValueError(f"shard {data_dir / damaged[0]} is damaged: its CRC-32 differs from {INDEX_NAME}'s{more}; "
+                         f"prepare the data again (`python data.py prepare --out_dir {data_dir} --overwrite` with "
+                         "its --input and --tokenizer)")
+
+
 def validation_dir(data_dir: str | os.PathLike) -> Path:
     """The held-out split of `data_dir` (a data directory of its own), with a clear error when there is none."""
     index = load_index(data_dir)
@@ -377,7 +455,7 @@ class TokenLoader:
     the windows consumed so far in the epoch are a multiple of the new W*B.
 
     Args:
-        data_dir: a directory written by `prepare` (or `ShardWriter`).
+        data_dir: a directory written by `prepare` (or `ShardWriter`); its shards' checksums are checked here.
         seq_len: T, tokens per window (the model's context length), >= 2.
         batch_size: B, windows per rank per step.
         rank, world_size: this rank and the number of data-parallel ranks.
@@ -400,6 +478,7 @@ class TokenLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         self.index = load_index(data_dir)
+        check_shards(data_dir, self.index)
         if tokenizer is not None:
             check_tokenizer(self.index, tokenizer)
         self.vocab_size: int = self.index["vocab_size"]
