@@ -18,6 +18,7 @@ from pathlib import Path
 
 from storage.checkpoint import MANIFEST_NAME
 from text.corpus import (
+    RECORD_SUFFIXES,
     find_input_files,
     iter_documents,
     stdlib_files,
@@ -106,18 +107,30 @@ def check_out_dir(out_dir: str) -> None:
                                   "or prunes: prepare the data outside it (e.g. --out_dir data/NAME)")
 
 
+def input_files(args: argparse.Namespace) -> list[Path]:
+    """The files --input names (the standard library without it), after checking that --text_field and --errors
+    can act on them: ValueError naming the option otherwise."""
+    files = stdlib_files() if args.input is None else find_input_files(args.input)
+    if args.text_field != "text" and not any(f.suffix in RECORD_SUFFIXES for f in files):
+        raise ValueError(f"--text_field {args.text_field} has no effect: it names the field of .jsonl and .parquet "
+                         "records, and the inputs hold none; leave it out")
+    if args.errors != "strict" and all(f.suffix == ".parquet" for f in files):
+        raise ValueError("--errors has no effect on .parquet inputs (their strings are Unicode already); leave it out")
+    return files
+
+
 def run(args: argparse.Namespace) -> None:
     """data.py's work for parsed arguments."""
     t0 = time.perf_counter()
     if args.command == "train-tokenizer":
         check_tokenizer_options(args)
-        files = stdlib_files() if args.input is None else find_input_files(args.input)
+        files = input_files(args)
         tokenizer = Tokenizer.train(iter_documents(files, args.text_field, args.errors), args.vocab_size,
                                     args.model_prefix, max_train_bytes=int(args.max_train_mb * 1e6))
         print(f"wrote {tokenizer.path} (vocab_size {tokenizer.vocab_size}) in {time.perf_counter() - t0:.1f} s")
         return
     check_out_dir(args.out_dir)
-    index = prepare(args.input, load_tokenizer(args.tokenizer), args.out_dir, shard_tokens=args.shard_tokens,
+    index = prepare(input_files(args), load_tokenizer(args.tokenizer), args.out_dir, shard_tokens=args.shard_tokens,
                     text_field=args.text_field, overwrite=args.overwrite,
                     validation_fraction=args.validation_fraction, errors=args.errors)
     for file, count in index.get("replaced", {}).items():

@@ -50,6 +50,7 @@ from evaluation.tasks import (
     format_loss,
     format_recall,
     loss_by_position,
+    meaning,
     plot,
     read_documents,
     recall_scores,
@@ -61,7 +62,7 @@ from storage.weights import load_model, stored_config
 from text.shards import check_tokenizer, load_index
 from text.synthetic import RECALL_TASKS, PromptBuilder, SyntheticDocuments
 from text.tokenizer import check_vocab, model_tokenizer
-from training.cli import Parser
+from training.cli import Parser, check_writable, numbered
 
 # ---- command line -------------------------------------------------------------------------------------------------
 
@@ -116,16 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan_lengths(task: str, asked: list[int] | None, context: int, builder: PromptBuilder, log=print) -> list[int]:
-    """The lengths `task` runs at: `asked` or the defaults (grids: 1/8, 1/4, 1/2 of the context and its end;
-    recall: the context), without those the task cannot hold (one line each); ValueError for a length beyond the
-    context."""
+    """The lengths `task` runs at: `asked` or the defaults (grids: 1/8, 1/4, 1/2 of the context, each at least what
+    the task needs, and its end; recall: the context), without those the task cannot hold (one line each);
+    ValueError for a length beyond the context."""
     longest = context - (GRID_ROOM if task in GRID_TASKS else 0)
     if asked and max(asked) > longest:
         raise ValueError(f"--lengths {max(asked)} does not fit the context of {context} tokens"
                          + (f" with the {GRID_ROOM} answer tokens {task} generates" if task in GRID_TASKS else ""))
     if task in GRID_TASKS:
         needed = builder.required_length(task)
-        lengths = asked or sorted({context // 8, context // 4, context // 2, longest})
+        lengths = asked or sorted({min(max(n, needed), longest) for n in (context // 8, context // 4, context // 2)}
+                                  | {longest})
     else:
         needed = 4 if task == "mqar" else len(builder.tokenizer.encode(" The value of key redfox is 123456.")) * 2 + 8
         lengths = asked or [context]
@@ -162,7 +164,6 @@ def evaluate(args: argparse.Namespace) -> dict:
             except ValueError as e:
                 raise ValueError(f"--pairs {args.pairs}: length {e}; use fewer --pairs or longer --lengths") from None
     texts = read_documents(args.documents, tokenizer, context) if "documents" in args.tasks else []
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     model = load_model(checkpoint, device=args.device, compute=ComputeConfig()).eval()
     title = f"{checkpoint} ({model.config.attention_type} attention)"
@@ -175,7 +176,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     if "loss" in args.tasks:
         windows, _ = validation_windows(data_dir, context, args.eval_tokens, args.seed)  # every token, prompts too
         results["loss"] = loss_by_position(model, windows, args.batch_size)
-        print(format_loss(results["loss"]))
+        print(format_loss(results["loss"]), meaning("loss", results["loss"]), sep="\n")
         write()
     if "documents" in args.tasks:
         results["documents"] = document_loglikelihoods(model, tokenizer, texts) | {"file": args.documents}
@@ -193,7 +194,8 @@ def evaluate(args: argparse.Namespace) -> dict:
             else:
                 results[task] = recall_scores(model, recall[task], lengths, args.samples, args.seed,
                                               args.batch_size, bar)
-        print(format_grid(task, results[task]) if task in GRID_TASKS else format_recall(results[task]))
+        print(format_grid(task, results[task]) if task in GRID_TASKS else format_recall(results[task]),
+              meaning(task, results[task]), sep="\n")
         write()
     if args.harness:
         (out_dir / "tokenizer").mkdir(exist_ok=True)
@@ -201,6 +203,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         lm = harness_lm(model, tokenizer, context, args.batch_size)
         results["harness"] = run_harness(lm, args.harness, ruler, args.lengths or [context], out_dir / "tokenizer",
                                          args.samples, args.seed)
+        if not results["harness"]:
+            raise ValueError(f"--harness: no task ran at --lengths {' '.join(map(str, args.lengths or [context]))}, "
+                             "each too short for its prompt and answer (see the lines above): pass longer --lengths")
         print(format_harness(results["harness"]))
         write()
     results["plots"] = [str(p) for p in plot(results, out_dir, title)]
@@ -215,7 +220,6 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
     the argument)."""
     checkpoint = Path(args.checkpoint)
     args.tasks = args.tasks if args.tasks is not None else [] if args.harness else list(TASKS[:3])
-    ruler = check_harness_tasks(args.harness) if args.harness else set()
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -230,6 +234,9 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
         if getattr(args, name) is not None and not set(tasks) & set(args.tasks):
             raise ValueError(f"--{name} is read only by the task(s) {', '.join(tasks)}, which --tasks does not run: "
                              "add the task, or leave the option out")
+    if args.lengths is not None and not args.harness and not set(args.tasks) - {"loss", "documents"}:
+        raise ValueError("--lengths is read only by the retrieval and recall tasks and --harness, which this call "
+                         "does not run (loss and documents read whole windows and documents): leave it out")
     args.depths = args.depths if args.depths is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
     args.eval_tokens = args.eval_tokens if args.eval_tokens is not None else 65536
     if not checkpoint.exists():
@@ -263,10 +270,14 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
     if args.harness and args.lengths and max(args.lengths) > context:
         raise ValueError(f"--lengths {max(args.lengths)} exceeds the context of {context} tokens the harness reads "
                          "(--context_length, the run's, at most the model's)")
-    out_dir = Path(args.out_dir) if args.out_dir else (run_dir / f"eval-{checkpoint.stem}" if run_dir
-                                                       else Path("eval") / checkpoint.stem)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out_dir {out_dir} is a file; pass a directory for eval.json and the plots")
+    out_dir = Path(args.out_dir) if args.out_dir else next(
+        path for path in numbered(run_dir / f"eval-{checkpoint.stem}" if run_dir else Path("eval") / checkpoint.stem)
+        if not (path / "eval.json").exists())
+    if (out_dir / "eval.json").exists():
+        raise ValueError(f"--out_dir {out_dir} holds an earlier evaluation (eval.json): choose another --out_dir, or "
+                         "leave it out (each evaluation then gets a new directory)")
+    ruler = check_harness_tasks(args.harness) if args.harness else set()  # seconds: lm-eval's task index
+    check_writable(out_dir, "--out_dir", directory=True)
     return checkpoint, tokenizer, data_dir, context, out_dir, ruler
 
 

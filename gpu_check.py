@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.cli import Parser
+from training.cli import Parser, check_writable
 
 ROOT = Path(__file__).resolve().parent
 GB = 10**9
@@ -231,10 +231,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--dry_run", action="store_true", help="write the plan without running anything")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    if not out.parent.is_dir():
-        parser.error(f"--out {out}: directory {out.parent} does not exist")
     if out.is_dir():
         parser.error(f"--out {out} is a directory; name the report file (e.g. {out / 'gpu_check.md'})")
+    try:
+        check_writable(out, "--out")
+    except ValueError as e:
+        parser.error(str(e))
     sections = [s for s in SECTIONS if not args.only or s.name in args.only]
     info = machine()
     with tempfile.TemporaryDirectory() as tmp:

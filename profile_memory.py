@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -23,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d collectives: FSDP under FakeTensorMode)
 
+from training.cli import check_writable
 from training.estimate import StepConfig, _quiet, check_fit, estimate, measure, plot, report_text
 from training.options import build_parser as build_train_parser
 from training.options import (
+    check_effects,
     parse_options,
     resolve_config,
 )
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    cfg, args, _ = parse_options(parser, argv)
+    cfg, args, given = parse_options(parser, argv)
     if args["gpu_memory"] is not None and not 0 < args["gpu_memory"] < math.inf:
         parser.error(f"--gpu_memory must be a positive finite number of GiB, got {args['gpu_memory']}")
     if args["reserve"] is not None and args["gpu_memory"] is None:
@@ -77,14 +78,14 @@ def main(argv: list[str] | None = None) -> None:
                      f"({args['gpu_memory']:g} GiB)")
     if args["plot"] and (Path(args["plot"]).suffix.lower() not in PLOT_FORMATS or Path(args["plot"]).is_dir()):
         parser.error(f"--plot {args['plot']}: a file name ending in {', '.join(PLOT_FORMATS)}")
-    if args["plot"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["plot"]))):
-        parser.error(f"--plot {args['plot']}: directory {os.path.dirname(os.path.abspath(args['plot']))} does not "
-                     "exist")
     if args["measure"] and not torch.cuda.is_available():
         parser.error("--measure needs a CUDA device")
     try:
-        config = StepConfig(resolve_config(cfg, torch.device("cuda"), log=_quiet), args["world_size"],
-                            args["gpu_memory"])
+        if args["plot"]:
+            check_writable(Path(args["plot"]), "--plot")
+        resolved = resolve_config(cfg, torch.device("cuda"), log=_quiet)
+        check_effects(resolved, given, torch.device("cuda"), log=_quiet)  # the options of the run estimated
+        config = StepConfig(resolved, args["world_size"], args["gpu_memory"])
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     progress = progress_lines()
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({**result, "measured": measured, "fit": fit}, indent=2))
     else:
         print(report_text(result, measured, fit))
+    if args["plot"]:
+        log(f"wrote {args['plot']}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from training.cli import check_writable  # noqa: E402
 
 
 def nsa_geometry(context_length: int) -> dict[str, int]:
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     out = Path(args.out_dir)
+    try:
+        check_writable(out, "--out_dir", directory=True)
+    except ValueError as e:
+        p.error(str(e))
     T = args.context_length
     lengths = [str(n) for n in (T // 4, T // 2, 3 * T // 4, T - 16)]
     summary = {}

@@ -67,10 +67,11 @@ sys.path.insert(0, str(ROOT / "tests"))  # the sliding-window control lives with
 import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from evaluation import tasks  # noqa: E402
-from modeling.config import ModelConfig, register_attention  # noqa: E402
+from modeling.config import NSA_FIELDS, ModelConfig, register_attention  # noqa: E402
 from storage.checkpoint import checkpoint_to_resume  # noqa: E402
 from storage.weights import state_shapes  # noqa: E402
-from training.cli import json_object  # noqa: E402
+from training.cli import Parser, check_writable, json_object  # noqa: E402
+from training.options import MAX_SEED  # noqa: E402
 from training.trainer import finished_step  # noqa: E402
 
 
@@ -127,7 +128,8 @@ def register_control() -> None:
 def model_fields(kind: str, stage: Stage, args: argparse.Namespace) -> dict:
     """The model fields a stage trains with: the type's, then --model_overrides; then in a copying stage
     --copy_overrides, in any other the demo preset's value of each field that only --copy_overrides sets."""
-    fields = {**TYPES[kind]["model_overrides"], **args.model_overrides}
+    shared = {k: v for k, v in args.model_overrides.items() if kind == "nsa" or k not in NSA_FIELDS}  # NSA's alone
+    fields = {**TYPES[kind]["model_overrides"], **shared}
     if stage.task == "copy":
         return {**fields, **args.copy_overrides}
     preset = dataclasses.asdict(ModelConfig.from_preset("demo"))
@@ -235,7 +237,7 @@ def stage_run(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] |
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="runs/recall")
     p.add_argument("--data_dir", default="data/stdlib", help="any prepared data (its rows are all replaced)")
     p.add_argument("--types", nargs="+", choices=list(TYPES), default=list(TYPES))
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="runs (type x seed) trained at once, each in its own process (a GPU runs several small "
                         "models faster side by side than one after another)")
     args = p.parse_args(argv)
+    if bad := [seed for seed in args.seeds if not 0 <= seed <= MAX_SEED]:
+        p.error(f"--seeds must lie in [0, {MAX_SEED}], got {bad[0]}")
     if args.control_seeds is not None and not 1 <= args.control_seeds <= len(args.seeds):
         p.error(f"--control_seeds must lie between 1 and the {len(args.seeds)} of --seeds, got {args.control_seeds}")
     if args.control_seeds is not None and "swa" not in args.types:
@@ -296,7 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     for problem in filter(None, (override_problem(kind, args.stages, args) for kind in args.types)):
         p.error(problem)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        check_writable(out, "--out_dir", directory=True)
+    except ValueError as e:
+        p.error(str(e))
     os.environ.setdefault("PYTHONHASHSEED", "0")
     args.stages = [stage._replace(lr=args.lr) if stage.lr is None else stage for stage in args.stages]
     runs = [(kind, seed) for kind in args.types

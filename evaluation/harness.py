@@ -21,10 +21,12 @@ Notation: B rows per batch, T tokens per row, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -188,6 +190,29 @@ def cut_at(text: str, until: list[str]) -> str:
     return text
 
 
+@contextlib.contextmanager
+def no_downloads(tasks: list[str]) -> Iterator[None]:
+    """For OFFLINE_RULER tasks alone: lm-eval's RULER module asks nltk for its punkt_tab data when imported and
+    downloads it when missing, though these tasks never split sentences; nltk is told the data is there."""
+    if not set(tasks) <= set(OFFLINE_RULER) or importlib.util.find_spec("nltk") is None:
+        yield
+        return
+    import nltk.data
+
+    find = nltk.data.find
+
+    def found(resource: str, *args: object, **kwargs: object) -> object:
+        try:
+            return find(resource, *args, **kwargs)
+        except LookupError:
+            if resource == "tokenizers/punkt_tab":
+                return resource
+            raise
+
+    with mock.patch.object(nltk.data, "find", found):
+        yield
+
+
 def run_harness(lm: object, tasks: list[str], ruler: set[str], lengths: list[int], tokenizer_dir: Path,
                 limit: int | None, seed: int, log: Callable[[str], None] = print) -> dict:
     """lm-eval's scores of `lm` on `tasks`: {task: {metric: value}}. RULER's tasks (`ruler`) generate 500 prompts
@@ -201,8 +226,9 @@ def run_harness(lm: object, tasks: list[str], ruler: set[str], lengths: list[int
         for length in lengths if task in ruler else [None]:
             metadata = {"tokenizer": str(tokenizer_dir)} | ({"max_seq_lengths": [length]} if length else {})
             try:
-                out = simple_evaluate(model=lm, tasks=[task], limit=limit, metadata=metadata, random_seed=seed,
-                                      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+                with no_downloads(tasks):
+                        out = simple_evaluate(model=lm, tasks=[task], limit=limit, metadata=metadata, random_seed=seed,
+                                          numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
             except ValueError as e:
                 if "Could not generate any sample" not in str(e):
                     raise

@@ -307,6 +307,27 @@ def format_recall(result: dict) -> str:
     return "\n".join(lines)
 
 
+def meaning(task: str, result: dict) -> str:
+    """One line under a task's table: what it says about this model."""
+    if task == "loss":
+        first, last = result["buckets"][0], result["buckets"][-1]
+        where = f"positions {last['start']}-{last['end'] - 1}"
+        if first["loss"] - last["loss"] > 0.05 * first["loss"]:
+            return (f"=> the model uses its context: its loss falls from {first['loss']:.2f} on the first token to "
+                    f"{last['loss']:.2f} at {where}")
+        return (f"=> the loss does not fall with context ({first['loss']:.2f} on the first token, {last['loss']:.2f} "
+                f"at {where}): the model predicts no better with it")
+    if task in GRID_TASKS:
+        cells = [value for row in result["accuracy"] for value in row]
+        if not any(cells):
+            return (f"=> no {task} was read back: this model does not retrieve one fact from its context (small, "
+                    "briefly trained models rarely do; the loss by position says whether it uses its context at all)")
+        return (f"=> {sum(cells) / len(cells):.0%} of the {task} prompts read back exactly, from "
+                f"{min(cells):.0%} to {max(cells):.0%} by length and depth")
+    return (f"=> {result['accuracy']:.1%} of the answers recalled; the rows say how far back the model still finds "
+            "a key")
+
+
 def plot(results: dict, out_dir: Path, title: str) -> list[Path]:
     """loss_by_position.png, one heatmap per retrieval grid and one accuracy-by-distance curve per recall task;
     [] with a note when matplotlib is missing."""
@@ -329,8 +350,9 @@ def plot(results: dict, out_dir: Path, title: str) -> list[Path]:
     if "loss" in results:
         fig, ax = plt.subplots(figsize=(6, 4))
         buckets = results["loss"]["buckets"]
-        ax.plot([max(1, b["start"]) for b in buckets], [b["loss"] for b in buckets], marker="o")
-        ax.set(xscale="log", xlabel="token position", ylabel="mean validation loss", title=title)
+        ax.plot([b["start"] + 1 for b in buckets], [b["loss"] for b in buckets], marker="o")  # 1, 2, 4, ...
+        ax.set(xscale="log", xlabel="tokens of context before the predicted one", ylabel="mean validation loss")
+        ax.set_title(title, fontsize=9)
         save(fig, "loss_by_position.png")
     for task in (t for t in GRID_TASKS if t in results):
         grid = results[task]
@@ -338,12 +360,13 @@ def plot(results: dict, out_dir: Path, title: str) -> list[Path]:
         image = ax.imshow(np.array(grid["accuracy"]), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(grid["depths"])), [f"{d:.0%}" for d in grid["depths"]])
         ax.set_yticks(range(len(grid["lengths"])), [str(n) for n in grid["lengths"]])
-        ax.set(xlabel="needle depth", ylabel="prompt length (tokens)", title=f"{task}: {title}")
+        ax.set(xlabel="needle depth", ylabel="prompt length (tokens)")
+        ax.set_title(f"{task}: {title}\neach cell: exact match, and below it answer-token accuracy", fontsize=9)
         for i, row in enumerate(grid["accuracy"]):
             for j, value in enumerate(row):
                 ax.text(j, i, f"{value:.0%}\n{grid['token_accuracy'][i][j]:.0%}", ha="center", va="center",
-                        fontsize=7)
-        fig.colorbar(image, ax=ax, label="exact-match accuracy (below: answer-token accuracy)")
+                        fontsize=7, color="white" if value < 0.3 or value > 0.8 else "black")  # dark ends
+        fig.colorbar(image, ax=ax, label="exact match")
         save(fig, f"{task}.png")
     for task in (t for t in RECALL_TASKS if t in results):
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -196,5 +196,5 @@ class FullAttention(nn.Module):
     @classmethod
     def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
                         dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
-        return nullcontext("full attention: the CPU flash SDPA kernel (fake) stands in for CUDA flash/cuDNN; both "
-                           "save only the output and log-sum-exp for backward (no T x T matrix)")
+        return nullcontext("full attention, through the CPU's flash SDPA kernel in place of CUDA's flash/cuDNN "
+                           "kernels; both keep only the output and log-sum-exp for backward (no T x T matrix)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -197,6 +198,53 @@ class ComputeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+NSA_FIELDS = ("nsa_block_size", "nsa_stride", "nsa_select_block_size", "nsa_num_selected", "nsa_window",
+              "nsa_separate_kv", "nsa_compressor")
+SCORE_LOSS_FIELDS = ("nsa_score_loss_stride", "nsa_score_loss_top", "nsa_score_loss_random", "nsa_score_loss_target")
+_NSA = ("attention_type", lambda value: value == "nsa", "attention_type 'nsa'")
+_SCORE_LOSS = ("nsa_score_loss_coef", lambda value: value > 0, "nsa_score_loss_coef > 0")
+# Fields that act only beside another: name -> (that field, whether its value lets the name act, what it needs).
+# `check_effective` refuses one set where it cannot act; every other field acts on its own.
+EFFECT_NEEDS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
+    **dict.fromkeys((*NSA_FIELDS, "triton_kernels", "attention_query_chunk", "nsa_score_loss_coef"), _NSA),
+    **dict.fromkeys(SCORE_LOSS_FIELDS, _SCORE_LOSS),
+    "attention_options": ("attention_type", lambda value: value not in ("full", "nsa"),
+                          "a registered attention type that reads them (full and nsa read none)"),
+    "loss_chunk_size": ("loss_mode", lambda value: value != "standard", "loss_mode 'auto' or 'chunked'"),
+    "loss_chunk_threshold_bytes": ("loss_mode", lambda value: value == "auto", "loss_mode 'auto'"),
+}
+
+
+def score_loss_queries(model: ModelConfig) -> int:
+    """Queries of a context_length sequence at which NSA's top-n really chooses, and so the selection-scoring loss
+    has a target (`nsa.blocks.contested_blocks`): those from n x l' on, none when n < 4."""
+    first = model.nsa_num_selected * model.nsa_select_block_size
+    return max(0, model.context_length - first) if model.nsa_num_selected >= 4 else 0
+
+
+def check_effective(model: ModelConfig, compute: ComputeConfig, names: set[str] | frozenset[str]) -> None:
+    """ValueError, naming why, when a field of `names` (those a user set) cannot act in this pair of configs
+    (EFFECT_NEEDS), or when the selection-scoring loss it sets would be 0 on every step (top-n never chooses at
+    this context_length) or on most (a stride beyond the queries that choose)."""
+    value = {**dataclasses.asdict(model), **dataclasses.asdict(compute)}
+    for name in sorted(names & set(EFFECT_NEEDS)):
+        other, acts, needs = EFFECT_NEEDS[name]
+        if not acts(value[other]):
+            raise ValueError(f"{name} has no effect without {needs}, and this run's {other} is {value[other]!r}: "
+                             f"leave {name} out, or set {other}")
+    if not (names & {"nsa_score_loss_coef", *SCORE_LOSS_FIELDS}) or compute.nsa_score_loss_coef == 0:
+        return
+    queries, first = score_loss_queries(model), model.nsa_num_selected * model.nsa_select_block_size
+    if queries == 0:
+        raise ValueError(f"nsa_score_loss_coef: top-n never chooses at context_length {model.context_length} (only "
+                         f"from n x l' = {first} tokens on, with nsa_num_selected >= 4), so the loss would be 0 on "
+                         f"every step: train at a context_length above {first}, or leave it out")
+    if compute.nsa_score_loss_stride > queries:
+        raise ValueError(f"nsa_score_loss_stride {compute.nsa_score_loss_stride} exceeds the {queries} queries where "
+                         f"top-n chooses (context_length {model.context_length} - n x l' {first}), so most steps "
+                         f"would score none: pass at most {queries}")
 
 
 def check_fields(cls: type, values: dict[str, Any]) -> None:

@@ -153,7 +153,8 @@ def sparse_attention_stand_in(layer_class: type, config: ModelConfig, compute: C
         return _SparseAttentionDouble.apply(spec, *(a for a in args if isinstance(a, Tensor)))
 
     with _swapped(layer_class, stand_in):
-        yield (f"NSA: the attention (three gated branches) is a memory double calibrated on the real function "
+        yield (f"NSA, its attention (three gated branches) replaced by a function with the same memory, measured "
+               f"on the real one "
                f"({'Triton kernels' if compute.triton_kernels else 'explicit path'}, as on CUDA) for one layer at "
                f"T = {' and '.join(map(str, points))} (fake tensors), "
                f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}projections, compression and gates run "

@@ -196,6 +196,19 @@ def verify_files(path: Path) -> None:
                                 + "; write it again (a run's export: --resume the run, which exports again)")
 
 
+def damaged_export(out_dir: Path) -> str | None:
+    """What is wrong with the first damaged export of run directory `out_dir` (a directory with a manifest that is
+    not a checkpoint: model/, hf/, adapter/), or None when every one is intact."""
+    steps = set(checkpoints(out_dir))
+    for path in sorted(p for p in out_dir.iterdir() if p.is_dir() and p not in steps):
+        if (path / MANIFEST_NAME).is_file():
+            try:
+                verify_files(path)
+            except DamagedCheckpoint as e:
+                return str(e).split("; write it again")[0]
+    return None
+
+
 def verify_checkpoint(path: Path) -> None:
     """Check every file of checkpoint `path` against its manifest (collective under a process group: each rank
     checks a share); DamagedCheckpoint names the first damaged file and the next-older checkpoint to use."""
@@ -488,5 +501,6 @@ def _read(path: Path, state: dict, alone: bool = False) -> None:
         if isinstance(e, UnsafeCheckpoint) or unsafe:
             raise UnsafeCheckpoint(f"checkpoint {path} is not safe to load: {(unsafe or [e])[0]}; nothing was run. "
                                    "Do not resume from it") from None
-        raise ValueError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); delete it, or resume "
-                         "from an earlier step-N with --resume PATH") from e
+        raise ValueError(f"checkpoint {path} could not be read into this run's model ({type(e).__name__}: {e}); "
+                         "resume with the options it was written with, or from an earlier step-N with --resume "
+                         "PATH") from e

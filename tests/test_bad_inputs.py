@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -442,6 +443,56 @@ def test_unwritable_or_wrong_kind_outputs_are_one_line(four_checkpoints, data_di
     assert "is a directory" in one_line_usage_error(gpu_check.main, ["--dry_run", "--out", str(tmp_path)], capsys)
 
 
+def test_evaluations_never_overwrite_one_another(four_checkpoints, data_dir, tmp_path, capsys):
+    """A second evaluation of a model goes to a new directory; an --out_dir holding one is refused; an unwritable
+    output is refused before the work, for eval.py, profile_memory.py and gpu_check.py."""
+    import shutil
+
+    import gpu_check
+    import profile_memory
+
+    model = tmp_path / "run" / "model"
+    shutil.copytree(four_checkpoints, tmp_path / "run")
+    args = [str(model), "--tasks", "loss", "--data_dir", str(data_dir), "--eval_tokens", "64"]
+    evaluation.main(args)
+    evaluation.main(args)
+    assert (tmp_path / "run" / "eval-model" / "eval.json").is_file()
+    assert (tmp_path / "run" / "eval-model-2" / "eval.json").is_file()
+    assert "=> " in capsys.readouterr().out  # what the table means, in one line
+    err = one_line_usage_error(evaluation.main, [*args, "--out_dir", str(tmp_path / "run" / "eval-model")], capsys)
+    assert "holds an earlier evaluation (eval.json): choose another --out_dir" in err
+    for main, option in ((profile_memory.main, ["--plot"]), (gpu_check.main, ["--dry_run", "--out"])):
+        err = one_line_usage_error(main, [*option, str(tmp_path / "missing" / "x.png")], capsys)
+        assert "cannot write in" in err and "choose another path" in err
+
+
+def test_a_harness_call_where_no_task_ran_is_an_error(four_checkpoints, tmp_path, monkeypatch):
+    """Every RULER length too short for its prompts: an error naming the fix, not an empty result and exit 0."""
+    monkeypatch.setattr(evaluation, "check_harness_tasks", lambda tasks: set(tasks))
+    monkeypatch.setattr(evaluation, "run_harness", lambda *args, **kwargs: {})
+    with pytest.raises(ValueError, match="--harness: no task ran at --lengths 16, each too short for its prompt"):
+        evaluation.evaluate(evaluation.build_parser().parse_args([str(four_checkpoints / "model"), "--harness",
+                                                                  "niah_single_1", "--lengths", "16", "--out_dir",
+                                                                  str(tmp_path / "e")]))
+
+
+def test_offline_ruler_tasks_download_nothing(monkeypatch):
+    """lm-eval's RULER module asks nltk for punkt_tab when imported and downloads it when missing: for the offline
+    tasks, nltk is told it is there, and nothing is downloaded."""
+    nltk = pytest.importorskip("nltk")
+    from evaluation.harness import OFFLINE_RULER, no_downloads
+
+    def missing(resource: str, *args: object, **kwargs: object) -> str:
+        raise LookupError(resource)
+
+    monkeypatch.setattr(nltk.data, "find", missing)
+    monkeypatch.setattr(nltk, "download", lambda *args, **kwargs: pytest.fail("nltk downloaded"))
+    with no_downloads(list(OFFLINE_RULER)):
+        assert nltk.data.find("tokenizers/punkt_tab") == "tokenizers/punkt_tab"
+    with no_downloads(["niah_single_2"]), pytest.raises(LookupError):  # an essay haystack: needs it
+        nltk.data.find("tokenizers/punkt_tab")
+
+
 @pytest.mark.slow  # lm-eval's task index takes seconds to build
 def test_harness_refusals_come_before_the_model_is_loaded(four_checkpoints, tmp_path, monkeypatch, capsys):
     """An unknown lm-eval task, a length beyond the context and a missing harness: one line each, exit 2, and the
@@ -533,6 +584,40 @@ def test_a_damaged_shard_is_named_when_a_run_opens_it(data_dir, tmp_path):
         train.main([*TINY, "--data_dir", str(copy), "--out_dir", str(tmp_path / "run")])
 
 
+def test_wide_text_is_refused_in_both_error_modes(data_dir, tmp_path, capsys):
+    """UTF-16 (with or without a byte-order mark) is refused with how to convert it, also with --errors replace,
+    which would otherwise read NUL-interleaved text; a binary file stays the binary message."""
+    import data
+
+    text = "def f():\n    return 1\n" * 20
+    (tmp_path / "bom.txt").write_bytes(text.encode("utf-16"))
+    (tmp_path / "le.txt").write_bytes(text.encode("utf-16-le"))
+    for name in ("bom.txt", "le.txt"):
+        for errors in ("strict", "replace"):
+            err = one_line_usage_error(data.main, ["prepare", "--input", str(tmp_path / name), "--tokenizer",
+                                                   str(data_dir / "tokenizer.model"), "--out_dir",
+                                                   str(tmp_path / "o"), "--errors", errors], capsys)
+            assert "is UTF-16 or UTF-32 text" in err and "iconv -f UTF-16 -t UTF-8" in err
+    (tmp_path / "b.txt").write_bytes(bytes(range(256)) * 8)
+    err = one_line_usage_error(data.main, ["prepare", "--input", str(tmp_path / "b.txt"), "--tokenizer",
+                                           str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o")], capsys)
+    assert "a binary file" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_damaged_export_is_written_again_by_resume(data_dir, tmp_path, capsys):
+    """The advice of a damaged export holds: --resume of the finished run exports again."""
+    run = tmp_path / "run"
+    train.main([*TINY, "--max_steps", "2", "--data_dir", str(data_dir), "--out_dir", str(run)])
+    weights = run / "model" / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[: len(intact) // 2])
+    err = one_line_usage_error(evaluation.main, [str(run / "model"), "--tasks", "passkey"], capsys)
+    assert "--resume the run, which exports again" in err
+    train.main(["--resume", "--out_dir", str(run)])
+    assert "model.safetensors has" in capsys.readouterr().out and weights.read_bytes() == intact
+
+
 # ---- numbers and option combinations ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
@@ -545,7 +630,7 @@ def test_a_damaged_shard_is_named_when_a_run_opens_it(data_dir, tmp_path):
     (["--synthetic_pairs", "4", "--synthetic_task", "mqar"], "has no effect without --synthetic_mix R"),
     (["--sample_prompt", "hello"], "--sample_prompt has no effect without --sample_tokens N other than 0"),
     (["--eval_tokens", "64"], "--eval_tokens has no effect without --eval_interval N"),
-    (["--offload_activations"], "--offload_activations moves what the blocks save for backward from a GPU"),
+    (["--offload_activations"], "--offload_activations has no effect without a GPU: it moves what the blocks save"),
     (["--sample_tokens", "", "--sample_prompt", "word " * 40], "--sample_prompt is"),
 ])
 def test_options_that_contradict_or_do_nothing_are_refused(args, message, data_dir, tmp_path, capsys):
@@ -561,6 +646,118 @@ def test_options_that_contradict_or_do_nothing_are_refused(args, message, data_d
     else:
         raise AssertionError(f"{args} was accepted")
     assert not (tmp_path / "run").exists()
+
+
+# Every train.py option, and every ModelConfig / ComputeConfig field (--model_overrides), that acts only beside
+# another: the arguments that give it where it cannot act. The rest act on their own; both lists together must hold
+# every option and field, so that a new one is classified here before it can be taken and silently ignored.
+OPTION_CANNOT_ACT = {
+    "synthetic_task": ["--synthetic_task", "mqar"],
+    "synthetic_pairs": ["--synthetic_pairs", "4"],
+    "answer_loss": ["--answer_loss"],
+    "sample_prompt": ["--sample_prompt", "x"],
+    "eval_tokens": ["--eval_tokens", "64"],
+    "offload_activations": ["--offload_activations"],
+    "export_dtype": ["--finetune", "lora", "--export_dtype", "float32"],
+    "attention_query_chunk": ["--attention_type", "full", "--attention_query_chunk", "64"],
+    "resume": ["--resume"],  # into a directory that holds no run
+    # another fine-tuning mode's options (this run: --finetune full)
+    "lora_rank": ["--lora_rank", "4"], "lora_alpha": ["--lora_alpha", "3"], "lora_targets": ["--lora_targets", "q"],
+    "quantize_base": ["--quantize_base", "int8"], "merge": ["--merge"], "adapter": ["--adapter", "x"],
+    "npt_layers": ["--npt_layers", "all"], "npt_rank": ["--npt_rank", "4"],
+    "npt_residual_mode": ["--npt_residual_mode", "additive"], "npt_targets": ["--npt_targets", "gate"],
+}
+OPTIONS_ACT_ALONE = (
+    "attention_type", "batch_size", "checkpoint_interval", "checkpoint_minutes", "compile", "context_length",
+    "data_dir", "dtype", "empty_cache_interval", "eval_interval", "ffn_chunk_size", "finetune", "grad_clip",
+    "gradient_accumulation_steps", "gradient_checkpointing", "heartbeat_seconds", "init_from", "keep_checkpoints",
+    "log_interval", "loss", "lr", "max_bad_steps", "max_memory", "max_steps", "model_overrides", "model_size",
+    "min_lr_ratio",  # acts in every run longer than its warmup; a given --warmup_steps beyond the run is warned
+    "out_dir", "rope_scaling", "rope_theta", "sample_tokens", "seed", "synthetic_mix", "tokenizer", "tracker",
+    "verbose", "warmup_steps", "weight_decay")
+FIELD_CANNOT_ACT = {  # (--model_overrides, the run's other options)
+    **{name: ({name: value}, []) for name, value in (
+        ("nsa_block_size", 4), ("nsa_stride", 2), ("nsa_select_block_size", 8), ("nsa_num_selected", 5),
+        ("nsa_window", 8), ("nsa_separate_kv", False), ("nsa_compressor", "mean"), ("triton_kernels", False),
+        ("nsa_score_loss_coef", 0.1), ("attention_options", {"window": 4}), ("attention_query_chunk", 64),
+        ("offload_activations", True))},
+    **{name: ({name: value}, ["--attention_type", "nsa"]) for name, value in (
+        ("nsa_score_loss_stride", 2), ("nsa_score_loss_top", 4), ("nsa_score_loss_target", "selection"))},
+    "nsa_score_loss_random": ({"nsa_score_loss_top": 4, "nsa_score_loss_random": 2}, ["--attention_type", "nsa"]),
+    "loss_chunk_size": ({"loss_chunk_size": 16}, ["--loss", "standard"]),
+    "loss_chunk_threshold_bytes": ({"loss_chunk_threshold_bytes": 2**20}, ["--loss", "chunked"]),
+}
+FIELDS_ACT_ALONE = ("dim", "ffn_dim", "head_dim", "init_std", "logit_softcap", "n_heads", "n_kv_heads", "n_layers",
+                    "norm_eps", "qk_norm", "tie_embeddings", "vocab_size", "z_loss_coef", "ffn_chunk_size",
+                    "loss_mode", "loss_rows")
+
+
+def test_every_option_that_cannot_act_is_refused(data_dir, tmp_path, capsys):
+    """The walk over train.py's options and the model's fields: each that acts only beside another is refused with
+    one line naming it where it cannot act; the others are declared to act alone."""
+    import dataclasses
+
+    from modeling.config import ComputeConfig
+    from training.options import OWN_OPTION, SHARED_FIELD, TrainConfig
+
+    options = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert sorted(options) == sorted([*OPTION_CANNOT_ACT, *OPTIONS_ACT_ALONE]), "classify the new option here"
+    fields = {f.name for config in (ModelConfig, ComputeConfig) for f in dataclasses.fields(config)}
+    assert sorted(fields) == sorted([*FIELD_CANNOT_ACT, *FIELDS_ACT_ALONE, *OWN_OPTION]), "classify the new field"
+
+    def refusal(args: list[str]) -> str:
+        try:
+            train.main([*TINY, *args, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "none")])
+        except SystemExit as e:  # a usage error while parsing
+            assert e.code == 2
+            return capsys.readouterr().err
+        except (ValueError, FileNotFoundError) as e:  # when the run starts
+            return str(e)
+        raise AssertionError(f"{args} was accepted")
+
+    for option, args in OPTION_CANNOT_ACT.items():
+        message = refusal(args)
+        assert f"--{option}" in message and len(message.strip().splitlines()) == 1, (option, message)
+    for name, (overrides, args) in FIELD_CANNOT_ACT.items():
+        message = refusal([*args, "--model_overrides", json.dumps(overrides)])
+        assert f"{name} has no effect without" in message, (name, message)
+    for name, option in OWN_OPTION.items():
+        assert f"pass {option} instead" in refusal(["--model_overrides", json.dumps({name: 1})])
+    for name, option in SHARED_FIELD.items():  # an override and the option that sets the same field
+        value = {"loss_mode": "chunked", "loss_rows": "targets", "offload_activations": False}.get(name, 64)
+        args = {"loss": ["--loss", "chunked"], "answer_loss": ["--answer_loss", "--synthetic_mix", "0.5"],
+                "offload_activations": ["--offload_activations"]}.get(option, [f"--{option}", "64"])
+        message = refusal([*args, "--model_overrides", json.dumps({name: value})])
+        assert f"--model_overrides sets {name} and --{option} sets it too" in message, message
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_resume_keeps_the_adapters_it_trains(four_checkpoints, data_dir, tmp_path):
+    """A resumed LoRA run cannot change its adapters' shapes: one line naming the option, the checkpoint intact."""
+    run = tmp_path / "lora"
+    train.main([*TINY, "--finetune", "lora", "--lora_rank", "4", "--init_from", str(four_checkpoints / "model"),
+                "--data_dir", str(data_dir), "--out_dir", str(run)])
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    for args in (["--lora_rank", "8"], ["--lora_targets", "q,v"]):
+        with pytest.raises(ValueError, match=f"{args[0]} {args[1]}: the run in .* trains with .*, and a resumed run "
+                                             "continues the shapes of its adapters; leave"):
+            train.main(["--resume", "--out_dir", str(run), "--max_steps", "2", *args])
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+
+
+def test_data_and_eval_options_that_cannot_act_are_refused(four_checkpoints, data_dir, tmp_path, capsys):
+    import data
+
+    (tmp_path / "a.txt").write_text("def f():\n    return 1\n" * 20)
+    err = one_line_usage_error(data.main, ["prepare", "--input", str(tmp_path / "a.txt"), "--tokenizer",
+                                           str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o"),
+                                           "--text_field", "body"], capsys)
+    assert "--text_field body has no effect: it names the field of .jsonl and .parquet records" in err
+    err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "loss", "--lengths",
+                                                 "16"], capsys)
+    assert "--lengths is read only by the retrieval and recall tasks and --harness" in err
+    recall = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "recall_experiment.py"))
+    assert "--seeds must lie in [0, " in one_line_usage_error(recall["main"], ["--seeds", "0", "-1"], capsys)
 
 
 def test_an_abbreviated_option_is_unknown(capsys):

@@ -149,6 +149,7 @@ def test_defaults_fit_the_run_and_short_lengths_are_skipped(demo_run, capsys):
     results = evaluation.main([str(demo_run / "model"), "--samples", "2", "--depths", "0.5", "--eval_tokens", "600"])
     out = capsys.readouterr().out
     assert results["passkey"]["lengths"][-1] == 246 and results["needle"]["lengths"]  # the context, answer room kept
+    assert "skipped" not in out  # the default lengths are all ones the tasks hold
     assert json.loads((demo_run / "eval-model" / "eval.json").read_text()) == results  # beside model/, not in it
     results = evaluation.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "16", "128",
                                "--samples", "2", "--depths", "0.5"])

@@ -278,7 +278,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     for stage in (*STAGES, "peak (backward)"):
         assert stage in text
-    assert "fits on a 1 GiB GPU" in text and "Stand-in: full attention" in text
+    assert "fits on a 1 GiB GPU" in text and "Attention counted as: full attention" in text
     png = tmp_path / "memory.png"
     profile_memory.main(["--model_size", "tiny", "--context_length", "64", "--world_size", "2", "--json", "--plot",
                          str(png)])
@@ -339,7 +339,7 @@ def test_one_command_one_answer_with_train_py():
     (["--gpu_memory", "inf"], "--gpu_memory must be a positive finite number"),
     (["--reserve", "5"], "--reserve is what --gpu_memory keeps free"),
     (["--plot", "memory.txt"], "--plot memory.txt: a file name ending in .png, .pdf, .svg"),
-    (["--plot", "no/such/dir/memory.png"], "--plot no/such/dir/memory.png: directory"),
+    (["--plot", "no/such/dir/memory.png"], "--plot no/such/dir/memory.png: cannot write in no/such/dir"),
     (["--attention_type", "sparse"], "--attention_type must be one of"),
     (["--quantize_base", "nf4"], "--quantize_base is not an option of --finetune full"),
     (["--finetune", "npt", "--world_size", "2"], "--finetune npt runs in one process"),

@@ -295,11 +295,11 @@ def test_validation_loss_leaves_training_bitwise_unchanged(single_run: Path, dat
 
 
 def test_compute_knobs_may_change_on_resume(single_run: Path, data_dir: Path, tmp_path: Path) -> None:
-    """Only the architecture (ModelConfig) binds a checkpoint: a resumed run may tile the FFN, chunk the loss and
-    change the attention's query chunk, and its losses stay those of the uninterrupted run (same maths, another
-    split of the work: equal to float32 rounding)."""
+    """Only the architecture (ModelConfig) binds a checkpoint: a resumed run may tile the FFN and chunk the loss,
+    and its losses stay those of the uninterrupted run (same maths, another split of the work: equal to float32
+    rounding). (The attention's query chunk is NSA's: this run's full attention reads none.)"""
     shutil.copytree(single_run / "step-2", tmp_path / "step-2")
-    knobs = '{"ffn_chunk_size": 8, "loss_mode": "chunked", "loss_chunk_size": 16, "attention_query_chunk": 4}'
+    knobs = '{"ffn_chunk_size": 8, "loss_mode": "chunked", "loss_chunk_size": 16}'
     run(data_dir, tmp_path, "--gradient_accumulation_steps", "2", "--resume", "--model_overrides", knobs)
     for got, want in zip(metrics(tmp_path), metrics(single_run)[2:], strict=True):
         assert got["step"] == want["step"] and got["loss"] == pytest.approx(want["loss"], rel=1e-5)

@@ -81,10 +81,21 @@ class Document:
     prompt: str = ""
 
 
+def wide_text(data: bytes) -> bool:
+    """Whether `data` is UTF-16 or UTF-32 text: it starts with a byte-order mark, or (at least 8 bytes) NULs fill 90%
+    of its odd or its even positions and at most 10% of the others, as where ASCII text takes two bytes a
+    character (a binary file has NULs everywhere)."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")):
+        return True
+    half = len(data) // 2
+    nuls = sorted((data[0::2].count(0), data[1::2].count(0)))
+    return half >= 4 and nuls[1] >= 0.9 * half and nuls[0] <= 0.1 * half
+
+
 class Decoder:
     """Bytes of the input files -> text. errors="strict": a file that is not UTF-8 text (invalid UTF-8, or NUL
-    bytes: binary) is a ValueError naming it; "replace": invalid bytes become U+FFFD and are counted per file
-    (`replaced`)."""
+    bytes: binary) is a ValueError naming it; "replace": invalid bytes and NULs become U+FFFD and are counted per
+    file (`replaced`). UTF-16 and UTF-32 text (`wide_text`) is refused in both, with how to convert it."""
 
     def __init__(self, errors: str = "strict") -> None:
         if errors not in ("strict", "replace"):
@@ -92,8 +103,12 @@ class Decoder:
         self.errors, self.replaced = errors, {}
 
     def __call__(self, data: bytes, path: Path, where: str = "") -> str:
+        if wide_text(data):
+            raise ValueError(f"{path}{where} is UTF-16 or UTF-32 text (a byte-order mark, or a NUL beside every "
+                             f"character), which neither --errors mode reads: convert it to UTF-8 first (iconv -f "
+                             f"UTF-16 -t UTF-8 {path.name} > {path.stem}.utf8{path.suffix})")
         if self.errors == "replace":
-            text = data.decode("utf-8", errors="replace")
+            text = data.decode("utf-8", errors="replace").replace("\0", "\ufffd")  # NUL: binary, not text
             if n := text.count("\ufffd") - data.count("\ufffd".encode()):
                 self.replaced[str(path)] = self.replaced.get(str(path), 0) + n
             return text

@@ -1,15 +1,19 @@
 """The command line's conventions, shared by every entry script: a bad input is one line naming it and the fix,
 exit code 2, printed once per torchrun job (`exit_with_error`, `Parser`); JSON options are objects
-(`json_object`)."""
+(`json_object`); outputs are checked writable before the work (`check_writable`) and new ones never
+overwrite old ones (`numbered`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import itertools
 import json
 import os
 import re
 import sys
+import tempfile
 import time
 import typing
 from pathlib import Path
@@ -51,3 +55,26 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object ('{{\"key\": value, ...}}'), got {text}")
     return value
+
+
+def numbered(path: Path) -> typing.Iterator[Path]:
+    """path, path-2, path-3, ...: the names a new output takes beside earlier ones."""
+    yield path
+    for i in itertools.count(2):
+        yield path.with_name(f"{path.name}-{i}")
+
+
+def check_writable(path: Path, option: str, directory: bool = False) -> None:
+    """ValueError naming `option` unless `path` (a file in an existing directory; a directory when `directory`,
+    created if missing) can be written: checked before the work whose result it holds, not after."""
+    folder = path if directory else path.parent
+    try:
+        if directory and path.exists() and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "it is a file")
+        if directory:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot write in {folder} ({e.strerror or e}); choose another path") \
+            from None

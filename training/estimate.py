@@ -37,6 +37,7 @@ Notation: B batch, T tokens per sequence, H query heads, D head dimension, Q NSA
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -384,7 +385,7 @@ def estimate(config: StepConfig, progress: Callable[[str], None] = _quiet) -> di
     """
     start = time.perf_counter()
     profile = profile_step(config, "cpu", fake=True, progress=progress)
-    method = "estimate: fake tensors on CPU, memtrack.LiveBytesTracker"
+    method = "estimated on this CPU without allocating (fake tensors, every live byte counted)"
     return _summarize(config, profile, time.perf_counter() - start, method)
 
 
@@ -544,7 +545,7 @@ def report_text(result: dict, measured: dict | None = None, fit: dict | None = N
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     lines = [f"Memory per rank ({_unit(result)[0]}) of one training step: {config.describe()}",
              f"{size} parameters, {result['loss_path']} loss, AdamW; {result['method']} ({result['seconds']:.0f} s)",
-             f"Stand-in: {result['stand_in']}",
+             f"Attention counted as: {result['stand_in']}",
              "", format_table(result, measured), ""]
     if fit is not None:
         peak = result["peak"]["total"] / GiB
@@ -578,7 +579,7 @@ def plot(result: dict, path: str) -> None:
         ax.bar(stages, heights, bottom=bottom, label=category)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set_ylabel("GiB per rank")
-    ax.set_title(StepConfig.from_dict(result["config"]).describe(), fontsize=9)
+    ax.set_title(textwrap.fill(StepConfig.from_dict(result["config"]).describe(), 110), fontsize=9)
     ax.legend()
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()

@@ -46,7 +46,13 @@ def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, source
         raise ValueError(f"--data_dir {data_dir} is a file; pass a directory of prepared data (python data.py "
                          "prepare --out_dir DIR)")
     ensure_default_data(cfg, rt)
+    if cfg.sample_prompt is None:
+        cfg = dataclasses.replace(cfg, sample_prompt=DEFAULT_PROMPT if default_corpus(cfg.data_dir) else "")
     loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
+    passes = cfg.max_steps * cfg.gradient_accumulation_steps / loader.steps_per_epoch
+    if passes > 1 and rt.rank == 0:
+        print(f"data: {loader.num_windows} windows of {cfg.context_length} tokens, {loader.steps_per_epoch} "
+              f"batches a pass: --max_steps {cfg.max_steps} reads it {passes:.1f} times (each pass in a new order)")
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     check_tokenizer(loader.index, tokenizer)
     cfg = dataclasses.replace(cfg, tokenizer=str(Path(tokenizer.path).resolve()))  # config.json names it
@@ -61,6 +67,9 @@ def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, source
         loader = SyntheticMix(loader, tokenizer, cfg.synthetic_mix, cfg.seed, cfg.synthetic_task, cfg.answer_loss,
                               cfg.synthetic_pairs)
     return cfg, tokenizer, loader
+
+
+DEFAULT_PROMPT = "def "  # the default corpus is Python source
 
 
 def data_tokenizer(data_dir: str | Path) -> Path:

@@ -271,7 +271,7 @@ class Clock:
         self.after_first: float | None = None
 
     def update(self, step: int) -> dict:
-        """{"elapsed_s", "eta_s"} after `step`."""
+        """{"elapsed_s", "eta_s"} after `step` (after the first, its time with its warm-up: see `settled`)."""
         now = time.monotonic()
         if step == self.first_step + 1:
             self.after_first = now
@@ -279,10 +279,16 @@ class Clock:
         per_step = (now - self.after_first) / done if done else now - self.start
         return {"elapsed_s": round(now - self.start, 1), "eta_s": round(per_step * (self.max_steps - step), 1)}
 
+    def settled(self, step: int) -> bool:
+        """Whether the ETA after `step` rests on steps after the first (whose warm-up makes it several times too
+        long), or `step` is the last."""
+        return step > self.first_step + 1 or step == self.max_steps
 
-def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> None:
+
+def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm, eta_settled: bool = True) -> None:
     """Rank 0: append the step's metrics to metrics.jsonl, advance the progress bar, print a line every
-    log_interval steps (and at the first and last), with the elapsed time and the estimated time to the end."""
+    log_interval steps (and at the first and last), with the elapsed time and the estimated time to the end (once
+    `eta_settled`: Clock.settled)."""
     with metrics_file.open("a") as f:
         f.write(json.dumps(strict_json(metrics), allow_nan=False) + "\n")
     step = metrics["step"]
@@ -294,7 +300,8 @@ def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm) -> 
                    f"{metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | mem {metrics['mem_gib']:.2f}"
                    f" GiB (peak {metrics['mem_peak_gib']:.2f}"
                    + (f", reserved {metrics['mem_reserved_gib']:.2f}" if "mem_reserved_gib" in metrics else "")
-                   + f"){mfu} | {duration(metrics['elapsed_s'])} elapsed, ETA {duration(metrics['eta_s'])}")
+                   + f"){mfu} | {duration(metrics['elapsed_s'])} elapsed, ETA "
+                   + (duration(metrics["eta_s"]) if eta_settled else "after the next step"))
     if "val_loss" in metrics:
         tqdm.write(f"step {step:>6}/{cfg.max_steps} | validation loss {metrics['val_loss']:.4f} | perplexity "
                    f"{metrics['val_perplexity']:.2f}")
@@ -305,11 +312,12 @@ def summary(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> str:
     c = model.config
     name = cfg.init_from or cfg.model_size
     devices = f"{world_size} GPU{'s' if world_size > 1 else ''}" if torch.cuda.is_available() else (
-        f"{world_size} CPU process{'es' if world_size > 1 else ''} ({torch.get_num_threads()} threads each)")
+        f"{world_size} CPU process{'es' if world_size > 1 else ''} (up to {torch.get_num_threads()} threads each)")
     tokens = world_size * cfg.gradient_accumulation_steps * cfg.batch_size * cfg.context_length
     return (f"{name}: {model.num_parameters() / 1e6:,.1f}M parameters, {c.attention_type} attention, "
             f"{cfg.finetune} fine-tune, {cfg.dtype}; {cfg.max_steps} steps of {tokens:,} tokens "
-            f"({world_size} x {cfg.gradient_accumulation_steps} x {cfg.batch_size} x {cfg.context_length}) on "
+            f"({world_size} process{'es' if world_size > 1 else ''} x {cfg.gradient_accumulation_steps} "
+            f"accumulated x {cfg.batch_size} sequences x {cfg.context_length} tokens) on "
             f"{devices}; writing {cfg.out_dir} (config.json holds every option; --verbose prints them)")
 
 
@@ -343,3 +351,32 @@ def start_run(out_dir: Path, cfg: TrainConfig, model: torch.nn.Module, world_siz
         if cfg.resume == "auto":
             print(f"no checkpoint in {out_dir}: starting from scratch")
         metrics_file.unlink(missing_ok=True)
+
+
+def plot_loss_curve(metrics_file: Path, title: str) -> Path | None:
+    """loss.png beside `metrics_file` (metrics.jsonl): the training loss by step, and the validation loss where the
+    run measured it; None when matplotlib is not installed (the `plot` extra) or nothing was logged."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    if not train:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train, strict=True), label="training loss", linewidth=1)
+    if val:
+        ax.plot(*zip(*val, strict=True), marker="o", label="validation loss")
+    ax.set(xlabel="step", ylabel="loss (nats per token)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path = metrics_file.with_name("loss.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import itertools
 import json
 import math
 import typing
@@ -17,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from modeling.config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, split_overrides
+from modeling.config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, check_effective, split_overrides
 from text.synthetic import RECALL_TASKS, SYNTHETIC_TASKS
-from training.cli import Parser, json_object
+from training.cli import Parser, json_object, numbered
 from training.quantize import QUANTIZED
 from training.tracking import TRACKERS
 
@@ -175,7 +174,8 @@ class TrainConfig:
                                           "steps (0: never)")
     sample_tokens: int | None = option(None, "tokens to generate from the final model after --sample_prompt (0: "
                                              "none; default: 200, fewer when the context is shorter)")
-    sample_prompt: str = option("def ", "prompt of the final sample")
+    sample_prompt: str | None = option(None, "prompt of the final sample (default: 'def ' on the default corpus of "
+                                             "Python source, else the start of a document)")
     verbose: bool = option(False, "print the whole resolved configuration at the start, and the traceback of an "
                                   "error")
 
@@ -209,10 +209,9 @@ class TrainConfig:
             split_overrides(self.model_overrides)
         except ValueError as e:
             raise ValueError(f"--model_overrides: {e}") from e
-        if own := sorted(set(self.model_overrides) & {"context_length", "attention_type", "rope_theta",
-                                                      "rope_scaling"}):
-            raise ValueError(f"--model_overrides may not set {', '.join(own)}: pass --{own[0]} instead (the option "
-                             "train.py resolves and checks)")
+        if own := sorted(set(self.model_overrides) & set(OWN_OPTION)):
+            raise ValueError(f"--model_overrides may not set {', '.join(own)}: pass {OWN_OPTION[own[0]]} instead (the "
+                             "option train.py resolves and checks)")
 
     def npt_layer_spec(self) -> str | list[int]:
         """--npt_layers as npt.convert takes it: 'upper_half', 'all' or a list of indices."""
@@ -228,6 +227,12 @@ class TrainConfig:
         return layers
 
 
+# Fields --model_overrides may not set: the option that sets each.
+OWN_OPTION = {"context_length": "--context_length", "attention_type": "--attention_type", "rope_theta": "--rope_theta",
+              "rope_scaling": "--rope_scaling"}
+# Fields --model_overrides may set unless the option that sets each is given too (the override would win silently).
+SHARED_FIELD = {"ffn_chunk_size": "ffn_chunk_size", "attention_query_chunk": "attention_query_chunk",
+                "loss_mode": "loss", "loss_rows": "answer_loss", "offload_activations": "offload_activations"}
 # Integer options: the smallest value (and the largest, for the seed: torch's generators take 64 bits).
 MINIMUM = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1, "warmup_steps": 0,
            "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1, "eval_interval": 0, "eval_tokens": 1,
@@ -351,24 +356,48 @@ PATH_OPTIONS = ("data_dir", "tokenizer", "init_from", "adapter")  # a file or a 
 # (its tokenizer is checked against the checkpoint's: run_data.resolve_tokenizer).
 DATA_OPTIONS = ("data_dir", "seed", "synthetic_mix", "synthetic_task", "synthetic_pairs", "answer_loss")
 NOT_CONTINUED = ("resume", "out_dir", "verbose")  # about one invocation, never taken from the record
+# What a resumed run cannot change either: the shapes and places of the adapters its checkpoints hold.
+ADAPTER_OPTIONS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "npt_rank", "npt_layers", "npt_targets",
+                   "npt_residual_mode")
+
+
+# Options that act only beside another: option -> (whether it acts in this run, on this device; what it needs). One
+# given where it cannot act is refused (`check_effects`). ModelConfig and ComputeConfig fields (--model_overrides)
+# follow modeling.config.EFFECT_NEEDS, and another fine-tuning mode's options training.modes.finetune_mode.
+RUN_NEEDS: dict[str, tuple[typing.Callable[[TrainConfig, torch.device], bool], str]] = {
+    "synthetic_task": (lambda cfg, device: cfg.synthetic_mix > 0, "--synthetic_mix R (the share of rows it replaces)"),
+    "synthetic_pairs": (lambda cfg, device: cfg.synthetic_mix > 0, "--synthetic_mix R"),
+    "answer_loss": (lambda cfg, device: cfg.synthetic_mix > 0, "--synthetic_mix R"),
+    "sample_prompt": (lambda cfg, device: cfg.sample_tokens != 0, "--sample_tokens N other than 0"),
+    "eval_tokens": (lambda cfg, device: cfg.eval_interval > 0, "--eval_interval N"),
+    "offload_activations": (lambda cfg, device: device.type == "cuda" or not (
+        cfg.offload_activations or cfg.model_overrides.get("offload_activations")),
+                            "a GPU: it moves what the blocks save for backward from a GPU to host memory "
+                            "(profile_memory.py estimates it for a GPU run)"),
+    "export_dtype": (lambda cfg, device: cfg.finetune not in ("lora", "npt") or cfg.merge,
+                     "--finetune full, or --merge with LoRA (adapters are saved as they trained)"),
+    "attention_query_chunk": (lambda cfg, device: cfg.attention_type in ("nsa", "auto"),
+                              "--attention_type nsa (full attention takes whole sequences)"),
+}
 
 
 def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.device,
                   log: typing.Callable[[str], None] = print) -> None:
-    """ValueError when an option that was given (`given`; None: unknown, nothing is checked) has no effect in this run,
-    as it would be silently ignored; a warning line when the warmup outlasts the run."""
-    needs = {"synthetic_task": (cfg.synthetic_mix, "--synthetic_mix R (the share of rows it replaces)"),
-             "synthetic_pairs": (cfg.synthetic_mix, "--synthetic_mix R"),
-             "answer_loss": (cfg.synthetic_mix, "--synthetic_mix R"),
-             "sample_prompt": (cfg.sample_tokens != 0, "--sample_tokens N other than 0"),
-             "eval_tokens": (cfg.eval_interval, "--eval_interval N")}
-    for option, (effective, what) in needs.items():
-        if given is not None and option in given and not effective:
+    """ValueError when an option that was given (`given`; None: unknown, nothing is checked) has no effect in this run
+    (RUN_NEEDS; a --model_overrides field counts as its option, SHARED_FIELD), as it would be silently ignored, or
+    when an option and a --model_overrides field set the same thing; a warning line when a --warmup_steps given
+    outlasts the run."""
+    if given is None:
+        return
+    for name, option in SHARED_FIELD.items():
+        if option in given and name in cfg.model_overrides:
+            raise ValueError(f"--model_overrides sets {name} and --{option} sets it too, and the override would "
+                             "win: give one of them")
+    acting = given | {SHARED_FIELD[name] for name in cfg.model_overrides if name in SHARED_FIELD}
+    for option, (acts, what) in RUN_NEEDS.items():
+        if option in acting and not acts(cfg, device):
             raise ValueError(f"--{option} has no effect without {what}: add it, or leave --{option} out")
-    if given is not None and "offload_activations" in given and cfg.offload_activations and device.type != "cuda":
-        raise ValueError("--offload_activations moves what the blocks save for backward from a GPU to host memory, "
-                         "and this run has no GPU: leave it out (profile_memory.py estimates it for a GPU run)")
-    if cfg.warmup_steps > cfg.max_steps:
+    if "warmup_steps" in given and cfg.warmup_steps > cfg.max_steps:
         log(f"warning: --warmup_steps {cfg.warmup_steps} is longer than --max_steps {cfg.max_steps}: the learning "
             f"rate never reaches --lr {cfg.lr}")
 
@@ -391,13 +420,16 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
     """The options of a resumed run: those given (`given`: in --config or on the command line) as they are, the
     others as the run recorded them (`recorded`: the "train" section of its config.json), so that --resume
     continues a run as it was, from any working directory. ValueError, naming the option, when a given one would
-    change the run's data (DATA_OPTIONS)."""
+    change the run's data (DATA_OPTIONS) or its adapters (ADAPTER_OPTIONS)."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    for name in DATA_OPTIONS:
-        if name in given and name in recorded and not _same_value(name, getattr(cfg, name), recorded[name]):
-            raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with {recorded[name]}, "
-                             f"and a resumed run continues its data; leave --{name} out, or start a new run from its "
-                             f"weights (--init_from {Path(cfg.out_dir) / 'step-N'})")
+    weights = f"a new run from its weights (--init_from {Path(cfg.out_dir) / 'step-N'})"
+    for fixed, what, instead in ((DATA_OPTIONS, "its data", weights),
+                                 (ADAPTER_OPTIONS, "the shapes of its adapters", "a new run in another --out_dir")):
+        for name in fixed:
+            if name in given and name in recorded and not _same_value(name, getattr(cfg, name), recorded[name]):
+                raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with "
+                                 f"{recorded[name]}, and a resumed run continues {what}; leave --{name} out, or start "
+                                 f"{instead}")
     continued = {k: v for k, v in recorded.items() if k in names and k not in given and k not in NOT_CONTINUED}
     return dataclasses.replace(cfg, **continued)
 
@@ -455,7 +487,7 @@ def default_out_dir(cfg: TrainConfig, log: typing.Callable[[str], None] = print)
         model = cfg.model_size
     attention = "" if cfg.attention_type == "auto" else f"-{cfg.attention_type}"
     name = f"{model}{attention}-{cfg.context_length}" + ("" if cfg.finetune == "full" else f"-{cfg.finetune}")
-    series = (Path("runs") / (name if i == 1 else f"{name}-{i}") for i in itertools.count(1))
+    series = numbered(Path("runs") / name)
     taken: list[Path] = []
     for candidate in series:
         if not (candidate.is_dir() and any(p.name != ".lock" for p in candidate.iterdir())):
@@ -508,7 +540,9 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     if offload is None:
         offload = bool(device_memory and cfg.gradient_checkpointing
                        and checkpointed_bytes(model_config, cfg, world_size) > OFFLOAD_SHARE * device_memory)
-    return model_config, ComputeConfig(**{**compute, "offload_activations": offload, **compute_overrides})
+    compute_config = ComputeConfig(**{**compute, "offload_activations": offload, **compute_overrides})
+    check_effective(model_config, compute_config, frozenset(cfg.model_overrides))
+    return model_config, compute_config
 
 
 def check_model_size(cfg: TrainConfig, stored: ModelConfig) -> None:

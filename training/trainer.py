@@ -36,6 +36,7 @@ from nsa.convert import FRESH, nsa_state_from_dense
 from storage.checkpoint import (
     SaveFailed,
     checkpoint_to_resume,
+    damaged_export,
     load_checkpoint,
     prune_checkpoints,
     read_train_state,
@@ -63,6 +64,7 @@ from training.monitor import (
     memory_gib,
     over_memory_budget,
     peak_flops,
+    plot_loss_curve,
     reserved_gib,
     start_run,
     stop_on_signals,
@@ -226,7 +228,8 @@ def export_and_sample(run: Run) -> None:
     if run.cfg.sample_tokens != 0:
         n, text = generate_sample(run.model, run.tokenizer, run.cfg, run.rt.device, run.autocast)
         if run.rt.rank == 0:
-            print(f"--- sample ({n} tokens at temperature 0.8 after {run.cfg.sample_prompt!r}) ---\n{text}")
+            after = repr(run.cfg.sample_prompt) if run.cfg.sample_prompt else "the start of a document"
+            print(f"--- sample ({n} tokens at temperature 0.8 after {after}) ---\n{text}")
 
 
 @dataclass
@@ -363,11 +366,15 @@ def export_info(cfg: TrainConfig, tokenizer: Tokenizer | HFTokenizer, stored: Mo
 
 def resume_point(cfg: TrainConfig, rt: Runtime) -> Path | None:
     """The verified checkpoint to resume (checkpoint_to_resume). NothingToTrain when it has reached --max_steps and
-    the run's end is done; a run whose end (export) was interrupted is resumed to do it again. Nothing is moved or
-    deleted here: that waits until the run is known good (`settle_checkpoints`)."""
+    the run's end is done; a run whose end (export) was interrupted, or whose export is damaged, is resumed to do it
+    again. Nothing is moved or deleted here: that waits until the run is known good (`settle_checkpoints`)."""
     resume_from = checkpoint_to_resume(Path(cfg.out_dir), cfg.resume)
     say = print if rt.rank == 0 else (lambda message: None)
     if resume_from and (done := read_train_state(resume_from)["step"]) >= cfg.max_steps:
+        damaged = damaged_export(Path(cfg.out_dir)) if done == cfg.max_steps else None
+        if damaged:
+            say(f"{damaged}: doing the run's end (its export) again")
+            return resume_from
         if done > cfg.max_steps or finished_step(Path(cfg.out_dir)) == done:
             say(f"{resume_from} is step {done} of a run that has finished (--max_steps {cfg.max_steps}): nothing to "
                 "train; pass a larger --max_steps to continue it")
@@ -609,7 +616,7 @@ def loop(run: Run) -> dict:
             metrics = {**observe(run, step_metrics, time.perf_counter() - t0, metrics, leaks),
                        **clock.update(run.step)}
             if main_rank:
-                log_step(metrics, cfg, run.out_dir / "metrics.jsonl", bar)
+                log_step(metrics, cfg, run.out_dir / "metrics.jsonl", bar, clock.settled(run.step))
                 track(metrics)
             check_limits(run, metrics)
             if stop or save_due or run.save_scheduled():
@@ -626,6 +633,8 @@ def loop(run: Run) -> dict:
         run.task.finish(run)
         if main_rank:  # the end is done: a later --resume has nothing left to do
             (run.out_dir / FINISHED_NAME).write_text(json.dumps({"step": run.step}) + "\n")
+            if curve := plot_loss_curve(run.out_dir / "metrics.jsonl", str(run.out_dir)):
+                print(f"wrote {curve} (the loss curve; every step's numbers are in metrics.jsonl)")
     return metrics
 
 
