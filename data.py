@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from storage.checkpoint import MANIFEST_NAME
+from storage.manifest import MANIFEST_NAME
 from text.corpus import (
     RECORD_SUFFIXES,
     find_input_files,
@@ -102,7 +102,11 @@ def check_out_dir(out_dir: str) -> None:
     """FileExistsError unless --out_dir lies outside every run, model and checkpoint directory, whose files training
     rewrites or prunes (prepared data there would be deleted with them)."""
     for place in (Path(out_dir).resolve(), *Path(out_dir).resolve().parents):
-        if owner := _owner(place):
+        try:
+            owner = _owner(place)
+        except OSError:  # a directory we may pass through but not list
+            continue
+        if owner:
             raise FileExistsError(f"--out_dir {out_dir} is inside {place}, {owner}, whose files training replaces "
                                   "or prunes: prepare the data outside it (e.g. --out_dir data/NAME)")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from training.cli import check_writable  # noqa: E402
+from training.cli import check_writable, numbered  # noqa: E402
 
 
 def nsa_geometry(context_length: int) -> dict[str, int]:
@@ -71,10 +71,11 @@ def main(argv: list[str] | None = None) -> None:
                  "--eval_tokens", str(8 * T), "--checkpoint_interval", "0", "--sample_tokens", "0",
                  "--seed", str(args.seed), "--data_dir", args.data_dir, "--out_dir", str(run_dir),
                  "--model_overrides", json.dumps(overrides)])
+        evaluation = next(path for path in numbered(run_dir / "eval-model") if not (path / "eval.json").exists())
         run(["eval.py", str(run_dir / "model"), "--lengths", *lengths, "--samples", str(args.samples),
-             "--eval_tokens", str(16 * T), "--batch_size", "5"])
+             "--eval_tokens", str(16 * T), "--batch_size", "5", "--out_dir", str(evaluation)])
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        results = json.loads((run_dir / "eval-model" / "eval.json").read_text())
+        results = json.loads((evaluation / "eval.json").read_text())
         summary[attention] = {
             "val_curve": [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r],
             "val_loss": results["loss"]["loss"], "buckets": results["loss"]["buckets"],

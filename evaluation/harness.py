@@ -227,7 +227,7 @@ def run_harness(lm: object, tasks: list[str], ruler: set[str], lengths: list[int
             metadata = {"tokenizer": str(tokenizer_dir)} | ({"max_seq_lengths": [length]} if length else {})
             try:
                 with no_downloads(tasks):
-                        out = simple_evaluate(model=lm, tasks=[task], limit=limit, metadata=metadata, random_seed=seed,
+                    out = simple_evaluate(model=lm, tasks=[task], limit=limit, metadata=metadata, random_seed=seed,
                                           numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
             except ValueError as e:
                 if "Could not generate any sample" not in str(e):

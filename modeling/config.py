@@ -224,16 +224,19 @@ def score_loss_queries(model: ModelConfig) -> int:
     return max(0, model.context_length - first) if model.nsa_num_selected >= 4 else 0
 
 
-def check_effective(model: ModelConfig, compute: ComputeConfig, names: set[str] | frozenset[str]) -> None:
-    """ValueError, naming why, when a field of `names` (those a user set) cannot act in this pair of configs
-    (EFFECT_NEEDS), or when the selection-scoring loss it sets would be 0 on every step (top-n never chooses at
-    this context_length) or on most (a stride beyond the queries that choose)."""
+def check_effective(model: ModelConfig, compute: ComputeConfig, names: set[str] | frozenset[str],
+                    spelled: dict[str, str] | None = None) -> None:
+    """ValueError, naming why, when a field of `names` (those a user set; `spelled`: how, for fields set by an option
+    of their own) cannot act in this pair of configs (EFFECT_NEEDS), or when the selection-scoring loss it sets
+    would be 0 on every step (top-n never chooses at this context_length) or on most (a stride beyond the queries
+    that choose)."""
     value = {**dataclasses.asdict(model), **dataclasses.asdict(compute)}
     for name in sorted(names & set(EFFECT_NEEDS)):
         other, acts, needs = EFFECT_NEEDS[name]
         if not acts(value[other]):
-            raise ValueError(f"{name} has no effect without {needs}, and this run's {other} is {value[other]!r}: "
-                             f"leave {name} out, or set {other}")
+            given = (spelled or {}).get(name, name)
+            raise ValueError(f"{given} has no effect without {needs}, and this run's {other} is {value[other]!r}: "
+                             f"leave {given} out, or set {other}")
     if not (names & {"nsa_score_loss_coef", *SCORE_LOSS_FIELDS}) or compute.nsa_score_loss_coef == 0:
         return
     queries, first = score_loss_queries(model), model.nsa_num_selected * model.nsa_select_block_size

@@ -186,6 +186,21 @@ class RangeAttention:
         return dq, dk, dv
 
 
+_POOL_WEIGHTS: dict[tuple[tuple[int, int, int], torch.device], Tensor] = {}
+
+
+def _pool_weights(geometry: tuple[int, int, int], like: Tensor) -> Tensor:
+    """`selection_pool_weights`' weights for geometry (l, d, l') on `like`'s device, copied there once per device
+    (a copy from the host blocks the stream; fake tensors get their own)."""
+    key = (geometry, like.device)
+    if is_fake(like) or key not in _POOL_WEIGHTS:
+        weights = torch.tensor(selection_pool_weights(*geometry)[1], device=like.device)  # (width,)
+        if is_fake(like):
+            return weights
+        _POOL_WEIGHTS[key] = weights
+    return _POOL_WEIGHTS[key]
+
+
 def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, geometry: tuple[int, int, int],
                       n_select_blocks: int, scale: float) -> Tensor:
     """Selection-block importance (paper Eqs. 8-10) of queries q (B, KV, G*Q, D) (head-major rows) given the
@@ -202,7 +217,7 @@ def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
     out = torch.empty(B, KV, nq, n_select_blocks, dtype=acc, device=q.device)
     grid = (_cdiv(nq, _RANGE_BLOCK), B * KV, _cdiv(n_select_blocks, j_step))
     _launch("importance_kernel", grid, q.contiguous(), k_cmp.contiguous(), lse.to(acc).contiguous(),
-            n_visible.to(torch.int32).contiguous(), torch.tensor(weights, device=q.device), out, nq, k_cmp.shape[2],
+            n_visible.to(torch.int32).contiguous(), _pool_weights(geometry, q), out, nq, k_cmp.shape[2],
             n_select_blocks, scale, G=NR // nq, D=D, PER_SEL=per_sel, FIRST=first, WIDTH=width, J_STEP=j_step,
             BLOCK_M=_RANGE_BLOCK, BLOCK_J=_tile(j_step), BLOCK_C=block_c, BLOCK_D=_tile(D), **_precision(q))
     return out

@@ -51,13 +51,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model import Transformer
-from storage.manifest import file_records
+from storage.manifest import MANIFEST_NAME, file_records
 
 STATE_NAME = "train_state.json"
 # A checkpoint holds the trained parameters only: a frozen base (LoRA) comes from the run's --init_from weights.
 # strict=False on load: the entries come from `_trained_state` of the same model, and DCP fails on any it lacks.
 TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
-MANIFEST_NAME = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -145,7 +144,12 @@ def written_directory(path: Path) -> Iterator[Path]:
 
 
 class DamagedCheckpoint(ValueError):
-    """A checkpoint file is missing, or its size or checksum differs from the manifest: nothing was loaded."""
+    """A checkpoint file is missing, or its size or checksum differs from the manifest: nothing was loaded.
+    `problem`: the directory and what is wrong with it, without the advice."""
+
+    def __init__(self, message: str, problem: str = "") -> None:
+        super().__init__(message)
+        self.problem = problem or message
 
 
 def _read_manifest(path: Path) -> dict[str, dict]:
@@ -191,21 +195,24 @@ def verify_files(path: Path) -> None:
     except ValueError as e:
         problems = [str(e)]
     if problems:
-        raise DamagedCheckpoint(f"{path} is damaged: {problems[0]}"
-                                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-                                + "; write it again (a run's export: --resume the run, which exports again)")
+        problem = f"{path} is damaged: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
+                                                         else "")
+        raise DamagedCheckpoint(f"{problem}; write it again (a run's export: --resume the run, which exports again)",
+                                problem)
+
+
+EXPORTS = ("model", "hf", "adapter")  # what the end of a run writes into its directory, each with a manifest
 
 
 def damaged_export(out_dir: Path) -> str | None:
-    """What is wrong with the first damaged export of run directory `out_dir` (a directory with a manifest that is
-    not a checkpoint: model/, hf/, adapter/), or None when every one is intact."""
-    steps = set(checkpoints(out_dir))
-    for path in sorted(p for p in out_dir.iterdir() if p.is_dir() and p not in steps):
+    """What is wrong with the first damaged export (EXPORTS) of run directory `out_dir`, or None when every one is
+    intact."""
+    for path in (out_dir / name for name in EXPORTS):
         if (path / MANIFEST_NAME).is_file():
             try:
                 verify_files(path)
             except DamagedCheckpoint as e:
-                return str(e).split("; write it again")[0]
+                return e.problem
     return None
 
 

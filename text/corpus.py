@@ -81,15 +81,22 @@ class Document:
     prompt: str = ""
 
 
-def wide_text(data: bytes) -> bool:
-    """Whether `data` is UTF-16 or UTF-32 text: it starts with a byte-order mark, or (at least 8 bytes) NULs fill 90%
-    of its odd or its even positions and at most 10% of the others, as where ASCII text takes two bytes a
-    character (a binary file has NULs everywhere)."""
-    if data.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")):
-        return True
-    half = len(data) // 2
-    nuls = sorted((data[0::2].count(0), data[1::2].count(0)))
-    return half >= 4 and nuls[1] >= 0.9 * half and nuls[0] <= 0.1 * half
+def wide_text(data: bytes) -> str | None:
+    """The encoding `data` is written in when it is UTF-16 or UTF-32 text, for iconv's -f: from a byte-order mark,
+    or from its first 4 KiB (at least 8 bytes) where NULs fill 90% of the odd or the even positions and at most 10%
+    of the others, as where ASCII text takes two bytes a character ("UTF-16LE", "UTF-16BE"; a binary file has NULs
+    everywhere); None for anything else."""
+    for mark, encoding in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+                           (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16")):
+        if data.startswith(mark):
+            return encoding
+    head = data[:4096]
+    half, even, odd = len(head) // 2, head[0::2].count(0), head[1::2].count(0)
+    if half < 4:
+        return None
+    if odd >= 0.9 * half and even <= 0.1 * half:
+        return "UTF-16LE"
+    return "UTF-16BE" if even >= 0.9 * half and odd <= 0.1 * half else None
 
 
 class Decoder:
@@ -103,10 +110,10 @@ class Decoder:
         self.errors, self.replaced = errors, {}
 
     def __call__(self, data: bytes, path: Path, where: str = "") -> str:
-        if wide_text(data):
-            raise ValueError(f"{path}{where} is UTF-16 or UTF-32 text (a byte-order mark, or a NUL beside every "
+        if encoding := wide_text(data):
+            raise ValueError(f"{path}{where} looks like {encoding} text (a byte-order mark, or a NUL beside every "
                              f"character), which neither --errors mode reads: convert it to UTF-8 first (iconv -f "
-                             f"UTF-16 -t UTF-8 {path.name} > {path.stem}.utf8{path.suffix})")
+                             f"{encoding} -t UTF-8 {path} > {path.with_suffix('.utf8' + path.suffix)})")
         if self.errors == "replace":
             text = data.decode("utf-8", errors="replace").replace("\0", "\ufffd")  # NUL: binary, not text
             if n := text.count("\ufffd") - data.count("\ufffd".encode()):

@@ -400,9 +400,10 @@ def check_shards(data_dir: str | os.PathLike, index: dict) -> None:
     damaged = [name for name, crc in expected.items() if found[name]["crc32"] != crc]
     if damaged:
         more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        split = data_dir.name == VALIDATION_DIR and (data_dir.parent / INDEX_NAME).is_file()
         raise ValueError(f"shard {data_dir / damaged[0]} is damaged: its CRC-32 differs from {INDEX_NAME}'s{more}; "
-                         f"prepare the data again (`python data.py prepare --out_dir {data_dir} --overwrite` with "
-                         "its --input and --tokenizer)")
+                         f"prepare the data again (`python data.py prepare --out_dir "
+                         f"{data_dir.parent if split else data_dir} --overwrite` with its --input and --tokenizer)")
 
 
 def validation_dir(data_dir: str | os.PathLike) -> Path:

@@ -310,9 +310,9 @@ def log_step(metrics: dict, cfg: TrainConfig, metrics_file: Path, bar: tqdm, eta
 def summary(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> str:
     """One line: the model, the tokens of a step, the length of the run, the devices, and where the outputs go."""
     c = model.config
-    name = cfg.init_from or cfg.model_size
+    name, threads = cfg.init_from or cfg.model_size, torch.get_num_threads()
     devices = f"{world_size} GPU{'s' if world_size > 1 else ''}" if torch.cuda.is_available() else (
-        f"{world_size} CPU process{'es' if world_size > 1 else ''} (up to {torch.get_num_threads()} threads each)")
+        f"{world_size} CPU process{'es' if world_size > 1 else ''} (up to {threads} thread{'s' * (threads > 1)} each)")
     tokens = world_size * cfg.gradient_accumulation_steps * cfg.batch_size * cfg.context_length
     return (f"{name}: {model.num_parameters() / 1e6:,.1f}M parameters, {c.attention_type} attention, "
             f"{cfg.finetune} fine-tune, {cfg.dtype}; {cfg.max_steps} steps of {tokens:,} tokens "
@@ -363,7 +363,7 @@ def plot_loss_curve(metrics_file: Path, title: str) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    rows = [row for line in metrics_file.read_text().splitlines() if (row := _json_line(line)) is not None]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     if not train:

@@ -113,8 +113,8 @@ class TrainConfig:
                                "the logits would take over 10 GiB")
     ffn_chunk_size: int | None = option(None, f"tokens per FFN tile (tiled FFN, recomputed in backward; 0: untiled; "
                                               f"default: {TILED_FFN_CHUNK} from {LONG_CONTEXT} tokens, else untiled)")
-    attention_query_chunk: int = option(512, "queries an attention processes together (NSA: bounds its working "
-                                             "memory)")
+    attention_query_chunk: int | None = option(None, "queries NSA processes together (bounds its working memory; "
+                                                    "default 512)")
     compile: bool = option(False, "torch.compile each block")
     dtype: str = option("auto", "'float32' or 'bfloat16' (mixed precision: fp32 master weights, bf16 compute, fp32 "
                               "gradient reduction); 'auto' = bfloat16 on CUDA, float32 on CPU")
@@ -125,7 +125,8 @@ class TrainConfig:
     max_steps: int = option(300, "optimizer steps")
     lr: float | None = option(None, "peak learning rate of AdamW (default: 3e-3 for demo/tiny, 3e-4 for the larger "
                                   "presets, 2e-5 from --init_from weights)")
-    warmup_steps: int = option(30, "linear warmup steps, then cosine decay to lr * min_lr_ratio at max_steps")
+    warmup_steps: int = option(30, "linear warmup steps (a run shorter than this never reaches --lr), then cosine "
+                                   "decay to lr * min_lr_ratio at max_steps")
     min_lr_ratio: float = option(0.1, "final learning rate as a fraction of lr")
     weight_decay: float = option(0.1, "AdamW weight decay of the matrices (norm weights are not decayed)")
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: no clipping; the norm is still logged)")
@@ -356,7 +357,7 @@ PATH_OPTIONS = ("data_dir", "tokenizer", "init_from", "adapter")  # a file or a 
 # (its tokenizer is checked against the checkpoint's: run_data.resolve_tokenizer).
 DATA_OPTIONS = ("data_dir", "seed", "synthetic_mix", "synthetic_task", "synthetic_pairs", "answer_loss")
 NOT_CONTINUED = ("resume", "out_dir", "verbose")  # about one invocation, never taken from the record
-# What a resumed run cannot change either: the shapes and places of the adapters its checkpoints hold.
+# What a resumed run cannot change either: the geometry of the adapters its checkpoints hold (rank, scale, places).
 ADAPTER_OPTIONS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "npt_rank", "npt_layers", "npt_targets",
                    "npt_residual_mode")
 
@@ -376,15 +377,13 @@ RUN_NEEDS: dict[str, tuple[typing.Callable[[TrainConfig, torch.device], bool], s
                             "(profile_memory.py estimates it for a GPU run)"),
     "export_dtype": (lambda cfg, device: cfg.finetune not in ("lora", "npt") or cfg.merge,
                      "--finetune full, or --merge with LoRA (adapters are saved as they trained)"),
-    "attention_query_chunk": (lambda cfg, device: cfg.attention_type in ("nsa", "auto"),
-                              "--attention_type nsa (full attention takes whole sequences)"),
 }
 
 
 def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.device,
                   log: typing.Callable[[str], None] = print) -> None:
     """ValueError when an option that was given (`given`; None: unknown, nothing is checked) has no effect in this run
-    (RUN_NEEDS; a --model_overrides field counts as its option, SHARED_FIELD), as it would be silently ignored, or
+    (RUN_NEEDS; offload_activations in --model_overrides counts as the option), as it would be silently ignored, or
     when an option and a --model_overrides field set the same thing; a warning line when a --warmup_steps given
     outlasts the run."""
     if given is None:
@@ -393,7 +392,7 @@ def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.
         if option in given and name in cfg.model_overrides:
             raise ValueError(f"--model_overrides sets {name} and --{option} sets it too, and the override would "
                              "win: give one of them")
-    acting = given | {SHARED_FIELD[name] for name in cfg.model_overrides if name in SHARED_FIELD}
+    acting = given | ({"offload_activations"} if "offload_activations" in cfg.model_overrides else set())
     for option, (acts, what) in RUN_NEEDS.items():
         if option in acting and not acts(cfg, device):
             raise ValueError(f"--{option} has no effect without {what}: add it, or leave --{option} out")
@@ -424,7 +423,7 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     weights = f"a new run from its weights (--init_from {Path(cfg.out_dir) / 'step-N'})"
     for fixed, what, instead in ((DATA_OPTIONS, "its data", weights),
-                                 (ADAPTER_OPTIONS, "the shapes of its adapters", "a new run in another --out_dir")):
+                                 (ADAPTER_OPTIONS, "its adapters as they are", "a new run in another --out_dir")):
         for name in fixed:
             if name in given and name in recorded and not _same_value(name, getattr(cfg, name), recorded[name]):
                 raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with "
@@ -519,8 +518,9 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     tile = cfg.ffn_chunk_size if cfg.ffn_chunk_size is not None else TILED_FFN_CHUNK if long else 0
     compute = {"ffn_chunk_size": tile or None,
                "loss_mode": "chunked" if cfg.loss == "auto" and long else cfg.loss,
-               "attention_query_chunk": cfg.attention_query_chunk,
                "loss_rows": "targets" if cfg.answer_loss else "all"}
+    if cfg.attention_query_chunk is not None:
+        compute["attention_query_chunk"] = cfg.attention_query_chunk
     theta = {"rope_theta": cfg.rope_theta} if cfg.rope_theta else {}
     theta |= {"rope_scaling": cfg.rope_scaling} if cfg.rope_scaling else {}
     if stored is not None:
@@ -541,7 +541,9 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
         offload = bool(device_memory and cfg.gradient_checkpointing
                        and checkpointed_bytes(model_config, cfg, world_size) > OFFLOAD_SHARE * device_memory)
     compute_config = ComputeConfig(**{**compute, "offload_activations": offload, **compute_overrides})
-    check_effective(model_config, compute_config, frozenset(cfg.model_overrides))
+    chunk = cfg.attention_query_chunk not in (None, ComputeConfig.attention_query_chunk)  # runs recorded 512 as such
+    options = {"attention_query_chunk": "--attention_query_chunk"} if chunk else {}
+    check_effective(model_config, compute_config, frozenset(cfg.model_overrides) | set(options), options)
     return model_config, compute_config
 
 

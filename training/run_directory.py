@@ -149,8 +149,11 @@ def check_run_directory(out_dir: Path, resume: str | None, init_from: str | None
         raise FileExistsError(f"{out_dir} already holds a run ({what}); pass --resume to continue it (from scratch "
                               "when it has no checkpoint), or choose another --out_dir")
     if resume == "auto" and not holds_run(out_dir):
+        runs = sorted(p.name for p in out_dir.parent.glob("*") if p.is_dir() and holds_run(p))[:5] \
+            if out_dir.parent.is_dir() else []
+        there = f" (runs in {out_dir.parent}: {', '.join(runs)})" if runs else ""
         raise FileNotFoundError(f"--resume: {out_dir} holds no run to continue (no config.json, metrics.jsonl or "
-                                "step-N/): leave --resume out to start one there, or pass the run's --out_dir")
+                                f"step-N/): leave --resume out to start one there, or pass the run's --out_dir{there}")
     if resume not in (None, "auto") and holds_run(out_dir) and Path(resume).resolve().parent != out_dir.resolve():
         raise FileExistsError(f"{out_dir} holds another run: continuing {resume} there would rewrite its files; "
                               "choose an empty --out_dir")

@@ -633,8 +633,11 @@ def loop(run: Run) -> dict:
         run.task.finish(run)
         if main_rank:  # the end is done: a later --resume has nothing left to do
             (run.out_dir / FINISHED_NAME).write_text(json.dumps({"step": run.step}) + "\n")
-            if curve := plot_loss_curve(run.out_dir / "metrics.jsonl", str(run.out_dir)):
-                print(f"wrote {curve} (the loss curve; every step's numbers are in metrics.jsonl)")
+            try:
+                if curve := plot_loss_curve(run.out_dir / "metrics.jsonl", str(run.out_dir)):
+                    print(f"wrote {curve} (the loss curve; every step's numbers are in metrics.jsonl)")
+            except (OSError, ValueError) as e:  # the run is done: a plot that fails is a line, not an error
+                print(f"warning: no loss.png ({type(e).__name__}: {e})")
     return metrics
 
 
