@@ -18,7 +18,7 @@ with PAIRS pairs, the number of keys a query must tell apart) or copy:LENGTH:STE
 peak learning rate (default --lr). A stage whose directory holds a finished run with the same train.py arguments
 (its stage.json) is reused; one with other arguments is an error. Types:
 - full: SDPA, every key visible;
-- swa: the test-only sliding-window type (tests/sliding_window_attention.py) with a window of 64 keys: the control.
+- swa: the example sliding-window type (examples/sliding_window_attention.py) with a window of 64 keys: the control.
   After copying it looks keys up directly and is blind beyond 64 tokens; trained on MQAR alone, its 4 layers can
   also pass a value on through intermediate tokens, up to 4 x 63 = 252 back;
 - nsa: compression blocks l = 32 (stride 16), selection blocks l' = 32, n = 6 selected blocks (block 0 and the two
@@ -63,7 +63,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the sliding-window control lives with the tests
 import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from evaluation import tasks  # noqa: E402

@@ -3,7 +3,8 @@
 An attention type is a class that satisfies `AttentionLayer`, registered under a name in `config.ATTENTION_TYPES`
 ("full" is `FullAttention` below, "nsa" is nsa/layer.py). `model.Block` builds `cls(config, compute)` and calls
 only what the protocol lists; train.py's MFU, profile_memory.py's stand-ins and the choices of `--attention_type`
-come from the same class. Adding a type is one file plus one registry line (see README, "Add your own attention").
+come from the same class. Adding a type is one file plus one registry line (docs/model.md, "Attention types, and
+adding your own"; examples/sliding_window_attention.py).
 A type may also add training-only loss terms during a forward (`add_aux_loss`); `model.Transformer.forward` adds them
 to the loss.
 

@@ -1,6 +1,7 @@
-"""The attention interface and registry: an attention type written only in the tests (sliding_window_attention.py,
-registered with one line) builds, trains, generates through the KV cache exactly as prefill does, and is refused
-with a clear error when its options are impossible. Tolerances: float64, 1e-12 (same maths, other op order)."""
+"""The attention interface and registry: an attention type written outside the package
+(examples/sliding_window_attention.py, registered with one line) builds, trains, generates through the KV cache
+exactly as prefill does, and is refused with a clear error when its options are impossible. Tolerances: float64,
+1e-12 (same maths, other op order)."""
 
 from __future__ import annotations
 

@@ -552,13 +552,15 @@ def test_prepare_deletes_nothing_it_did_not_write(four_checkpoints, data_dir, tm
     out = tmp_path / "mine"
     out.mkdir()
     (out / "tokenizer.model").write_bytes((data_dir / "tokenizer.model").read_bytes())  # a tokenizer may be there
+    (out / "tokenizer_config.json").write_text("{}")  # and a Hugging Face tokenizer's companions
     data.main(["prepare", "--input", str(corpus), "--tokenizer", tokenizer, "--out_dir", str(out)])
     (out / "notes.txt").write_text("keep")
     (out / "validation" / "extra.csv").write_text("keep")
     data.main(["prepare", "--input", str(corpus / "0.txt"), str(corpus / "1.txt"), "--tokenizer", tokenizer,
                "--out_dir", str(out), "--overwrite", "--validation_fraction", "0"])
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
-        "index.json", "notes.txt", "shard_00000.bin", "tokenizer.model", "validation", "validation/extra.csv"]
+        "index.json", "notes.txt", "shard_00000.bin", "tokenizer.model", "tokenizer_config.json", "validation",
+        "validation/extra.csv"]
     (out / "shard_00001.bin").write_bytes(b"mine")  # a file the next prepare would write, not listed by the index
     kept = files(out)
     err = one_line_usage_error(data.main, ["prepare", "--input", str(corpus), "--tokenizer", tokenizer, "--out_dir",

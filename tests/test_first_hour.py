@@ -54,3 +54,26 @@ def test_a_refusal_under_torchrun_is_one_line_at_the_end(data_dir, tmp_path):
     assert proc.returncode != 0 and proc.stderr.count(message) == 2, proc.stderr  # printed once, reported once
     last = [line for line in proc.stderr.strip().splitlines() if line.strip() and not line.startswith("=")]
     assert message in last[-1] and "traceback" in last[-1]
+
+
+def test_what_a_short_run_on_little_data_says(data_dir, tmp_path, capsys):
+    """A corpus of a few windows: the run says how often it rereads the data; the first metrics line says the ETA
+    comes after the next step; the end draws the loss curve and names it; the sample of data that is not the
+    default corpus (Python source) starts a document, not `def `."""
+    import data
+
+    (tmp_path / "small.txt").write_text("def f(x):\n    return x + 1\n" * 30)
+    data.main(["prepare", "--input", str(tmp_path / "small.txt"), "--tokenizer", str(data_dir / "tokenizer.model"),
+               "--out_dir", str(tmp_path / "small"), "--validation_fraction", "0"])
+    capsys.readouterr()
+    train.main(["--model_size", "tiny", "--context_length", "32", "--batch_size", "2", "--max_steps", "12",
+                "--sample_tokens", "4", "--log_interval", "100", "--data_dir", str(tmp_path / "small"),
+                "--out_dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "batches a pass: --max_steps 12 reads it" in out and "times (each pass in a new order)" in out
+    assert "(1 process x 1 accumulated x 2 sequences x 32 tokens)" in out
+    first = next(line for line in out.splitlines() if line.startswith("step      1/12"))
+    assert first.endswith("ETA after the next step")
+    pytest.importorskip("matplotlib")
+    assert f"wrote {tmp_path / 'run' / 'loss.png'} (the loss curve" in out and (tmp_path / "run" / "loss.png").is_file()
+    assert "--- sample (4 tokens at temperature 0.8 after the start of a document) ---" in out

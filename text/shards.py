@@ -47,7 +47,7 @@ from text.corpus import (
     has_pairs,
     stdlib_files,
 )
-from text.tokenizer import HF_FILE, SPM_FILE, HFTokenizer, Tokenizer, chat_turn
+from text.tokenizer import HF_COMPANIONS, HF_FILE, SPM_FILE, HFTokenizer, Tokenizer, chat_turn
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = 1
@@ -255,13 +255,14 @@ def own_files(data_dir: Path) -> list[Path]:
 
 
 def _foreign_entries(data_dir: Path, own: list[Path]) -> list[Path]:
-    """The entries of `data_dir` (and of its validation split) that no prepare wrote, tokenizer files aside."""
+    """The entries of `data_dir` (and of its validation split) that no prepare wrote, its tokenizer's files aside
+    (a SentencePiece model, or tokenizer.json and the files that go with it)."""
     if not data_dir.is_dir():
         return []
     owned = set(own)
     dirs = [data_dir, *(p for p in own if p.is_dir())]
     return sorted(entry for d in dirs for entry in d.iterdir()
-                  if entry not in owned and not (d == data_dir and entry.name in (SPM_FILE, HF_FILE)))
+                  if entry not in owned and not (d == data_dir and entry.name in (SPM_FILE, HF_FILE, *HF_COMPANIONS)))
 
 
 def _names(paths: list[Path]) -> str:
