@@ -214,11 +214,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     return results
 
 
-def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, int, Path, set[str]]:
-    """(checkpoint, tokenizer, data directory, context length, output directory, the --harness tasks that are
-    RULER's) from the arguments, each checked before anything large is read (ValueError / FileNotFoundError naming
-    the argument)."""
-    checkpoint = Path(args.checkpoint)
+def check_options(args: argparse.Namespace) -> None:
+    """The options on their own, before any file is read: the device, the options only some tasks read (each read
+    by one that runs), numbers in range; fills in the defaults of --tasks, --depths and --eval_tokens."""
     args.tasks = args.tasks if args.tasks is not None else [] if args.harness else list(TASKS[:3])
     try:
         device = torch.device(args.device)
@@ -237,8 +235,25 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
     if args.lengths is not None and not args.harness and not set(args.tasks) - {"loss", "documents"}:
         raise ValueError("--lengths is read only by the retrieval and recall tasks and --harness, which this call "
                          "does not run (loss and documents read whole windows and documents): leave it out")
+    if "documents" in args.tasks and not args.documents:
+        raise ValueError("the documents task needs --documents FILE (.jsonl with a \"text\" field, or text files)")
     args.depths = args.depths if args.depths is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
     args.eval_tokens = args.eval_tokens if args.eval_tokens is not None else 65536
+    if not 0 <= min(args.depths) <= max(args.depths) <= 1:
+        raise ValueError(f"--depths must lie in [0, 1], got {args.depths}")
+    for name, low in (("samples", 1), ("batch_size", 1), ("eval_tokens", 1), ("context_length", 2), ("seed", 0)):
+        if getattr(args, name) is not None and getattr(args, name) < low:
+            raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if any(n < 2 for n in args.lengths or []):
+        raise ValueError(f"--lengths must be >= 2, got {args.lengths}")
+
+
+def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, int, Path, set[str]]:
+    """(checkpoint, tokenizer, data directory, context length, output directory, the --harness tasks that are
+    RULER's) from the arguments, each checked before anything large is read (ValueError / FileNotFoundError naming
+    the argument): the options first (`check_options`), then what they name."""
+    check_options(args)
+    checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
         raise FileNotFoundError(f"{checkpoint} does not exist")
     if (checkpoint / "metrics.jsonl").is_file():
@@ -250,15 +265,6 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
                                                              data_dir and Path(data_dir) / "tokenizer.model"))
     if "loss" in args.tasks and not data_dir:
         raise ValueError("the loss task needs --data_dir (prepared data with a validation split)")
-    if "documents" in args.tasks and not args.documents:
-        raise ValueError("the documents task needs --documents FILE (.jsonl with a \"text\" field, or text files)")
-    if not 0 <= min(args.depths) <= max(args.depths) <= 1:
-        raise ValueError(f"--depths must lie in [0, 1], got {args.depths}")
-    for name, low in (("samples", 1), ("batch_size", 1), ("eval_tokens", 1), ("context_length", 2), ("seed", 0)):
-        if getattr(args, name) is not None and getattr(args, name) < low:
-            raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
-    if any(n < 2 for n in args.lengths or []):
-        raise ValueError(f"--lengths must be >= 2, got {args.lengths}")
     stored = stored_config(checkpoint)
     check_vocab(tokenizer, stored.vocab_size)
     if "loss" in args.tasks:
