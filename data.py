@@ -31,7 +31,8 @@ from training.run_directory import holds_run, run_record
 # ---------------------------------------------------------------- command line
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> Parser:
+    """data.py's two commands and their options."""
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     inputs_help = ("files or directories (.jsonl and .parquet records: a text field, or prompt and response; text "
@@ -53,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     prep.add_argument("--tokenizer", required=True,
                       help="a SentencePiece .model file, or a Hugging Face tokenizer.json (pip install tokenizers)")
     prep.add_argument("--out_dir", required=True,
-                      help="a new or empty directory (a tokenizer file may be there), outside any run or model")
+                      help="a new or empty directory (its tokenizer's files may be there), outside any run or "
+                           "model")
     prep.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     prep.add_argument("--text_field", default="text", help="text field of .jsonl and .parquet records")
     prep.add_argument("--errors", choices=["strict", "replace"], default="strict", help=errors_help)
@@ -61,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="replace the prepared data in OUT_DIR (the files its index.json lists, nothing else)")
     prep.add_argument("--validation_fraction", type=float, default=DEFAULT_VALIDATION_FRACTION,
                       help="share of documents held out in OUT_DIR/validation (every k-th; 0: none)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         run(args)

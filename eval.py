@@ -106,10 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(end) (default: 0 0.25 0.5 0.75 1)")
     p.add_argument("--pairs", type=int, help="mqar, mqar_text: key-value pairs in a document (default: a third of "
                                              "its slots, as train.py without --synthetic_pairs)")
-    p.add_argument("--samples", type=int, default=10, help="prompts per grid cell, documents per recall length, "
-                                                            "documents per --harness task and length")
-    p.add_argument("--batch_size", type=int, default=10, help="prompts (or loss windows) per forward")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, help="prompts per grid cell, documents per recall length, documents per "
+                                               "--harness task and length (default: 10)")
+    p.add_argument("--batch_size", type=int, help="prompts (or loss windows) per forward (default: 10)")
+    p.add_argument("--seed", type=int, help="of the prompts, documents and loss windows drawn (default: 0)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--out_dir", help="where eval.json and the plots go (default: RUN_DIR/eval-CHECKPOINT for a "
                                      "run's checkpoint, else eval/CHECKPOINT)")
@@ -214,9 +214,18 @@ def evaluate(args: argparse.Namespace) -> dict:
     return results
 
 
+# The options only some tasks read (READERS; HARNESS_READS: --harness too), refused when none of them runs, and
+# the defaults of those that have one.
+READERS = {"documents": ["documents"], "pairs": RECALL_TASKS, "depths": GRID_TASKS, "data_dir": ["loss"],
+           "eval_tokens": ["loss"], "lengths": [*GRID_TASKS, *RECALL_TASKS], "samples": [*GRID_TASKS, *RECALL_TASKS],
+           "batch_size": ["loss", *GRID_TASKS, *RECALL_TASKS], "seed": ["loss", *GRID_TASKS, *RECALL_TASKS]}
+HARNESS_READS = ("lengths", "samples", "batch_size", "seed")
+DEFAULTS = {"depths": [0.0, 0.25, 0.5, 0.75, 1.0], "eval_tokens": 65536, "samples": 10, "batch_size": 10, "seed": 0}
+
+
 def check_options(args: argparse.Namespace) -> None:
     """The options on their own, before any file is read: the device, the options only some tasks read (each read
-    by one that runs), numbers in range; fills in the defaults of --tasks, --depths and --eval_tokens."""
+    by one that runs: READERS), numbers in range; fills in the defaults of --tasks and DEFAULTS."""
     args.tasks = args.tasks if args.tasks is not None else [] if args.harness else list(TASKS[:3])
     try:
         device = torch.device(args.device)
@@ -226,19 +235,16 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--device {args.device}: expected cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
-    readers = {"documents": ["documents"], "pairs": RECALL_TASKS, "depths": GRID_TASKS, "data_dir": ["loss"],
-               "eval_tokens": ["loss"]}  # the options only some tasks read
-    for name, tasks in readers.items():
-        if getattr(args, name) is not None and not set(tasks) & set(args.tasks):
-            raise ValueError(f"--{name} is read only by the task(s) {', '.join(tasks)}, which --tasks does not run: "
-                             "add the task, or leave the option out")
-    if args.lengths is not None and not args.harness and not set(args.tasks) - {"loss", "documents"}:
-        raise ValueError("--lengths is read only by the retrieval and recall tasks and --harness, which this call "
-                         "does not run (loss and documents read whole windows and documents): leave it out")
+    for name, tasks in READERS.items():
+        if getattr(args, name) is not None and not set(tasks) & set(args.tasks) and not (
+                args.harness and name in HARNESS_READS):
+            harness = " (and --harness)" if name in HARNESS_READS else ""
+            raise ValueError(f"--{name} is read only by the task(s) {', '.join(tasks)}{harness}, which this call does "
+                             "not run: add one, or leave the option out")
     if "documents" in args.tasks and not args.documents:
         raise ValueError("the documents task needs --documents FILE (.jsonl with a \"text\" field, or text files)")
-    args.depths = args.depths if args.depths is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
-    args.eval_tokens = args.eval_tokens if args.eval_tokens is not None else 65536
+    for name, default in DEFAULTS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     if not 0 <= min(args.depths) <= max(args.depths) <= 1:
         raise ValueError(f"--depths must lie in [0, 1], got {args.depths}")
     for name, low in (("samples", 1), ("batch_size", 1), ("eval_tokens", 1), ("context_length", 2), ("seed", 0)):

@@ -762,9 +762,57 @@ def test_data_and_eval_options_that_cannot_act_are_refused(four_checkpoints, dat
     assert "--text_field body has no effect: it names the field of .jsonl and .parquet records" in err
     err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "loss", "--lengths",
                                                  "16"], capsys)
-    assert "--lengths is read only by the retrieval and recall tasks and --harness" in err
+    assert "--lengths is read only by the task(s) passkey, needle, mqar, mqar_text (and --harness)" in err
     recall = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "recall_experiment.py"))
     assert "--seeds must lie in [0, " in one_line_usage_error(recall["main"], ["--seeds", "0", "-1"], capsys)
+
+
+EVAL_ACT_ALONE = ("help", "checkpoint", "tasks", "harness", "tokenizer", "context_length", "device", "out_dir")
+DATA_ACT_ALONE = ("help", "input", "tokenizer", "out_dir", "shard_tokens", "overwrite", "validation_fraction",
+                  "vocab_size", "model_prefix", "max_train_mb")
+PROFILER_ACT_ALONE = ("help", "world_size", "gpu_memory", "json", "plot")
+
+
+def test_every_option_of_the_other_entries_that_cannot_act_is_refused(four_checkpoints, data_dir, tmp_path, capsys):
+    """The same walk over eval.py (the options only some tasks read: each given where none of them runs), data.py
+    and profile_memory.py's own options: each classified, each that cannot act refused with one line naming it."""
+    import data
+    import profile_memory
+
+    def dests(parser) -> set[str]:
+        return {action.dest for action in parser._actions if action.dest != "command"}
+
+    values = {"documents": "x.jsonl", "pairs": "4", "depths": "0.5", "data_dir": str(data_dir), "eval_tokens": "64",
+              "lengths": "64", "samples": "2", "batch_size": "2", "seed": "1"}
+    assert dests(evaluation.build_parser()) == set(evaluation.READERS) | set(EVAL_ACT_ALONE), "classify it here"
+    documents = str(tmp_path / "docs.jsonl")
+    (tmp_path / "docs.jsonl").write_text('{"text": "def f(): pass"}\n')
+    for name in evaluation.READERS:
+        tasks = ["--tasks", "loss"] if name == "documents" else ["--tasks", "documents", "--documents", documents]
+        err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), *tasks, f"--{name}",
+                                                     values[name]], capsys)
+        assert f"--{name} is read only by the task(s)" in err, err
+
+    commands = data.build_parser()._subparsers._group_actions[0].choices
+    assert set().union(*(dests(c) for c in commands.values())) == {"text_field", "errors", *DATA_ACT_ALONE}
+    (tmp_path / "a.txt").write_text("def f():\n    return 1\n" * 20)
+    for option in (["--text_field", "body"], ["--errors", "replace"]):
+        inputs = str(tmp_path / "a.txt")
+        if option[0] == "--errors":
+            pq = pytest.importorskip("pyarrow.parquet")
+            pq.write_table(__import__("pyarrow").table({"text": ["def f(): pass"] * 4}), tmp_path / "a.parquet")
+            inputs = str(tmp_path / "a.parquet")
+        err = one_line_usage_error(data.main, ["prepare", "--input", inputs, "--tokenizer",
+                                               str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o"),
+                                               *option], capsys)
+        assert f"{option[0]}" in err and "has no effect" in err, err
+
+    own = dests(profile_memory.build_parser()) - dests(train_config.build_parser())
+    assert own == {"reserve", "measure", *PROFILER_ACT_ALONE} - {"help"}, "classify it here"
+    assert "--reserve is what --gpu_memory keeps free" in one_line_usage_error(profile_memory.main, [
+        "--reserve", "1"], capsys)
+    if not torch.cuda.is_available():
+        assert "--measure needs a CUDA device" in one_line_usage_error(profile_memory.main, ["--measure"], capsys)
 
 
 def test_an_abbreviated_option_is_unknown(capsys):
