@@ -87,17 +87,18 @@ def flops_table(lengths: list[int]) -> None:
     for T in lengths:
         full = 6 * H * D * T * T
         flops = [call_flops(T, form, config) for form in FORMS.values()]
-        with mock.patch.object(scoring, "block_importance", flat_importance):
+        with mock.patch.object(scoring, "block_log_importance", flat_log_importance):
             beside_importance = call_flops(T, last, config)
         cells = [f"{f / 1e12:.3g} ({f / full:.1%})" for f in flops]
         print(f"| {T} | {full / 1e12:.3g} | {' | '.join(cells)} | {1 - beside_importance / flops[-1]:.0%} |",
               flush=True)
 
 
-def flat_importance(q: torch.Tensor, k_cmp: torch.Tensor, q_pos: torch.Tensor, l: int, d: int, l_sel: int,
-                     n_select: int) -> torch.Tensor:
-    """A stand-in for `nsa.blocks.block_importance` without a matrix product: equal scores, gradients of zero."""
-    return (q.sum() * 0 + k_cmp.sum() * 0 + 1).expand(q.shape[0], k_cmp.shape[1], q.shape[2], n_select)
+def flat_log_importance(q: torch.Tensor, k_cmp: torch.Tensor, q_pos: torch.Tensor, l: int, d: int, l_sel: int,
+                        n_select: int) -> torch.Tensor:
+    """A stand-in for `nsa.blocks.block_log_importance` without a matrix product: equal scores, gradients of
+    zero."""
+    return (q.sum() * 0 + k_cmp.sum() * 0).expand(q.shape[0], k_cmp.shape[1], q.shape[2], n_select)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -80,6 +80,39 @@ def block_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, s
     return pool_to_selection_blocks(probs, block_size, stride, select_block_size, num_select_blocks)
 
 
+NO_IMPORTANCE = -1e4  # log importance of a block nothing points to: exp() is 0 and its gradient 0, never NaN
+
+
+def block_log_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, stride: int,
+                         select_block_size: int, num_select_blocks: int) -> Tensor:
+    """The log of `block_importance`, computed in log space: the compression log-probabilities (a log-softmax over
+    the visible blocks) plus the log pooling weights, log-sum-exp'd over each GQA group's heads and each selection
+    block's compressed blocks. Finite where the importance underflows (a block whose compressed logits sit 100 below
+    the row's best in every head keeps its gradient), NO_IMPORTANCE where it is exactly 0 (no visible compressed
+    block; a query that sees none). (B, KV, Q, num_select_blocks) in at least float32."""
+    B, H, Q, D = q.shape
+    KV, Nc = k_cmp.shape[1], k_cmp.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if Nc == 0:
+        return q.new_full((B, KV, Q, num_select_blocks), NO_IMPORTANCE, dtype=acc)
+    sees = q_pos >= block_size - 1  # (Q,)
+    block_end = torch.arange(Nc, device=q.device) * stride + block_size - 1  # (Nc,)
+    visible = block_end <= q_pos.clamp(min=block_size - 1)[:, None]  # (Q, Nc)
+    q_groups = q.to(acc).view(B, KV, H // KV, Q, D)  # (B, KV, G, Q, D)
+    logits = torch.einsum("bkgqd,bknd->bkgqn", q_groups, k_cmp.to(acc)) * D**-0.5  # (B, KV, G, Q, Nc)
+    log_p = logits.masked_fill(~visible, -math.inf).log_softmax(-1)
+    log_p = torch.where(visible, log_p, NO_IMPORTANCE)  # (B, KV, G, Q, Nc): finite, so no NaN in backward
+    first, weights = selection_pool_weights(block_size, stride, select_block_size)
+    per_sel, width = select_block_size // stride, len(weights)
+    right = per_sel * num_select_blocks + width - per_sel - (Nc - first)
+    padded = F.pad(log_p, (-first, max(right, 0)), value=NO_IMPORTANCE)[..., : per_sel * (num_select_blocks - 1)
+                                                                         + width]
+    windows = padded.unfold(-1, width, per_sel)  # (B, KV, G, Q, Ns, width)
+    log_w = torch.tensor(weights, dtype=acc, device=q.device).log()  # (width,)
+    pooled = (windows + log_w).logsumexp(-1).logsumexp(2)  # (B, KV, Q, Ns)
+    return torch.where(sees[:, None] & (pooled > NO_IMPORTANCE / 2), pooled, NO_IMPORTANCE)
+
+
 def choosable_blocks(q_pos: Tensor, select_block_size: int, num_select_blocks: int) -> Tensor:
     """(Q, num_select_blocks) bool: for queries at positions q_pos (Q,), the past blocks they choose among by score,
     those before the query's previous block (block 0 included; the own and previous blocks are always selected,

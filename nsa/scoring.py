@@ -12,7 +12,9 @@ blocks j (1 .. c - 2):
     target  t_j  = best-token scores (`nsa.blocks.best_token_scores`, what `nsa.primitive.exact_block_scores`
                    selects by): per query head, softmax over those blocks of max_{s in j} q . k_s / sqrt(D),
                    averaged over the group's heads; no gradient;
-    predict p_j  = importance of block j (`nsa.blocks.block_importance`), renormalised over the same blocks;
+    predict p_j  = importance of block j (`nsa.blocks.block_importance`), renormalised over the same blocks, as
+                   log p_j from the log importance (`nsa.blocks.block_log_importance`, log space throughout, so
+                   a block far below the row's best keeps its gradient where its probability underflows);
     loss         = KL(t || p) = sum_j t_j (log t_j - log p_j).
 
 With `ComputeConfig.nsa_score_loss_target` "selection", t is instead the set selection by t would take: uniform
@@ -58,9 +60,10 @@ import torch
 from torch import Tensor
 
 from nsa.blocks import (
+    NO_IMPORTANCE,
     as_blocks,
     best_token_scores,
-    block_importance,
+    block_log_importance,
     candidate_blocks,
     candidate_token_scores,
     contested_blocks,
@@ -70,8 +73,6 @@ from nsa.blocks import (
 
 if TYPE_CHECKING:
     from modeling.config import ComputeConfig, ModelConfig
-
-_TINY = 1e-30  # floor of a probability before its log: a block whose importance underflows still has a finite loss
 
 
 def _as_is(t: Tensor) -> Tensor:
@@ -89,18 +90,20 @@ def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: i
     G = q.shape[1] // k_cmp.shape[1]
     n_select = last // l_sel + 1  # blocks up to the last query's own
     contested = contested_blocks(q_pos, l_sel, n_select, config.nsa_num_selected)  # (Q, Ns)
-    importance = block_importance(q, k_cmp, q_pos, l, d, l_sel, n_select)  # (B, KV, Q, Ns)
+    log_importance = block_log_importance(q, k_cmp, q_pos, l, d, l_sel, n_select)  # (B, KV, Q, Ns)
     with torch.no_grad():
         if top:
-            idx, valid = candidate_blocks(importance, contested, top, random, generator)  # (B, KV, Q, K)
+            idx, valid = candidate_blocks(log_importance, contested, top, random, generator)  # (B, KV, Q, K)
             target = candidate_token_scores(q, k_blocks, idx, valid) / G  # (B, KV, Q, K): sum 1 or 0
         else:
             target = best_token_scores(q, k_blocks, q_pos, n_select, contested) / G  # (B, KV, Q, Ns): sum 1 or 0
         if as_set:
             target = selection_target(target, valid if top else contested, config.nsa_num_selected - 3)
-    importance = importance.gather(-1, idx) * valid if top else importance * contested
-    log_p = importance.clamp(min=_TINY).log() - importance.sum(-1, keepdim=True).clamp(min=_TINY).log()
-    return (torch.xlogy(target, target) - target * log_p).sum()
+    scored = log_importance.gather(-1, idx) if top else log_importance
+    kept = valid if top else contested.expand_as(scored)
+    scored = torch.where(kept, scored, NO_IMPORTANCE)  # log p over the kept blocks: a log-softmax, never a log of 0
+    log_p = scored - scored.logsumexp(-1, keepdim=True)
+    return torch.where(kept, torch.xlogy(target, target) - target * log_p, 0).sum()
 
 
 class _SelectionScoreLoss(torch.autograd.Function):

@@ -339,9 +339,9 @@ def test_work_beside_the_importance_is_linear_with_candidate_blocks(top: int, ra
     the prefix, so doubling T quadruples it; candidate blocks read (m + r) l' keys a row, so it doubles with the
     rows. (The importance is the compression branch's own O(T^2 / d) product, which NSA's selection computes too.)"""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from bench_score_loss import call_flops, flat_importance  # flat_importance: no matrix product
+    from bench_score_loss import call_flops, flat_log_importance  # no matrix product
 
-    monkeypatch.setattr(scoring, "block_importance", flat_importance)
+    monkeypatch.setattr(scoring, "block_log_importance", flat_log_importance)
     form = {"nsa_score_loss_top": top, "nsa_score_loss_random": random}
     flops = [call_flops(T, form, geometry()) for T in (2048, 4096)]  # 4 heads, 2 K/V heads of 16, chunks of 512
     assert flops[0] > 0 and growth[0] <= flops[1] / flops[0] <= growth[1]
@@ -451,3 +451,34 @@ def test_bad_coefficient_is_refused(bad: object) -> None:
 def test_bad_loss_options_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ComputeConfig(**fields)
+
+
+def test_the_log_importance_keeps_blocks_far_below_the_best() -> None:
+    """Compressed blocks 100 to 300 below the row's best in every head: their float32 probabilities underflow to 0,
+    which the loss once floored before its log (no gradient for exactly the blocks it should raise). The log
+    importance, computed in log space, equals float64's log of the importance to float32 rounding (relative 1e-5
+    of the values' size), and its gradient reaches those blocks' keys as float64's does."""
+    torch.manual_seed(0)
+    l, d, l_sel, T, D = 8, 4, 16, 64, 16
+    u = torch.nn.functional.normalize(torch.randn(D, dtype=torch.float64), dim=0)
+    q = (12 * u + 0.1 * torch.randn(1, 4, T, D, dtype=torch.float64)).requires_grad_()  # (B, H, T, D)
+    Nc = num_compressed_blocks(T, l, d)
+    scale = torch.linspace(20, -60, Nc, dtype=torch.float64)[:, None]  # block i's logit: about 3 x scale_i
+    k_cmp = (scale * u + 0.1 * torch.randn(1, 2, Nc, D, dtype=torch.float64)).requires_grad_()  # (B, KV, Nc, D)
+    q_pos = torch.arange(T)
+    n_select = T // l_sel
+    want = blocks.block_log_importance(q, k_cmp, q_pos, l, d, l_sel, n_select)  # float64: nothing underflows
+    exact = blocks.block_importance(q, k_cmp, q_pos, l, d, l_sel, n_select)
+    assert torch.allclose(want, exact.log().clamp(min=blocks.NO_IMPORTANCE), rtol=1e-12, atol=1e-9)
+    q32, k32 = q.detach().float().requires_grad_(), k_cmp.detach().float().requires_grad_()
+    got = blocks.block_log_importance(q32, k32, q_pos, l, d, l_sel, n_select)
+    underflowed = blocks.block_importance(q32, k32, q_pos, l, d, l_sel, n_select) == 0
+    real = want > blocks.NO_IMPORTANCE
+    assert (underflowed & real).any() and (want[real] < -100).any()  # the case: a float32 probability of 0
+    scale_of = want[real].abs().max()
+    assert (got[real].double() - want[real]).abs().max() <= 1e-5 * scale_of
+    weights = torch.rand_like(want)  # any loss over the far blocks' log importance
+    (want * weights * underflowed).sum().backward()
+    (got * weights.float() * underflowed).sum().backward()
+    assert k32.grad.abs().sum() > 0
+    assert torch.allclose(k32.grad.double(), k_cmp.grad, rtol=1e-3, atol=1e-3 * k_cmp.grad.abs().max())
