@@ -20,6 +20,7 @@ from storage.manifest import MANIFEST_NAME
 from text.corpus import (
     RECORD_SUFFIXES,
     find_input_files,
+    has_pairs,
     iter_documents,
     stdlib_files,
 )
@@ -122,9 +123,10 @@ def input_files(args: argparse.Namespace) -> list[Path]:
     """The files --input names (the standard library without it), after checking that --text_field and --errors
     can act on them: ValueError naming the option otherwise."""
     files = stdlib_files() if args.input is None else find_input_files(args.input)
-    if args.text_field != "text" and not any(f.suffix in RECORD_SUFFIXES for f in files):
-        raise ValueError(f"--text_field {args.text_field} has no effect: it names the field of .jsonl and .parquet "
-                         "records, and the inputs hold none; leave it out")
+    records = [f for f in files if f.suffix in RECORD_SUFFIXES]
+    if args.text_field != "text" and all(has_pairs(f, args.text_field) for f in records):
+        raise ValueError(f"--text_field {args.text_field} has no effect: it names the text field of .jsonl and "
+                         ".parquet records, and the inputs hold none (or prompt/response records only); leave it out")
     if args.errors != "strict" and all(f.suffix == ".parquet" for f in files):
         raise ValueError("--errors has no effect on .parquet inputs (their strings are Unicode already); leave it out")
     return files

@@ -216,7 +216,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 # The options only some tasks read (READERS; HARNESS_READS: --harness too), refused when none of them runs, and
 # the defaults of those that have one.
-READERS = {"documents": ["documents"], "pairs": RECALL_TASKS, "depths": GRID_TASKS, "data_dir": ["loss"],
+READERS = {"documents": ["documents"], "pairs": RECALL_TASKS, "depths": GRID_TASKS,
            "eval_tokens": ["loss"], "lengths": [*GRID_TASKS, *RECALL_TASKS], "samples": [*GRID_TASKS, *RECALL_TASKS],
            "batch_size": ["loss", *GRID_TASKS, *RECALL_TASKS], "seed": ["loss", *GRID_TASKS, *RECALL_TASKS]}
 HARNESS_READS = ("lengths", "samples", "batch_size", "seed")
@@ -271,6 +271,10 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
                                                              data_dir and Path(data_dir) / "tokenizer.model"))
     if "loss" in args.tasks and not data_dir:
         raise ValueError("the loss task needs --data_dir (prepared data with a validation split)")
+    if args.data_dir and "loss" not in args.tasks and Path(tokenizer.path).parent.resolve() != Path(
+            args.data_dir).resolve():
+        raise ValueError("--data_dir is read only by the task(s) loss (and for its tokenizer.model when the "
+                         "checkpoint holds no tokenizer), which this call does not need: leave it out")
     stored = stored_config(checkpoint)
     check_vocab(tokenizer, stored.vocab_size)
     if "loss" in args.tasks:
@@ -289,6 +293,9 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, object, str | None, in
         raise ValueError(f"--out_dir {out_dir} holds an earlier evaluation (eval.json): choose another --out_dir, or "
                          "leave it out (each evaluation then gets a new directory)")
     ruler = check_harness_tasks(args.harness) if args.harness else set()  # seconds: lm-eval's task index
+    if args.lengths and not ruler and not set(READERS["lengths"]) & set(args.tasks):
+        raise ValueError(f"--lengths is read only by the task(s) {', '.join(READERS['lengths'])} and RULER's "
+                         "--harness tasks, which this call does not run: leave it out")
     check_writable(out_dir, "--out_dir", directory=True)
     return checkpoint, tokenizer, data_dir, context, out_dir, ruler
 

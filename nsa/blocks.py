@@ -80,7 +80,8 @@ def block_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, s
     return pool_to_selection_blocks(probs, block_size, stride, select_block_size, num_select_blocks)
 
 
-NO_IMPORTANCE = -1e4  # log importance of a block nothing points to: exp() is 0 and its gradient 0, never NaN
+NO_IMPORTANCE = -1e30  # log importance of a block nothing points to: exp() is 0 and its gradient 0, never NaN;
+# far below any real one (float32 logits differ by less than 1e30), so it never outweighs a real block
 
 
 def block_log_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, stride: int,
@@ -110,7 +111,9 @@ def block_log_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: in
     windows = padded.unfold(-1, width, per_sel)  # (B, KV, G, Q, Ns, width)
     log_w = torch.tensor(weights, dtype=acc, device=q.device).log()  # (width,)
     pooled = (windows + log_w).logsumexp(-1).logsumexp(2)  # (B, KV, Q, Ns)
-    return torch.where(sees[:, None] & (pooled > NO_IMPORTANCE / 2), pooled, NO_IMPORTANCE)
+    shown = F.pad(visible, (-first, max(right, 0)), value=False)[..., : per_sel * (num_select_blocks - 1) + width]
+    nonzero = shown.unfold(-1, width, per_sel).any(-1) & sees[:, None]  # (Q, Ns): a visible block in the window
+    return torch.where(nonzero, pooled, NO_IMPORTANCE)
 
 
 def choosable_blocks(q_pos: Tensor, select_block_size: int, num_select_blocks: int) -> Tensor:

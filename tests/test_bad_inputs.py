@@ -759,7 +759,7 @@ def test_data_and_eval_options_that_cannot_act_are_refused(four_checkpoints, dat
     err = one_line_usage_error(data.main, ["prepare", "--input", str(tmp_path / "a.txt"), "--tokenizer",
                                            str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o"),
                                            "--text_field", "body"], capsys)
-    assert "--text_field body has no effect: it names the field of .jsonl and .parquet records" in err
+    assert "--text_field body has no effect: it names the text field of .jsonl and .parquet records" in err
     err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "loss", "--lengths",
                                                  "16"], capsys)
     assert "--lengths is read only by the task(s) passkey, needle, mqar, mqar_text (and --harness)" in err
@@ -784,7 +784,7 @@ def test_every_option_of_the_other_entries_that_cannot_act_is_refused(four_check
 
     values = {"documents": "x.jsonl", "pairs": "4", "depths": "0.5", "data_dir": str(data_dir), "eval_tokens": "64",
               "lengths": "64", "samples": "2", "batch_size": "2", "seed": "1"}
-    assert dests(evaluation.build_parser()) == set(evaluation.READERS) | set(EVAL_ACT_ALONE), "classify it here"
+    assert dests(evaluation.build_parser()) == {*evaluation.READERS, "data_dir", *EVAL_ACT_ALONE}, "classify it"
     documents = str(tmp_path / "docs.jsonl")
     (tmp_path / "docs.jsonl").write_text('{"text": "def f(): pass"}\n')
     for name in evaluation.READERS:
@@ -792,6 +792,9 @@ def test_every_option_of_the_other_entries_that_cannot_act_is_refused(four_check
         err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), *tasks, f"--{name}",
                                                      values[name]], capsys)
         assert f"--{name} is read only by the task(s)" in err, err
+    err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "documents",
+                                                 "--documents", documents, "--data_dir", str(data_dir)], capsys)
+    assert "--data_dir is read only by the task(s) loss (and for its tokenizer.model when the checkpoint" in err
 
     commands = data.build_parser()._subparsers._group_actions[0].choices
     assert set().union(*(dests(c) for c in commands.values())) == {"text_field", "errors", *DATA_ACT_ALONE}
