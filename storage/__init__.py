@@ -1,6 +1,6 @@
 """What is written to disk and read back:
 
-    manifest.py      size and CRC-32 records of files, shared by checkpoints, exports and prepared data
+    manifest.py      size and CRC-32 records of files, written and verified: exports, checkpoints, prepared data
     checkpoint.py    training checkpoints (DCP): save, manifest, verify, resume, prune; loading never runs code
     weights.py       the export at the end of a run, and load_model, which reads every layout the project writes
     hf.py            Hugging Face checkpoints in and out: Qwen3 and Llama, and NSA with its modeling code

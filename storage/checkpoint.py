@@ -51,7 +51,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from model import Transformer
-from storage.manifest import MANIFEST_NAME, file_records
+from storage.manifest import (
+    MANIFEST_NAME,
+    DamagedCheckpoint,
+    file_damage,
+    file_records,
+    fsync,
+    read_manifest,
+)
 
 STATE_NAME = "train_state.json"
 # A checkpoint holds the trained parameters only: a frozen base (LoRA) comes from the run's --init_from weights.
@@ -82,22 +89,13 @@ def _gather(value: object) -> list:
     return values
 
 
-def _fsync(path: Path) -> None:
-    """Flush `path` (a file or a directory entry list) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_manifest(tmp: Path) -> None:
     """Collective: checksum and fsync every file of `tmp` (rank r takes every W-th file), then rank 0 writes and
     fsyncs the manifest of them all."""
     files = sorted(p.name for p in tmp.iterdir() if p.name != MANIFEST_NAME)
     mine = file_records([tmp / name for name in files[rank()::_world()]])
     for name in mine:
-        _fsync(tmp / name)
+        fsync(tmp / name)
     records = {name: record for part in _gather(mine) for name, record in part.items()}
     if rank() == 0:
         manifest = tmp / MANIFEST_NAME
@@ -105,123 +103,15 @@ def _write_manifest(tmp: Path) -> None:
             json.dump({"files": dict(sorted(records.items()))}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync(tmp)
-
-
-@contextlib.contextmanager
-def written_directory(path: Path) -> Iterator[Path]:
-    """A directory written whole or not at all (exports): yields a temporary sibling `path`.tmp/ (a leftover one is
-    removed first) to write into; then every file takes its mode from the umask, is fsynced and recorded in
-    manifest.json, and the directory replaces `path` in one rename (an older `path` is deleted after it). On an
-    error the temporary directory is removed and `path` is left as it was."""
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    for leftover in (tmp, old):
-        if leftover.exists():
-            shutil.rmtree(leftover)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
-        for file in files:
-            os.chmod(file, 0o666 & ~umask)  # safetensors writes 0600
-            _fsync(file)
-        with (tmp / MANIFEST_NAME).open("w") as f:
-            json.dump({"files": file_records(files)}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync(tmp)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        _fsync(path.parent)
-        if old.exists():
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-class DamagedCheckpoint(ValueError):
-    """A checkpoint file is missing, or its size or checksum differs from the manifest: nothing was loaded.
-    `problem`: the directory and what is wrong with it, without the advice."""
-
-    def __init__(self, message: str, problem: str = "") -> None:
-        super().__init__(message)
-        self.problem = problem or message
-
-
-def _read_manifest(path: Path) -> dict[str, dict]:
-    """The file records of `path`/manifest.json; ValueError when it is unreadable or names a file outside `path`
-    (anything but a plain file name)."""
-    try:
-        manifest = json.loads((path / MANIFEST_NAME).read_text())["files"]
-        names = sorted(manifest)
-        sizes = [int(record["bytes"]) for record in manifest.values()]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{MANIFEST_NAME} is missing or unreadable ({type(e).__name__})") from None
-    outside = [name for name in names if Path(name).name != name or name in (".", "..")]
-    if outside or min(sizes, default=0) < 0:
-        raise ValueError(f"{MANIFEST_NAME} names files outside the directory: {outside[:3]}")
-    return manifest
-
-
-def _damage(path: Path, manifest: dict[str, dict], names: list[str]) -> list[str]:
-    """What differs between the files `names` of `path` and their manifest records: sizes first (from the
-    directory, nothing read), then checksums of the files whose size is right."""
-    problems = [f"{name} is missing" for name in names if not (path / name).is_file()]
-    present = [name for name in names if (path / name).is_file()]
-    sized = []
-    for name in present:
-        size = (path / name).stat().st_size
-        if size != manifest[name]["bytes"]:
-            problems.append(f"{name} has {size} bytes; the manifest says {manifest[name]['bytes']}")
-        else:
-            sized.append(name)
-    for name, found in file_records([path / name for name in sized]).items():
-        if found != manifest[name]:
-            problems.append(f"{name} has CRC-32 {','.join(found['crc32'])[:80]}; the manifest says "
-                            f"{','.join(manifest[name]['crc32'])[:80]}")
-    return problems
-
-
-def verify_files(path: Path) -> None:
-    """Check every file of `path` (an export, or a checkpoint read by one process) against its manifest, in this
-    process alone; DamagedCheckpoint naming the first damaged file."""
-    try:
-        manifest = _read_manifest(path)
-        problems = _damage(path, manifest, sorted(manifest))
-    except ValueError as e:
-        problems = [str(e)]
-    if problems:
-        problem = f"{path} is damaged: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
-                                                         else "")
-        raise DamagedCheckpoint(f"{problem}; write it again (a run's export: --resume the run, which exports again)",
-                                problem)
-
-
-EXPORTS = ("model", "hf", "adapter")  # what the end of a run writes into its directory, each with a manifest
-
-
-def damaged_export(out_dir: Path) -> str | None:
-    """What is wrong with the first damaged export (EXPORTS) of run directory `out_dir`, or None when every one is
-    intact."""
-    for path in (out_dir / name for name in EXPORTS):
-        if (path / MANIFEST_NAME).is_file():
-            try:
-                verify_files(path)
-            except DamagedCheckpoint as e:
-                return e.problem
-    return None
+        fsync(tmp)
 
 
 def verify_checkpoint(path: Path) -> None:
     """Check every file of checkpoint `path` against its manifest (collective under a process group: each rank
     checks a share); DamagedCheckpoint names the first damaged file and the next-older checkpoint to use."""
     try:
-        manifest = _read_manifest(path)
-        problems = _damage(path, manifest, sorted(manifest)[rank()::_world()])
+        manifest = read_manifest(path)
+        problems = file_damage(path, manifest, sorted(manifest)[rank()::_world()])
     except ValueError as e:
         problems = [str(e)]
     problems = sorted(p for part in _gather(problems) for p in part)
@@ -291,7 +181,7 @@ def _save(out_dir: Path, step: int, model: Transformer, optimizer: torch.optim.O
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync(out_dir)
+        fsync(out_dir)
     _barrier()
     return final
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from model import Transformer
 from modeling.config import YARN_OPTIONAL_KEYS, ComputeConfig, ModelConfig, check_fields
-from storage.checkpoint import written_directory
+from storage.manifest import written_directory
 from storage.remote_code import AUTO_MAP, remote_code_files
 from text.tokenizer import HFTokenizer, Tokenizer
 

@@ -32,14 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from model import Transformer
 from modeling.config import ComputeConfig, ModelConfig
-from storage.checkpoint import (
-    MANIFEST_NAME,
-    STATE_NAME,
-    load_model_weights,
-    rank,
-    verify_files,
-    written_directory,
-)
+from storage.checkpoint import STATE_NAME, load_model_weights, rank
 from storage.hf import (
     CONFIG_NAME,
     WEIGHTS_ONLY,
@@ -50,7 +43,7 @@ from storage.hf import (
     json_object,
     load_hf_checkpoint,
 )
-from storage.manifest import file_records
+from storage.manifest import MANIFEST_NAME, file_records, verify_files, written_directory
 from text.tokenizer import tokenizer_file
 
 WEIGHTS_NAME = "model.safetensors"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import train
-from storage.checkpoint import MANIFEST_NAME, DamagedCheckpoint, UnsafeCheckpoint, verify_checkpoint
-from storage.manifest import file_records
+from storage.checkpoint import UnsafeCheckpoint, verify_checkpoint
+from storage.manifest import MANIFEST_NAME, DamagedCheckpoint, file_records
 from storage.weights import load_model
 from training import trainer
 from training.options import TrainConfig

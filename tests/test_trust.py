@@ -18,7 +18,8 @@ from test_checkpoint import RUN, _Payload, flip_bit, forge_manifest
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
-from storage.checkpoint import MANIFEST_NAME, DamagedCheckpoint, UnsafeCheckpoint
+from storage.checkpoint import UnsafeCheckpoint
+from storage.manifest import MANIFEST_NAME, DamagedCheckpoint
 from storage.weights import load_model
 from training import trainer
 

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import Transformer
-from storage.checkpoint import MANIFEST_NAME, rank, verify_files, written_directory
+from storage.checkpoint import rank
 from storage.hf import WEIGHTS_ONLY, ExportInfo, hf_name, our_name
+from storage.manifest import MANIFEST_NAME, verify_files, written_directory
 
 TARGETS = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.o_proj",
            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}  # short name -> path in a block

@@ -36,13 +36,13 @@ from nsa.convert import FRESH, nsa_state_from_dense
 from storage.checkpoint import (
     SaveFailed,
     checkpoint_to_resume,
-    damaged_export,
     load_checkpoint,
     prune_checkpoints,
     read_train_state,
     save_checkpoint,
 )
 from storage.hf import ExportInfo, export_refusal
+from storage.manifest import damaged_export
 from storage.weights import load_initial_weights, stored, weights_fingerprint
 from text.shards import TokenLoader
 from text.synthetic import SyntheticMix
