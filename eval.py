@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan_lengths(task: str, asked: list[int] | None, context: int, builder: PromptBuilder, log=print) -> list[int]:
-    """The lengths `task` runs at: `asked` or the defaults (grids: 1/8, 1/4, 1/2 of the context, each at least what
-    the task needs, and its end; recall: the context), without those the task cannot hold (one line each);
+    """The lengths `task` runs at: `asked` (without those the task cannot hold, one line each) or the defaults
+    (grids: those of 1/8, 1/4, 1/2 of the context that hold the task's text, and its end; recall: the context);
     ValueError for a length beyond the context."""
     longest = context - (GRID_ROOM if task in GRID_TASKS else 0)
     if asked and max(asked) > longest:
@@ -126,8 +126,7 @@ def plan_lengths(task: str, asked: list[int] | None, context: int, builder: Prom
                          + (f" with the {GRID_ROOM} answer tokens {task} generates" if task in GRID_TASKS else ""))
     if task in GRID_TASKS:
         needed = builder.required_length(task)
-        lengths = asked or sorted({min(max(n, needed), longest) for n in (context // 8, context // 4, context // 2)}
-                                  | {longest})
+        lengths = asked or sorted({n for n in (context // 8, context // 4, context // 2) if n >= needed} | {longest})
     else:
         needed = 4 if task == "mqar" else len(builder.tokenizer.encode(" The value of key redfox is 123456.")) * 2 + 8
         lengths = asked or [context]
