@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from evaluation.tasks import GRID_TASKS, check_prompt_options, recall_scores, retrieval_grid  # noqa: E402
-from nsa.inspection import check_nsa_model  # noqa: E402
+from inspect_nsa import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 from nsa.primitive import exact_block_scores  # noqa: E402
 from storage.weights import load_model  # noqa: E402

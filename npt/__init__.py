@@ -2,8 +2,8 @@
 output through a low-rank factorisation, W + A diag(m(token)) B (see npt.layer).
 
 Modules: layer (NPComponent, NPBlock, modulated_linear), convert (convert, modes, fold), adapters (save/load the NP
-parameters), equivalence (the equivalence loss), memory (live-bytes
-tracker and full-size memory check), train_equivalence (training entry point on training/trainer.py's machinery).
+parameters), equivalence (the equivalence loss), memory (live-bytes tracker and full-size memory check). Training
+the NP layers to reproduce the dense model is train_npt.py.
 """
 
 from npt.adapters import load_adapters, save_adapters

@@ -9,5 +9,6 @@
     scoring.py     the selection-scoring loss: teaches the importance scores which blocks to select
     memory.py      how profile_memory.py models the attention's memory (a calibrated stand-in)
     inspection.py  for a prompt: the blocks each KV group selected and the branch gates, layer by layer
+                   (inspect_nsa.py is its command line)
     convert.py     dense attention weights -> NSA weights
 """

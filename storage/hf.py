@@ -27,6 +27,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -37,7 +38,6 @@ from model import Transformer
 from modeling.config import YARN_OPTIONAL_KEYS, ComputeConfig, ModelConfig, check_fields
 from storage.manifest import written_directory
 from storage.remote_code import AUTO_MAP, remote_code_files
-from text.tokenizer import HFTokenizer, Tokenizer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 REMOTE_TYPES = ("nsa",)  # attention types exported with their modeling code (remote_code.py)
@@ -78,6 +78,18 @@ def our_name(name: str) -> str:
 
 # ---- config --------------------------------------------------------------------------------------------------------
 
+class SavedTokenizer(Protocol):
+    """What an export needs of a tokenizer (text.tokenizer's Tokenizer and HFTokenizer): its special ids, a record
+    of it for config.json, and its files written beside the weights."""
+
+    eod_id: int
+    pad_id: int
+
+    def record(self) -> dict: ...
+
+    def save(self, directory: Path, model_max_length: int | None = None) -> None: ...
+
+
 ADAPTED_KEY = "longctx_base"  # adapter files: the base they were trained on (ExportInfo.adapted)
 
 
@@ -95,7 +107,7 @@ class ExportInfo:
         `--adapter` can refuse another base.
     """
 
-    tokenizer: Tokenizer | HFTokenizer | None = None
+    tokenizer: SavedTokenizer | None = None
     base: Path | None = None
     context_length: int | None = None
     dtype: torch.dtype | None = None

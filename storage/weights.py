@@ -44,7 +44,6 @@ from storage.hf import (
     load_hf_checkpoint,
 )
 from storage.manifest import MANIFEST_NAME, file_records, verify_files, written_directory
-from text.tokenizer import tokenizer_file
 
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "longctx"  # config.json "format" of the project's export (a Hugging Face config.json has "model_type")
@@ -133,13 +132,13 @@ class Stored(NamedTuple):
     """What a path holds (`stored`): its layout, "checkpoint" (a training checkpoint step-N/), "export" (the
     project's export: its directory, or its model.safetensors) or "hf" (a Hugging Face directory); the
     architecture, checked against the tensor names and shapes in the file headers; the weights (the checkpoint's
-    directory, the export's model.safetensors, the Hugging Face directory); the tokenizer stored with them (None
-    when there is none)."""
+    directory, the export's model.safetensors, the Hugging Face directory); the directory that holds them and what
+    is stored with them (a tokenizer: text.tokenizer.tokenizer_file)."""
 
     layout: str
     config: ModelConfig
     weights: Path
-    tokenizer: Path | None
+    home: Path
 
 
 def stored(path: str | Path) -> Stored:
@@ -153,14 +152,14 @@ def stored(path: str | Path) -> Stored:
     home = path.parent if path.suffix == ".safetensors" else path
     if _is_training_checkpoint(path):
         config = ModelConfig.from_dict(json.loads((path / STATE_NAME).read_text())["model_config"])
-        return Stored("checkpoint", config, path, tokenizer_file(home))
+        return Stored("checkpoint", config, path, home)
     if (described := _export_config(path)) is not None:
         weights = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
         config = ModelConfig.from_dict(described)
         _check_export_shapes(weights, config)
-        return Stored("export", config, weights, tokenizer_file(home))
+        return Stored("export", config, weights, home)
     if path.is_dir() and "model_type" in json_object(path / CONFIG_NAME):
-        return Stored("hf", check_hf_checkpoint(path), path, tokenizer_file(home))
+        return Stored("hf", check_hf_checkpoint(path), path, home)
     hint = f"; did you mean {path / 'model'} (a run's export)?" if (path / "model" / WEIGHTS_NAME).is_file() else ""
     raise ValueError(f"{path} is not a model: expected a training checkpoint step-N/ ({STATE_NAME} + .metadata), "
                      f"the project's export ({WEIGHTS_NAME} + {CONFIG_NAME} with \"format\": \"{FORMAT}\"), or a "

@@ -378,9 +378,9 @@ def test_a_run_refused_before_its_first_step_leaves_nothing(data_dir, tmp_path, 
 
 
 def test_the_equivalence_entry_resumes_with_the_options_it_recorded(data_dir, tmp_path):
-    """npt.train_equivalence --resume continues the recorded training and equivalence options (lr, warmup,
+    """train_npt.py --resume continues the recorded training and equivalence options (lr, warmup,
     mse_weight), as train.py does; an option given changes it."""
-    from npt.train_equivalence import main
+    from train_npt import main
 
     common = ["--config", "configs/npt_tiny.json", "--data_dir", str(data_dir), "--out_dir", str(tmp_path),
               "--context_length", "32", "--batch_size", "2", "--sample_tokens", "0"]
@@ -835,7 +835,7 @@ def test_a_lora_rank_beyond_a_layer_is_refused(four_checkpoints, data_dir, tmp_p
     (["--kl_weight", "nan"], "--kl_weight must be a finite number >= 0"),
 ])
 def test_equivalence_options_are_checked(args, message, capsys):
-    from npt.train_equivalence import parse_config
+    from train_npt import parse_config
 
     assert message in one_line_usage_error(parse_config, ["--config", "configs/npt_tiny.json", *args], capsys)
 
@@ -907,8 +907,8 @@ def test_a_missing_validation_split_names_the_fix(data_dir, tmp_path):
 # ---- the other entry points, and the environment -------------------------------------------------------------------
 
 def test_inspection_and_verification_errors_are_one_line(four_checkpoints, tmp_path, capsys):
+    import inspect_nsa as inspection
     import verify_chunked_loss
-    from nsa import inspection
 
     assert "unrecognized arguments: --foo" in one_line_usage_error(verify_chunked_loss.main, ["--foo"], capsys)
     err = one_line_usage_error(inspection.main, [str(four_checkpoints / "model"), "--text", "@" + str(tmp_path / "x")],
@@ -917,7 +917,7 @@ def test_inspection_and_verification_errors_are_one_line(four_checkpoints, tmp_p
 
 
 def test_find_text_absent_from_the_prompt_is_refused(tmp_path, data_dir, capsys):
-    from nsa import inspection
+    import inspect_nsa as inspection
 
     train.main([*TINY, "--attention_type", "nsa", "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "nsa")])
     err = one_line_usage_error(inspection.main, [str(tmp_path / "nsa" / "model"), "--text", "def f(): return 1",

@@ -26,7 +26,7 @@ def entries() -> list[str]:
 def test_the_entries_are_found():
     found = entries()
     for name in ("train.py", "eval.py", "profile_memory.py", "verify_chunked_loss.py", "data.py", "gpu_check.py",
-                 "nsa/inspection.py", "npt/train_equivalence.py", "benchmarks/bench_nsa.py"):
+                 "inspect_nsa.py", "train_npt.py", "benchmarks/bench_nsa.py"):
         assert name in found
 
 

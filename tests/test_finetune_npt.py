@@ -81,9 +81,9 @@ def test_a_frozen_base_is_stored_in_bf16(qwen3, tmp_path: Path, finetune: str):
 
 
 def test_equivalence_training_is_an_npt_run():
-    """npt.train_equivalence runs with --finetune npt (so a resume takes the frozen base from --init_from again, as
+    """train_npt.py runs with --finetune npt (so a resume takes the frozen base from --init_from again, as
     above) and the same --npt_* options; another --finetune is refused."""
-    from npt.train_equivalence import parse_config as parse_equivalence
+    from train_npt import parse_config as parse_equivalence
 
     cfg, _, given = parse_equivalence(["--config", "configs/npt_tiny.json", "--npt_layers", "0,1"])
     assert "npt_layers" in given and "model_size" in given  # the file's and the command line's

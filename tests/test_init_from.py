@@ -122,10 +122,10 @@ def test_a_dense_export_continues_as_nsa(data_dir: Path, tmp_path: Path):
 
 def test_equivalence_training_starts_from_pretrained_weights(qwen3: tuple[Path, Path], tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch):
-    """npt.train_equivalence shares train.py's --init_from: after training, the converted model's frozen base is
+    """train_npt.py shares train.py's --init_from: after training, the converted model's frozen base is
     the stored model, weight for weight."""
-    from npt.train_equivalence import main
     from storage.weights import load_model
+    from train_npt import main
 
     loaded = []
     original = trainer.load_initial_weights

@@ -64,7 +64,7 @@ def test_inspect_reports_every_layer_and_the_gates():
     ("full", "def f():", "has 'full' attention; this tool shows NSA's selection and gates, so it needs an NSA"),
 ])
 def test_bad_inputs_are_one_line_errors(attention, text, message, data_dir, tmp_path, capsys):
-    from nsa.inspection import main
+    from inspect_nsa import main
     from storage.weights import export_model
 
     export_model(Transformer(ModelConfig.from_preset("tiny", attention_type=attention)), tmp_path)

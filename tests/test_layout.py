@@ -1,5 +1,6 @@
 """The layout shows the architecture: the root holds the scripts a user runs, model.py and a few packages; the
-imports flow one way (no cycle, no module importing a script); parsing train.py's options loads no model code."""
+imports flow one way (no cycle, type-only imports included; no module importing a script; no package importing one
+on a floor above its own); parsing train.py's options loads no model code."""
 
 from __future__ import annotations
 
@@ -11,10 +12,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("train", "eval", "data", "profile_memory", "verify_chunked_loss", "gpu_check")
+SCRIPTS = ("train", "eval", "data", "profile_memory", "verify_chunked_loss", "gpu_check", "inspect_nsa", "train_npt")
 PACKAGES = ("modeling", "nsa", "npt", "training", "storage", "text", "evaluation", "examples")
 ROOT_ENTRIES = {*(f"{s}.py" for s in SCRIPTS), "model.py", *PACKAGES, "configs", "benchmarks", "tests", "docs",
                 "README.md", "pyproject.toml", ".ci", ".gitignore"}
+
+
+# The floors, lowest first: a module imports only from its own floor or those below (a package on one floor never
+# imports another package of that floor).
+FLOORS = (("modeling",), ("model",), ("nsa", "npt"), ("storage",), ("text",), ("evaluation",), ("training",),
+          ("examples",), SCRIPTS)
 
 
 def project_modules() -> dict[str, Path]:
@@ -51,7 +58,7 @@ def test_no_module_imports_a_script_and_imports_have_no_cycle():
     for name, path in modules.items():
         scripts = imports(path, modules, top_level_only=False) & set(SCRIPTS)
         assert not scripts, f"{name} imports the script(s) {sorted(scripts)}: move what it needs into a package"
-    graph = {name: imports(path, modules, top_level_only=True) - {name} for name, path in modules.items()}
+    graph = {name: imports(path, modules, top_level_only=False) - {name} for name, path in modules.items()}
     done: set[str] = set()
 
     def visit(name: str, stack: list[str]) -> None:
@@ -75,3 +82,13 @@ def test_option_parsing_loads_no_model_code():
             "or m in ('modeling.attention', 'training.modes', 'training.lora')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_no_package_imports_one_on_a_floor_above_its_own():
+    floor = {unit: level for level, units in enumerate(FLOORS) for unit in units}
+    modules = project_modules()
+    against = [f"{name} -> {dependency}" for name, path in modules.items()
+               for dependency in sorted(imports(path, modules, top_level_only=False))
+               if name.split(".")[0] != dependency.split(".")[0]
+               and floor[dependency.split(".")[0]] >= floor[name.split(".")[0]]]
+    assert not against, f"imports against the floors {FLOORS}: {against}"

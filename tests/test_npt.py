@@ -342,10 +342,10 @@ def test_memory_full_size_llama8b_like():
 def test_tiny_equivalence_run_lowers_loss(tmp_path):
     """The entry point end to end on CPU: a tiny corpus, a model whose attention matters (init_std 0.1), the upper
     layer converted in "modulate" mode; the equivalence loss falls, adapters are written and load back."""
-    from npt.train_equivalence import ADAPTERS_NAME, main
     from text.corpus import stdlib_files
     from text.shards import prepare
     from text.tokenizer import Tokenizer
+    from train_npt import ADAPTERS_NAME, main
 
     files = [p for p in stdlib_files() if p.name in {"textwrap.py", "string.py", "shlex.py", "bisect.py"}]
     tok = Tokenizer.train(files, vocab_size=400, model_prefix=tmp_path / "tok")
@@ -365,7 +365,7 @@ def test_tiny_equivalence_run_lowers_loss(tmp_path):
 
 
 def _equivalence(data_dir, out, *extra: str) -> dict:
-    from npt.train_equivalence import main
+    from train_npt import main
 
     return main(["--config", "configs/npt_tiny.json", "--data_dir", str(data_dir), "--out_dir", str(out),
                  "--context_length", "32", "--batch_size", "2", "--max_steps", "3", "--warmup_steps", "0",
@@ -374,7 +374,7 @@ def _equivalence(data_dir, out, *extra: str) -> dict:
 
 def test_equivalence_skips_non_finite_steps(data_dir, tmp_path, monkeypatch):
     """The loop's non-finite guard: a NaN equivalence loss skips the update (metrics say so) and the run goes on."""
-    import npt.train_equivalence as te
+    import train_npt as te
 
     calls = {"n": 0}
     real = te.equivalence_loss

@@ -81,7 +81,7 @@ def scaled(command: str) -> list[str]:
     if args[0] == "torchrun":
         args = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
     script = next((a for a in args if a.endswith(".py")), "")
-    if script == "train.py" or "npt.train_equivalence" in args:
+    if script == "train.py" or "train_npt.py" in args:
         if "--max_steps" in args:
             args[args.index("--max_steps") + 1] = "2"
         args += ["--max_steps", "2"] if "--max_steps" not in args else []

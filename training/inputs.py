@@ -98,8 +98,8 @@ def recorded_tokenizer(cfg: TrainConfig, resume_from: Path | None, source: Store
     if resume_from is not None and tokenizer_file(resume_from):
         return load_tokenizer(resume_from)
     if source is not None:
-        if source.tokenizer is not None:
-            return load_tokenizer(source.tokenizer)
+        if (stored := tokenizer_file(source.home)) is not None:
+            return load_tokenizer(stored)
         if not cfg.tokenizer and resume_from is None:
             raise ValueError(f"--init_from {cfg.init_from} holds no tokenizer: pass --tokenizer FILE, the tokenizer "
                              "its weights were trained with")

@@ -32,7 +32,7 @@ OFFLOAD_SHARE = 0.2  # auto activation offload: when the checkpointed block inpu
 
 
 def option(default: object, help: str) -> typing.Any:
-    """A dataclass field with its command-line help (TrainConfig's, and NPTConfig's in npt/train_equivalence.py)."""
+    """A dataclass field with its command-line help (TrainConfig's, and NPTConfig's in train_npt.py)."""
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
@@ -101,7 +101,7 @@ class TrainConfig:
     npt_residual_mode: str = option("modulate", "NPT: 'modulate' (the attention output only modulates the FFN) or "
                                                 "'additive' (it is also added to the residual stream)")
     adapter: str | None = option(None, "adapters to start from: LoRA, a peft-layout directory (e.g. OUT_DIR/adapter); "
-                                       "NPT, an adapters.safetensors (e.g. from npt.train_equivalence)")
+                                       "NPT, an adapters.safetensors (e.g. from train_npt.py)")
     merge: bool = option(False, "LoRA: at the end also fold the adapters into the base and export the merged model "
                                 "(OUT_DIR/model, hf/)")
     offload_activations: bool | None = option(None, "keep the tensors blocks save for backward (with checkpointing: "

@@ -12,16 +12,12 @@ redoes (it ignores a step it has already logged).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import math
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from training.options import TrainConfig
+from typing import Protocol
 
 # --tracker value -> (the package it needs, how to install it)
 PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb": ("wandb", "pip install wandb")}
@@ -45,7 +41,7 @@ def scalars(metrics: dict) -> dict[str, float]:
 class TensorBoard:
     """torch.utils.tensorboard's event files in OUT_DIR/tensorboard."""
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig, step: int) -> None:
+    def __init__(self, out_dir: Path, options: dict, step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
@@ -62,7 +58,7 @@ class TensorBoard:
 class WandB:
     """A Weights & Biases run in OUT_DIR/wandb (online, or offline with WANDB_MODE=offline), resumed by its id."""
 
-    def __init__(self, out_dir: Path, cfg: TrainConfig, step: int) -> None:
+    def __init__(self, out_dir: Path, options: dict, step: int) -> None:
         import wandb
 
         id_file = out_dir / "wandb_id"
@@ -70,7 +66,7 @@ class WandB:
             id_file.write_text(uuid.uuid4().hex[:16] + "\n")
         try:
             self.run = wandb.init(project="longctx", name=out_dir.name, dir=str(out_dir),
-                                  id=id_file.read_text().strip(), resume="allow", config=dataclasses.asdict(cfg))
+                                  id=id_file.read_text().strip(), resume="allow", config=options)
         except Exception as e:  # wandb's UsageError (not logged in), CommError (no network)
             raise ValueError(f"--tracker wandb: {e} (WANDB_MODE=offline runs without an account)") from None
 
@@ -91,13 +87,13 @@ def check_tracker(name: str | None) -> None:
 
 
 @contextlib.contextmanager
-def tracking(name: str | None, out_dir: Path, cfg: TrainConfig, step: int) -> Iterator[Callable[[dict], None]]:
+def tracking(name: str | None, out_dir: Path, options: dict, step: int) -> Iterator[Callable[[dict], None]]:
     """For the block, `log(metrics)` of the tracker --tracker names (None: one that does nothing) for the run in
-    `out_dir` continuing after `step`; the tracker is closed at the end."""
+    `out_dir` with `options` (train.py's, as a dict) continuing after `step`; the tracker is closed at the end."""
     if not name:
         yield lambda metrics: None
         return
-    tracker = TRACKERS[name](out_dir, cfg, step)
+    tracker = TRACKERS[name](out_dir, options, step)
     try:
         yield tracker.log
     except BaseException:

@@ -234,7 +234,7 @@ def export_and_sample(run: Run) -> None:
 
 @dataclass
 class Task:
-    """What the loop optimises; the defaults are language modelling. npt/train_equivalence.py supplies its own.
+    """What the loop optimises; the defaults are language modelling. train_npt.py supplies its own.
 
     build: the model, as `build_model`; loss: one micro-batch's loss to backpropagate, already divided for the
     step, and extra metrics (0-dim tensors, summed over micro-batches and ranks, logged under their names);
@@ -554,7 +554,7 @@ def run_command(cfg: TrainConfig, rt: Runtime, task: Task | None = None, given: 
 
 @contextlib.contextmanager
 def one_line_errors(verbose: bool = False) -> Iterator[None]:
-    """For a command line (train.py, npt.train_equivalence): a run stopped by its limits (non-finite steps, the
+    """For a command line (train.py, train_npt.py): a run stopped by its limits (non-finite steps, the
     memory budget, a failed save; saved where possible) exits 1 with one line; a bad input, or a damaged or unsafe
     checkpoint, exits 2 with one line (`verbose`: the traceback instead)."""
     try:
@@ -599,7 +599,7 @@ def loop(run: Run) -> dict:
                  if main_rank and cfg.heartbeat_seconds else None)
     tracker = cfg.tracker if main_rank else None
     threads = ThreadPlan(rt.device)
-    with stop_on_signals() as signals, tracking(tracker, run.out_dir, cfg, run.step) as track:
+    with stop_on_signals() as signals, tracking(tracker, run.out_dir, dataclasses.asdict(cfg), run.step) as track:
         def requests() -> list[bool]:  # read after each backward: a stop signal; a time-based save due
             minutes = (time.monotonic() - last_save) / 60
             return [signals["stop"], bool(cfg.checkpoint_minutes) and minutes >= cfg.checkpoint_minutes]

@@ -1,7 +1,7 @@
 """Equivalence training: teach the converted layers of a model to reproduce the original model (npt.equivalence).
 
-    python -m npt.train_equivalence --config configs/npt_tiny.json                       # CPU, tiny model, seconds
-    python -m npt.train_equivalence --config configs/npt_4b.json --init_from CKPT_DIR    # one GPU, Qwen3-4B weights
+    python train_npt.py --config configs/npt_tiny.json                       # CPU, tiny model, seconds
+    python train_npt.py --config configs/npt_4b.json --init_from CKPT_DIR    # one GPU, Qwen3-4B weights
 
 It is train.py's loop with another `train.Task`: the options (every TrainConfig field plus the NPTConfig fields
 below, from a JSON file and the command line: defaults < file < command line), the data, AdamW with the warmup +
