@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train  # noqa: E402
-from evaluation.tasks import validation_loss, validation_windows  # noqa: E402
+from evaluation.loss import validation_loss, validation_windows  # noqa: E402
 from model import Transformer  # noqa: E402
 from nsa.convert import nsa_state_from_dense  # noqa: E402
 from storage.weights import load_model  # noqa: E402

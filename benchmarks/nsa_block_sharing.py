@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluation.tasks import validation_windows  # noqa: E402
+from evaluation.loss import validation_windows  # noqa: E402
 from model import Transformer  # noqa: E402
 from nsa.inspection import inspect  # noqa: E402
 from storage.weights import load_model  # noqa: E402

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluation.tasks import GRID_TASKS, check_prompt_options, recall_scores, retrieval_grid  # noqa: E402
+from evaluation.recall import recall_scores  # noqa: E402
+from evaluation.retrieval import GRID_TASKS, check_prompt_options, retrieval_grid  # noqa: E402
 from inspect_nsa import check_nsa_model  # noqa: E402
 from nsa.layer import NativeSparseAttention  # noqa: E402
 from nsa.primitive import exact_block_scores  # noqa: E402

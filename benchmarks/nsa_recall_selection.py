@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from evaluation.tasks import GRID_TASKS, check_prompt_options, score_answers  # noqa: E402
+from evaluation.retrieval import GRID_TASKS, check_prompt_options, score_answers  # noqa: E402
 from inspect_nsa import check_nsa_model
 from nsa.inspection import inspect  # noqa: E402
 from storage.weights import load_model  # noqa: E402

@@ -63,9 +63,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import eval as evaluation  # noqa: E402
+import eval as eval_cli  # noqa: E402
 import train  # noqa: E402
-from evaluation import tasks  # noqa: E402
+from evaluation.recall import plot_recall  # noqa: E402
 from modeling.config import NSA_FIELDS, ModelConfig, register_attention  # noqa: E402
 from storage.checkpoint import checkpoint_to_resume  # noqa: E402
 from storage.weights import state_shapes  # noqa: E402
@@ -338,7 +338,7 @@ def curriculum(kind: str, seed: int, stages: list[Stage], out: Path, args: argpa
     previous, rows = None, []
     for stage in stages:
         run_dir, seconds = stage_run(kind, seed, stage, previous, out, args)
-        mqar = None if stage.task == "copy" else evaluation.main(
+        mqar = None if stage.task == "copy" else eval_cli.main(
             [str(run_dir / "model"), "--tasks", "mqar", "--lengths", str(stage.length), "--samples", str(args.samples),
              "--batch_size", "2", "--seed", "1000", *(["--pairs", str(stage.pairs)] if stage.pairs else [])])["mqar"]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -415,7 +415,7 @@ def report(summary: dict, out: Path) -> None:
         for name, rows in summary.items():
             for row in rows:
                 if row["mqar"] and (row["length"], row["pairs"] or 0) == (length, pairs):
-                    tasks.plot_recall(ax, row["mqar"], label=name)
+                    plot_recall(ax, row["mqar"], label=name)
         ax.set_title(f"MQAR, T = {length}" + (f", {pairs} pairs" if pairs else ""))
         ax.axvline(64, color="grey", linestyle=":", linewidth=1)
         ax.legend(fontsize=7)

@@ -16,6 +16,8 @@ The three request types, as lm-eval's own `hf` model computes them:
   max_gen_toks tokens (counted in one line when some are cut). Prompts of one token length decode as one batch
   (the model takes no padding mask).
 
+eval.py runs it as the task "harness" (`HarnessTask`), chosen by --harness TASK... rather than --tasks.
+
 Notation: B rows per batch, T tokens per row, V vocabulary.
 """
 
@@ -31,6 +33,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from evaluation.registry import EvalTask, Setting, task_class
 from model import Transformer
 from text.tokenizer import HFTokenizer, Tokenizer
 
@@ -248,3 +251,37 @@ def format_harness(results: dict) -> str:
     for task, scores in results.items():
         lines.append(f"  {task:24s} " + "  ".join(f"{metric} {value:.4g}" for metric, value in scores.items()))
     return "\n".join(lines)
+
+
+class HarnessTask(EvalTask):
+    """harness: lm-evaluation-harness tasks (--harness), RULER's at each of --lengths."""
+
+    reads = ("harness", "lengths", "samples", "batch_size", "seed")
+    listed = False
+
+    def __init__(self, name: str, setting: Setting) -> None:
+        super().__init__(name, setting)
+        options = setting.options
+        if options.lengths and max(options.lengths) > setting.context:
+            raise ValueError(f"--lengths {max(options.lengths)} exceeds the context of {setting.context} tokens the "
+                             "harness reads (--context_length, the run's, at most the model's)")
+        self.ruler = check_harness_tasks(options.harness)  # seconds: lm-eval's task index
+        others = [task for task in setting.tasks if task != name and "lengths" in task_class(task).reads]
+        if options.lengths and not self.ruler and not others:
+            raise ValueError("--lengths is read only by RULER's --harness tasks among those this call runs: leave it "
+                             "out")
+
+    def run(self, model: Transformer, progress: Callable[[int], None]) -> dict:
+        s, o = self.setting, self.setting.options
+        (s.out_dir / "tokenizer").mkdir(exist_ok=True)
+        s.tokenizer.save(s.out_dir / "tokenizer", s.context)  # RULER builds its prompts with it (transformers' format)
+        lm = harness_lm(model, s.tokenizer, s.context, o.batch_size)
+        lengths = o.lengths or [s.context]
+        result = run_harness(lm, o.harness, self.ruler, lengths, s.out_dir / "tokenizer", o.samples, o.seed)
+        if not result:
+            raise ValueError(f"--harness: no task ran at --lengths {' '.join(map(str, lengths))}, each too short for "
+                             "its prompt and answer (see the lines above): pass longer --lengths")
+        return result
+
+    def table(self, result: dict) -> str:
+        return format_harness(result)

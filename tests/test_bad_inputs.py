@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval as evaluation
+import eval as eval_cli
 import train
 from model import Transformer
 from modeling.config import ModelConfig
@@ -115,7 +115,7 @@ def test_eval_options_are_one_line_errors(args, message, data_dir, tmp_path, cap
 
     export_model(Transformer(ModelConfig.from_preset("tiny")), tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        evaluation.main([str(tmp_path / "model"), "--data_dir", str(data_dir), *args])
+        eval_cli.main([str(tmp_path / "model"), "--data_dir", str(data_dir), *args])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
 
@@ -177,7 +177,7 @@ def test_paths_are_what_they_name(data_dir, tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match=r"--resume run is a run directory, not a checkpoint: pass --resume "
                                          r"--out_dir run \(its newest checkpoint\), or --resume run/step-N"):
         train.main([*TINY, "--data_dir", str(data_dir), "--resume", "run"])
-    err = one_line_usage_error(evaluation.main, ["run", "--tasks", "loss"], capsys)
+    err = one_line_usage_error(eval_cli.main, ["run", "--tasks", "loss"], capsys)
     assert "run is a run directory, not a model: pass run/model (its export) or run/step-N" in err
     err = one_line_usage_error(__import__("data").main, ["prepare", "--tokenizer", str(data_dir / "tokenizer.model"),
                                                          "--out_dir", "a_file"], capsys)
@@ -437,7 +437,7 @@ def test_unwritable_or_wrong_kind_outputs_are_one_line(four_checkpoints, data_di
     (tmp_path / "file").write_text("x")
     one_line_usage_error(data.main, ["prepare", "--tokenizer", str(data_dir / "tokenizer.model"), "--out_dir",
                                      str(tmp_path / "file" / "sub")], capsys)
-    err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "passkey", "--out_dir",
+    err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "passkey", "--out_dir",
                                                  str(tmp_path / "file")], capsys)
     assert "--out_dir" in err and "is a file" in err
     assert "is a directory" in one_line_usage_error(gpu_check.main, ["--dry_run", "--out", str(tmp_path)], capsys)
@@ -454,12 +454,12 @@ def test_evaluations_never_overwrite_one_another(four_checkpoints, data_dir, tmp
     model = tmp_path / "run" / "model"
     shutil.copytree(four_checkpoints, tmp_path / "run")
     args = [str(model), "--tasks", "loss", "--data_dir", str(data_dir), "--eval_tokens", "64"]
-    evaluation.main(args)
-    evaluation.main(args)
+    eval_cli.main(args)
+    eval_cli.main(args)
     assert (tmp_path / "run" / "eval-model" / "eval.json").is_file()
     assert (tmp_path / "run" / "eval-model-2" / "eval.json").is_file()
     assert "=> " in capsys.readouterr().out  # what the table means, in one line
-    err = one_line_usage_error(evaluation.main, [*args, "--out_dir", str(tmp_path / "run" / "eval-model")], capsys)
+    err = one_line_usage_error(eval_cli.main, [*args, "--out_dir", str(tmp_path / "run" / "eval-model")], capsys)
     assert "holds an earlier evaluation (eval.json): choose another --out_dir" in err
     for main, option in ((profile_memory.main, ["--plot"]), (gpu_check.main, ["--dry_run", "--out"])):
         err = one_line_usage_error(main, [*option, str(tmp_path / "missing" / "x.png")], capsys)
@@ -468,10 +468,12 @@ def test_evaluations_never_overwrite_one_another(four_checkpoints, data_dir, tmp
 
 def test_a_harness_call_where_no_task_ran_is_an_error(four_checkpoints, tmp_path, monkeypatch):
     """Every RULER length too short for its prompts: an error naming the fix, not an empty result and exit 0."""
-    monkeypatch.setattr(evaluation, "check_harness_tasks", lambda tasks: set(tasks))
-    monkeypatch.setattr(evaluation, "run_harness", lambda *args, **kwargs: {})
+    from evaluation import harness
+
+    monkeypatch.setattr(harness, "check_harness_tasks", lambda tasks: set(tasks))
+    monkeypatch.setattr(harness, "run_harness", lambda *args, **kwargs: {})
     with pytest.raises(ValueError, match="--harness: no task ran at --lengths 16, each too short for its prompt"):
-        evaluation.evaluate(evaluation.build_parser().parse_args([str(four_checkpoints / "model"), "--harness",
+        eval_cli.evaluate(eval_cli.build_parser().parse_args([str(four_checkpoints / "model"), "--harness",
                                                                   "niah_single_1", "--lengths", "16", "--out_dir",
                                                                   str(tmp_path / "e")]))
 
@@ -505,15 +507,15 @@ def test_harness_refusals_come_before_the_model_is_loaded(four_checkpoints, tmp_
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(evaluation, "load_model", no_load)
+    monkeypatch.setattr(eval_cli, "load_model", no_load)
     monkeypatch.setattr(storage.weights, "load_model", no_load)
     model = str(four_checkpoints / "model")
-    err = one_line_usage_error(evaluation.main, [model, "--harness", "niah_single_1", "no_such_task"], capsys)
+    err = one_line_usage_error(eval_cli.main, [model, "--harness", "niah_single_1", "no_such_task"], capsys)
     assert "lm-eval has no task no_such_task" in err and "lm_eval ls tasks" in err
-    err = one_line_usage_error(evaluation.main, [model, "--harness", "niah_single_1", "--lengths", "64"], capsys)
+    err = one_line_usage_error(eval_cli.main, [model, "--harness", "niah_single_1", "--lengths", "64"], capsys)
     assert "--lengths 64 exceeds the context of 32 tokens" in err
     monkeypatch.setattr(harness, "harness_installed", lambda: False)
-    err = one_line_usage_error(evaluation.main, [model, "--harness", "niah_single_1"], capsys)
+    err = one_line_usage_error(eval_cli.main, [model, "--harness", "niah_single_1"], capsys)
     assert "pip install -e '.[eval]'" in err
 
 
@@ -617,7 +619,7 @@ def test_a_damaged_export_is_written_again_by_resume(data_dir, tmp_path, capsys)
     weights = run / "model" / "model.safetensors"
     intact = {name: t.clone() for name, t in load_file(weights).items()}  # not views of the file damaged next
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    err = one_line_usage_error(evaluation.main, [str(run / "model"), "--tasks", "passkey"], capsys)
+    err = one_line_usage_error(eval_cli.main, [str(run / "model"), "--tasks", "passkey"], capsys)
     assert "--resume the run, which exports again" in err
     train.main(["--resume", "--out_dir", str(run)])
     assert "model.safetensors has" in capsys.readouterr().out
@@ -760,9 +762,9 @@ def test_data_and_eval_options_that_cannot_act_are_refused(four_checkpoints, dat
                                            str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o"),
                                            "--text_field", "body"], capsys)
     assert "--text_field body has no effect: it names the text field of .jsonl and .parquet records" in err
-    err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "loss", "--lengths",
+    err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "loss", "--lengths",
                                                  "16"], capsys)
-    assert "--lengths is read only by the task(s) passkey, needle, mqar, mqar_text (and --harness)" in err
+    assert "--lengths is read only by the task(s) passkey, needle, mqar, mqar_text, --harness" in err
     recall = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "recall_experiment.py"))
     assert "--seeds must lie in [0, " in one_line_usage_error(recall["main"], ["--seeds", "0", "-1"], capsys)
 
@@ -784,15 +786,15 @@ def test_every_option_of_the_other_entries_that_cannot_act_is_refused(four_check
 
     values = {"documents": "x.jsonl", "pairs": "4", "depths": "0.5", "data_dir": str(data_dir), "eval_tokens": "64",
               "lengths": "64", "samples": "2", "batch_size": "2", "seed": "1"}
-    assert dests(evaluation.build_parser()) == {*evaluation.READERS, "data_dir", *EVAL_ACT_ALONE}, "classify it"
+    assert dests(eval_cli.build_parser()) == {*eval_cli.readers(), "data_dir", *EVAL_ACT_ALONE}, "classify it"
     documents = str(tmp_path / "docs.jsonl")
     (tmp_path / "docs.jsonl").write_text('{"text": "def f(): pass"}\n')
-    for name in evaluation.READERS:
+    for name in eval_cli.readers():
         tasks = ["--tasks", "loss"] if name == "documents" else ["--tasks", "documents", "--documents", documents]
-        err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), *tasks, f"--{name}",
+        err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), *tasks, f"--{name}",
                                                      values[name]], capsys)
         assert f"--{name} is read only by the task(s)" in err, err
-    err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "documents",
+    err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "documents",
                                                  "--documents", documents, "--data_dir", str(data_dir)], capsys)
     assert "--data_dir is read only by the task(s) loss (and for its tokenizer.model when the checkpoint" in err
 
@@ -876,7 +878,7 @@ def test_empty_inputs_are_refused(four_checkpoints, data_dir, tmp_path, capsys):
                                            str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o"),
                                            "--validation_fraction", "0"], capsys)
     assert "no non-empty document" in err and not (tmp_path / "o").exists()
-    err = one_line_usage_error(evaluation.main, [str(four_checkpoints / "model"), "--tasks", "documents",
+    err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "documents",
                                                  "--documents", str(tmp_path / "empty.jsonl")], capsys)
     assert "holds no non-empty document" in err
 
@@ -885,9 +887,9 @@ def test_eval_checks_the_tokenizer_against_the_model_and_the_data(four_checkpoin
                                                                   capsys):
     model = str(four_checkpoints / "model")
     other = str(qwen3[0] / "tokenizer.json")
-    err = one_line_usage_error(evaluation.main, [model, "--tasks", "passkey", "--tokenizer", other], capsys)
+    err = one_line_usage_error(eval_cli.main, [model, "--tasks", "passkey", "--tokenizer", other], capsys)
     assert "the tokenizer stored with the model: leave --tokenizer out" in err
-    err = one_line_usage_error(evaluation.main, [model, "--tasks", "loss", "--data_dir", str(qwen3[1])], capsys)
+    err = one_line_usage_error(eval_cli.main, [model, "--tasks", "loss", "--data_dir", str(qwen3[1])], capsys)
     assert "data was tokenized with" in err
 
 

@@ -243,7 +243,7 @@ def test_prompt_response_records_train_on_the_responses_only(tok, tmp_path):
 
 
 def test_masks_reach_the_validation_labels_and_mixed_files_are_refused(tok, tmp_path):
-    from evaluation.tasks import validation_windows
+    from evaluation.loss import validation_windows
 
     pairs = [{"prompt": f"Question {i}: what is {i} + {i}?", "response": f" {2 * i}"} for i in range(40)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))

@@ -13,26 +13,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import eval as evaluation
+import eval as eval_cli
 import train
-from evaluation import tasks
+from evaluation import loss, recall, retrieval
 from model import ModelConfig, Transformer
 from storage.weights import load_model
+from text.synthetic import PromptBuilder, SyntheticDocuments
 from text.tokenizer import Tokenizer
 
 
 def test_scorer_reads_the_first_number():
-    assert tasks.is_correct(" 48213. Remember", "48213")
-    assert tasks.is_correct("48213", "48213")
-    assert not tasks.is_correct(" 4821", "48213")  # a prefix is wrong
-    assert not tasks.is_correct(" 482130", "48213")  # so is a longer number
-    assert not tasks.is_correct(" 11 and 48213", "48213")  # only the first number counts
-    assert not tasks.is_correct(" the pass key", "48213")
+    assert retrieval.is_correct(" 48213. Remember", "48213")
+    assert retrieval.is_correct("48213", "48213")
+    assert not retrieval.is_correct(" 4821", "48213")  # a prefix is wrong
+    assert not retrieval.is_correct(" 482130", "48213")  # so is a longer number
+    assert not retrieval.is_correct(" 11 and 48213", "48213")  # only the first number counts
+    assert not retrieval.is_correct(" the pass key", "48213")
 
 
 @pytest.fixture(scope="module")
-def builder(data_dir: Path) -> evaluation.PromptBuilder:
-    return evaluation.PromptBuilder(Tokenizer(data_dir / "tokenizer.model"))
+def builder(data_dir: Path) -> PromptBuilder:
+    return PromptBuilder(Tokenizer(data_dir / "tokenizer.model"))
 
 
 @pytest.mark.parametrize("task", ["passkey", "needle"])
@@ -55,7 +56,7 @@ def test_prompts_have_the_exact_length_and_the_needle_at_its_depth(builder, task
 def test_loss_by_position_matches_full_logits():
     model = Transformer(ModelConfig.from_preset("tiny")).to(torch.float64).eval()
     windows = torch.randint(0, 512, (3, 700))  # more positions than one LOSS_CHUNK
-    result = tasks.loss_by_position(model, windows, batch_size=2)
+    result = loss.loss_by_position(model, windows, batch_size=2)
     with torch.no_grad():
         logits = model(windows).logits  # (3, 700, V)
     want = F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten(), reduction="none").view(3, -1)
@@ -77,7 +78,7 @@ def test_eval_runs_on_every_attention_type(attention, swa, data_dir, tmp_path):
                 "2", "--eval_tokens", "1100", "--out_dir", str(out)]
         if checkpoint.name == "hf":
             args += ["--data_dir", str(data_dir)]
-        results = evaluation.main(args)
+        results = eval_cli.main(args)
         assert results == json.loads((out / "eval.json").read_text())
         assert results["attention_type"] == attention and results["loss"]["tokens"] == 2 * 511
         for task in ("passkey", "needle"):
@@ -114,12 +115,12 @@ class CopyOracle:
 
 def test_graded_scores_on_known_answers():
     ids = torch.tensor([[5, 6, 7, 5, 6, 7, 9]])  # the second 5 6 7 repeats the first
-    scores = tasks.score_answers(CopyOracle(16), ids, [[4, 5, 6]])[0]
+    scores = retrieval.score_answers(CopyOracle(16), ids, [[4, 5, 6]])[0]
     right_log_prob = -math.log(1 + 15 * math.exp(-10))  # one-hot logits of 10 over 16 tokens
     assert [r for r, _ in scores] == [True, True, False]  # 9 was never seen after a 7
     assert scores[0][1] == pytest.approx(right_log_prob, abs=1e-12)
     assert scores[2][1] == pytest.approx(-10 + right_log_prob, abs=1e-12)
-    buckets = tasks.distance_buckets([1, 3, 3, 100], [True, False, True, True], [-1.0, -2.0, -4.0, -0.5])
+    buckets = recall.distance_buckets([1, 3, 3, 100], [True, False, True, True], [-1.0, -2.0, -4.0, -0.5])
     assert [(b["start"], b["count"], b["accuracy"], b["answer_logprob"]) for b in buckets] == [
         (1, 1, 1.0, -1.0), (2, 2, 0.5, -3.0), (64, 1, 1.0, -0.5)]
 
@@ -127,11 +128,11 @@ def test_graded_scores_on_known_answers():
 def test_mqar_accuracy_by_distance_sees_an_oracles_reach(data_dir):
     """A copy oracle that reaches back 63 tokens scores 100% on answers up to its reach and 0% beyond: the
     instrument the recall experiment reads."""
-    documents = evaluation.SyntheticDocuments("mqar", Tokenizer(data_dir / "tokenizer.model"))
-    full = tasks.recall_scores(CopyOracle(512), documents, [1024], samples=4, seed=0, batch_size=2)
+    documents = SyntheticDocuments("mqar", Tokenizer(data_dir / "tokenizer.model"))
+    full = recall.recall_scores(CopyOracle(512), documents, [1024], samples=4, seed=0, batch_size=2)
     assert full["accuracy"] == 1.0 and full["query_accuracy"] == 1.0
     assert [b["start"] for b in full["buckets"]][-1] >= 256  # distances span the document
-    near = tasks.recall_scores(CopyOracle(512, window=63), documents, [1024], samples=4, seed=0, batch_size=2)
+    near = recall.recall_scores(CopyOracle(512, window=63), documents, [1024], samples=4, seed=0, batch_size=2)
     for bucket in near["buckets"]:
         assert bucket["accuracy"] == (1.0 if bucket["end"] <= 64 else 0.0), bucket
 
@@ -146,12 +147,12 @@ def demo_run(data_dir, tmp_path_factory) -> Path:
 
 
 def test_defaults_fit_the_run_and_short_lengths_are_skipped(demo_run, capsys):
-    results = evaluation.main([str(demo_run / "model"), "--samples", "2", "--depths", "0.5", "--eval_tokens", "600"])
+    results = eval_cli.main([str(demo_run / "model"), "--samples", "2", "--depths", "0.5", "--eval_tokens", "600"])
     out = capsys.readouterr().out
     assert results["passkey"]["lengths"][-1] == 246 and results["needle"]["lengths"]  # the context, answer room kept
     assert "skipped" not in out  # the default lengths are all ones the tasks hold
     assert json.loads((demo_run / "eval-model" / "eval.json").read_text()) == results  # beside model/, not in it
-    results = evaluation.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "16", "128",
+    results = eval_cli.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "16", "128",
                                "--samples", "2", "--depths", "0.5"])
     out = capsys.readouterr().out
     assert "passkey: length 16 skipped: the task's text needs" in out and results["passkey"]["lengths"] == [128]
@@ -162,9 +163,9 @@ def test_eval_json_is_written_after_each_task(demo_run, monkeypatch, tmp_path):
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the recall task failed")
 
-    monkeypatch.setattr(evaluation, "recall_scores", broken)
+    monkeypatch.setattr(recall, "recall_scores", broken)
     with pytest.raises(RuntimeError):
-        evaluation.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "128", "--samples", "1",
+        eval_cli.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "128", "--samples", "1",
                          "--depths", "0", "--out_dir", str(tmp_path)])
     assert "passkey" in json.loads((tmp_path / "eval.json").read_text())  # the finished task is kept
 
@@ -173,7 +174,7 @@ def test_document_loglikelihoods_are_the_model_loss_after_the_end_of_document_id
     documents = tmp_path / "documents.jsonl"
     texts = ["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())"]
     documents.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    result = evaluation.main([str(demo_run / "model"), "--tasks", "documents", "--documents", str(documents),
+    result = eval_cli.main([str(demo_run / "model"), "--tasks", "documents", "--documents", str(documents),
                               "--out_dir", str(tmp_path / "eval")])["documents"]
     model, tokenizer = load_model(demo_run / "model", dtype=torch.float64), Tokenizer(data_dir / "tokenizer.model")
     for text, document in zip(texts, result["documents"], strict=True):
@@ -184,7 +185,7 @@ def test_document_loglikelihoods_are_the_model_loss_after_the_end_of_document_id
     long = tmp_path / "long.txt"
     long.write_text("x = 1\n" * 400)
     with pytest.raises(SystemExit):
-        evaluation.main([str(demo_run / "model"), "--tasks", "documents", "--documents", str(long)])
+        eval_cli.main([str(demo_run / "model"), "--tasks", "documents", "--documents", str(long)])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -198,9 +199,28 @@ def test_document_loglikelihoods_are_the_model_loss_after_the_end_of_document_id
 ])
 def test_bad_input_is_one_line_with_exit_code_2(demo_run, args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        evaluation.main([str(demo_run / "model"), "--tasks", "passkey", *args])
+        eval_cli.main([str(demo_run / "model"), "--tasks", "passkey", *args])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
     with pytest.raises(SystemExit):
-        evaluation.main([str(demo_run / "nothing")])
+        eval_cli.main([str(demo_run / "nothing")])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_task_is_one_file_plus_its_registration(demo_run, monkeypatch, tmp_path, capsys):
+    """examples/eval_task.py, registered from here: eval.py lists it, refuses an option it does not read, runs it
+    (its table, its line of meaning, its result in eval.json) beside a built-in task."""
+    from evaluation import registry
+
+    monkeypatch.setitem(registry.EVAL_TASKS, "induction", "examples.eval_task:InductionTask")
+    assert "- induction: next-token accuracy on the second copy" in eval_cli.build_parser().format_help()
+    with pytest.raises(SystemExit):
+        eval_cli.main([str(demo_run / "model"), "--tasks", "induction", "--depths", "0.5"])
+    assert "--depths is read only by the task(s) passkey, needle" in capsys.readouterr().err
+    results = eval_cli.main([str(demo_run / "model"), "--tasks", "induction", "mqar", "--lengths", "64", "--samples",
+                             "3", "--batch_size", "2", "--out_dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "induction: second-half accuracy, 3 documents per length" in out and "=> " in out
+    assert results["induction"]["lengths"] == [64] and 0 <= results["induction"]["accuracy"][0] <= 1
+    assert json.loads((tmp_path / "out" / "eval.json").read_text())["induction"] == results["induction"]
+    assert results["mqar"]["lengths"] == [64]

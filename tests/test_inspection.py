@@ -144,7 +144,8 @@ def test_branch_ablation_switches_gates_off(data_dir, tmp_path, capsys):
     import runpy
     from pathlib import Path
 
-    from evaluation.tasks import recall_scores, retrieval_grid
+    from evaluation.recall import recall_scores
+    from evaluation.retrieval import retrieval_grid
     from storage.weights import export_model
     from text.synthetic import PromptBuilder, SyntheticDocuments
     from text.tokenizer import Tokenizer

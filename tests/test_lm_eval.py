@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import eval as evaluation
+import eval as eval_cli
 import train
 from evaluation import harness
 from storage.weights import load_model
@@ -150,7 +150,7 @@ def test_lm_eval_scores_the_export_as_the_project_does(request, tasks, kind, mon
     theirs = evaluate("hf", tasks, names, model_args=f"pretrained={run / 'hf'},trust_remote_code=True",
                       device="cpu", batch_size=1)
     mine = ours(run, tasks, names)
-    documents = evaluation.main([str(run / "model"), "--tasks", "documents", "--documents",
+    documents = eval_cli.main([str(run / "model"), "--tasks", "documents", "--documents",
                                  str(tasks[0] / "documents.jsonl"), "--out_dir", str(run / "eval")])["documents"]
     for out in (theirs, mine):
         rolling = [resps[0][0] for resps in samples(out, "longctx_documents")]
@@ -170,7 +170,7 @@ def test_ruler_runs_offline_through_eval_py(data_dir, tmp_path, monkeypatch, cap
     train.main(["--model_size", "tiny", "--attention_type", "nsa", "--context_length", "512", "--batch_size", "1",
                 "--max_steps", "1", "--sample_tokens", "0", "--data_dir", str(data_dir),
                 "--out_dir", str(tmp_path / "run")])
-    results = evaluation.main([str(tmp_path / "run" / "model"), "--harness", "niah_single_1", "--lengths", "448",
+    results = eval_cli.main([str(tmp_path / "run" / "model"), "--harness", "niah_single_1", "--lengths", "448",
                                "--samples", "2"])
     assert list(results["harness"]) == ["niah_single_1"]
     assert 0 <= results["harness"]["niah_single_1"]["448"] <= 1

@@ -68,7 +68,7 @@ def test_a_run_resumes_and_evaluates_from_another_directory(data_dir, tmp_path, 
     """A run started with relative paths records them absolute (config.json, checkpoints), so that from another
     working directory `--resume` continues it with its own options and data (nothing prepared there), and eval.py
     scores its validation data without --data_dir."""
-    import eval as evaluation
+    import eval as eval_cli
 
     (tmp_path / "start").mkdir()
     (tmp_path / "elsewhere").mkdir()
@@ -89,7 +89,7 @@ def test_a_run_resumes_and_evaluates_from_another_directory(data_dir, tmp_path, 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-2:][0] == {"step": 2, "resumed_with": {"max_steps": [2, 3]}} and rows[-1]["step"] == 3
     assert rows[-1]["lr"] < 1e-3 and not (tmp_path / "elsewhere" / "data").exists()
-    results = evaluation.main([str(run / "model"), "--tasks", "loss", "--eval_tokens", "256"])
+    results = eval_cli.main([str(run / "model"), "--tasks", "loss", "--eval_tokens", "256"])
     assert results["loss"]["tokens"] > 0 and (run / "eval-model" / "eval.json").is_file()
 
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from evaluation.tasks import validation_loss, validation_windows
+from evaluation.loss import validation_loss, validation_windows
 from model import Transformer
 from modeling.config import ComputeConfig, GiB, ModelConfig
 from modeling.loss import IGNORE_INDEX, shift_labels

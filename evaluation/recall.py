@@ -1,0 +1,132 @@
+"""The mqar and mqar_text tasks: dense multi-query associative recall documents (text/synthetic.py) of each
+length, every answer scored under teacher forcing; accuracy and mean log-probability by key-query distance in
+log-spaced buckets: where retrieval stops.
+
+Notation: B documents per batch, T tokens per document.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from evaluation.registry import EvalTask, Setting
+from evaluation.retrieval import score_answers
+from model import Transformer
+from text.synthetic import SyntheticDocuments
+
+
+def distance_buckets(distances: list[int], right: list[bool], log_probs: list[float]) -> list[dict]:
+    """Answers grouped by key-query distance in log-spaced buckets [1, 2), [2, 4), ...: {"start", "end", "count",
+    "accuracy", "answer_logprob"} for each non-empty bucket."""
+    groups: dict[int, list[int]] = {}
+    for i, d in enumerate(distances):
+        groups.setdefault(max(1, d).bit_length() - 1, []).append(i)
+    return [{"start": 2**k, "end": 2**(k + 1), "count": len(members),
+             "accuracy": sum(right[i] for i in members) / len(members),
+             "answer_logprob": sum(log_probs[i] for i in members) / len(members)}
+            for k, members in sorted(groups.items())]
+
+
+def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: list[int], samples: int, seed: int,
+                  batch_size: int, progress: Callable[[int], None] | None = None) -> dict:
+    """`samples` recall documents of each length, every answer token scored under teacher forcing: {"task", "pairs"
+    (None: the default density), "lengths", "samples", "answers", "accuracy", "query_accuracy" (every token of the
+    answer right), "answer_logprob", "by_length" [{"length", "accuracy", ...}], "buckets" (by distance, all lengths
+    together)}."""
+    device = model.embed_tokens.weight.device
+    distances, right, log_probs, per_query, by_length = [], [], [], {}, []
+    for length in lengths:
+        rng = random.Random(f"{seed}-{documents.task}-{length}")
+        docs = [documents(length, rng) for _ in range(samples)]
+        first = len(right)
+        for b0 in range(0, samples, batch_size):
+            batch = docs[b0:b0 + batch_size]
+            ids = torch.tensor([d.ids for d in batch], device=device)  # (B, T)
+            for i, (doc, row) in enumerate(zip(batch, score_answers(model, ids, [d.answers for d in batch]),
+                                                strict=True)):
+                distances += doc.distances
+                right += [r for r, _ in row]
+                log_probs += [lp for _, lp in row]
+                for query, (r, _) in zip(doc.queries, row, strict=True):
+                    key = (length, b0 + i, query)
+                    per_query[key] = per_query.get(key, True) and r
+            if progress is not None:
+                progress(len(batch))
+        n = len(right) - first
+        by_length.append({"length": length, "answers": n, "accuracy": sum(right[first:]) / n,
+                          "answer_logprob": sum(log_probs[first:]) / n})
+    return {"task": documents.task, "pairs": documents.pairs, "lengths": lengths, "samples": samples,
+            "answers": len(right), "accuracy": sum(right) / len(right),
+            "query_accuracy": sum(per_query.values()) / len(per_query),
+            "answer_logprob": sum(log_probs) / len(log_probs), "by_length": by_length,
+            "buckets": distance_buckets(distances, right, log_probs)}
+
+
+def format_recall(result: dict) -> str:
+    pairs = f" of {result['pairs']} pairs" if result.get("pairs") else ""
+    lines = [f"{result['task']}: {result['answers']:,} answers in {result['samples']} documents{pairs} per length; "
+             f"accuracy {result['accuracy']:.1%}, whole answers {result['query_accuracy']:.1%}, mean answer "
+             f"log-probability {result['answer_logprob']:.3f}",
+             f"{'key-query distance':>20} {'answers':>8} {'accuracy':>9} {'log-prob':>9}"]
+    lines += [f"{b['start']:>9}-{b['end'] - 1:<10} {b['count']:>8} {b['accuracy']:>9.1%} {b['answer_logprob']:>9.3f}"
+              for b in result["buckets"]]
+    return "\n".join(lines)
+
+
+def plot_recall(ax: object, result: dict, label: str | None = None) -> None:
+    """Accuracy by key-query distance (log scale) of one recall result on matplotlib axes `ax`."""
+    buckets = result["buckets"]
+    ax.plot([b["start"] for b in buckets], [b["accuracy"] for b in buckets], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="key-query distance (tokens)", ylabel="answer accuracy", ylim=(-0.02, 1.02))
+
+
+class RecallTask(EvalTask):
+    """mqar, mqar_text: dense key-value recall documents, accuracy by key-query distance."""
+
+    reads = ("lengths", "pairs", "samples", "batch_size", "seed")
+
+    def __init__(self, name: str, setting: Setting) -> None:
+        super().__init__(name, setting)
+        options, context = setting.options, setting.context
+        if options.pairs is not None and options.pairs < 1:
+            raise ValueError(f"--pairs must be >= 1, got {options.pairs}")
+        if options.lengths and max(options.lengths) > context:
+            raise ValueError(f"--lengths {max(options.lengths)} does not fit the context of {context} tokens")
+        self.documents = SyntheticDocuments(name, setting.tokenizer, options.pairs)
+        needed = 4 if name == "mqar" else len(setting.tokenizer.encode(" The value of key redfox is 123456.")) * 2 + 8
+        for length in (n for n in options.lengths or [] if n < needed):
+            print(f"{name}: length {length} skipped: the task's text needs {needed} tokens")
+        self.lengths = [n for n in options.lengths or [context] if n >= needed]
+        for length in self.lengths if options.pairs else []:
+            try:
+                self.documents.check_length(length)
+            except ValueError as e:
+                raise ValueError(f"--pairs {options.pairs}: length {e}; use fewer --pairs or longer --lengths"
+                                 ) from None
+
+    @property
+    def work(self) -> int:
+        return len(self.lengths) * self.setting.options.samples
+
+    def run(self, model: Transformer, progress: Callable[[int], None]) -> dict:
+        o = self.setting.options
+        return recall_scores(model, self.documents, self.lengths, o.samples, o.seed, o.batch_size, progress)
+
+    def table(self, result: dict) -> str:
+        return format_recall(result)
+
+    def meaning(self, result: dict) -> str:
+        return (f"=> {result['accuracy']:.1%} of the answers recalled; the rows say how far back the model still "
+                "finds a key")
+
+    def figure(self, result: dict, title: str) -> object:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        plot_recall(ax, result)
+        ax.set_title(f"{self.name}: {title}", fontsize=9)
+        return fig
