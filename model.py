@@ -30,9 +30,11 @@ from modeling.loss import (
     softcap_logits,
     standard_linear_cross_entropy,
 )
+from modeling.objective import Objective
 from modeling.offload import OffloadSavedTensors
 
-__all__ = ["PRESETS", "ComputeConfig", "ModelConfig", "ModelOutput", "Block", "Transformer", "sample_next_token"]
+__all__ = ["PRESETS", "ComputeConfig", "ModelConfig", "ModelOutput", "Block", "Objective", "Transformer",
+           "sample_next_token"]
 
 class ModelOutput(NamedTuple):
     loss: Tensor | None  # float32 scalar when labels were given
@@ -71,9 +73,11 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The decoder. Build on `torch.device("meta")`, then `to_empty(device=...)` and `init_weights()` for large
     models (the flow FSDP2 uses), or build directly on a device (weights are initialised in `__init__`).
-    `config` is what the weights mean; `compute` (default: ComputeConfig()) how the forward runs."""
+    `config` is what the weights mean; `compute` (default: ComputeConfig()) how the forward runs; `objective`
+    (default: Objective(), plain cross-entropy) what a forward with labels minimises, settable later."""
 
-    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None,
+                 objective: Objective | None = None) -> None:
         super().__init__()
         self.config = config
         self.compute = compute = compute or ComputeConfig()
@@ -84,8 +88,23 @@ class Transformer(nn.Module):
         self._tie_weights()
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length,
                                     config.rope_scaling)
+        self.objective = objective or Objective()
         if self.embed_tokens.weight.device.type != "meta":
             self.init_weights()
+
+    @property
+    def objective(self) -> Objective:
+        """What a forward with labels minimises beyond cross-entropy: the z-loss here, and the terms of an attention
+        type that declares an `objective` attribute of its own (NSA's selection-scoring loss), which setting this
+        sets too."""
+        return self._objective
+
+    @objective.setter
+    def objective(self, objective: Objective) -> None:
+        self._objective = objective
+        for block in self.layers:
+            if hasattr(block.attn, "objective"):
+                block.attn.objective = objective
 
     @classmethod
     def from_weights(cls, config: ModelConfig, state: dict[str, Tensor] | None = None,
@@ -253,7 +272,7 @@ class Transformer(nn.Module):
                                loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
         """hidden (B, T, C), targets (B, T) already shifted -> (loss, logits (B, T, V))."""
         return standard_linear_cross_entropy(  # logits (B, T, V), their own tensor (an FSDP root returns no view)
-            hidden, self.output_weight, targets, z_loss_coef=self.compute.z_loss_coef,
+            hidden, self.output_weight, targets, z_loss_coef=self.objective.z_loss_coef,
             softcap=self.config.logit_softcap, normalizer=loss_normalizer)
 
     def _compute_loss_chunked(self, hidden: Tensor, targets: Tensor, chunk_size: int = 4096,
@@ -263,7 +282,7 @@ class Transformer(nn.Module):
         B, T, C = hidden.shape
         loss = chunked_linear_cross_entropy(
             hidden.reshape(B * T, C), self.output_weight, targets.reshape(B * T),
-            chunk_size=chunk_size, z_loss_coef=self.compute.z_loss_coef, softcap=self.config.logit_softcap,
+            chunk_size=chunk_size, z_loss_coef=self.objective.z_loss_coef, softcap=self.config.logit_softcap,
             normalizer=loss_normalizer)
         return loss, None
 

@@ -37,8 +37,9 @@ import time
 IMPLS = ("sdpa", "nsa", "lucidrains")
 
 
-def build(impl: str, args: argparse.Namespace, **compute: object):
-    """(layer, the layer as a function x (1, T, dim) -> (1, T, dim)); `compute`: ComputeConfig fields."""
+def build(impl: str, args: argparse.Namespace, objective: dict | None = None, **compute: object):
+    """(layer, the layer as a function x (1, T, dim) -> (1, T, dim)); `objective`: Objective fields (NSA's training
+    terms), `compute`: ComputeConfig fields."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from modeling.attention import FullAttention
     from modeling.config import ComputeConfig, ModelConfig
@@ -58,9 +59,11 @@ def build(impl: str, args: argparse.Namespace, **compute: object):
                                 num_selected_blocks=cfg.nsa_num_selected, causal=True, use_triton_kernel=False)
         return layer, layer
     if impl == "nsa":
+        from modeling.objective import Objective
         from nsa.layer import NativeSparseAttention
 
         layer = NativeSparseAttention(cfg, computing)
+        layer.objective = Objective(**(objective or {}))
     else:
         layer = FullAttention(cfg, computing)
     layer.init_weights()

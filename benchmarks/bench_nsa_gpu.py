@@ -42,7 +42,7 @@ SCORE_LOSS = {"nsa+loss": {"nsa_score_loss_coef": 0.1, "nsa_score_loss_stride": 
 def build(impl: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Callable:
     """The layer as a function x (1, T, dim) -> (1, T, dim) on device, in dtype (bench_nsa.py's layers)."""
     layer, run = bench_nsa.build("sdpa" if impl == "sdpa" else "nsa", args, triton_kernels=impl in TRITON_IMPLS,
-                                 **SCORE_LOSS.get(impl, {}))
+                                 objective=SCORE_LOSS.get(impl))
     layer.to(device, dtype)
     return run
 

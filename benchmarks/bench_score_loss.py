@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeling.config import ComputeConfig, ModelConfig  # noqa: E402
+from modeling.objective import Objective  # noqa: E402
 from nsa import scoring  # noqa: E402
 from nsa.blocks import num_compressed_blocks  # noqa: E402
 from nsa.scoring import selection_score_loss  # noqa: E402
@@ -51,9 +52,9 @@ def call_seconds(T: int, form: dict, seed: int) -> float:
     q = torch.randn(1, H, T, D, generator=g, requires_grad=True)
     k_cmp = torch.randn(1, KV, T // config.nsa_stride, D, generator=g, requires_grad=True)
     k_slc = torch.randn(1, KV, T, D, generator=g)
-    compute = ComputeConfig(nsa_score_loss_coef=0.1, **form)
+    objective = Objective(nsa_score_loss_coef=0.1, **form)
     start = time.perf_counter()
-    selection_score_loss(q, k_cmp, k_slc, config, compute).backward()
+    selection_score_loss(q, k_cmp, k_slc, config, ComputeConfig(), objective).backward()
     return time.perf_counter() - start
 
 
@@ -63,14 +64,15 @@ def call_flops(T: int, form: dict, config: ModelConfig) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     H, KV, D = config.n_heads, config.n_kv_heads, config.head_dim
-    compute = ComputeConfig(nsa_score_loss_coef=0.1, **form)  # the default query chunk, as training runs it
+    objective = Objective(nsa_score_loss_coef=0.1, **form)
     # Fake tensors hold no values: the loss's host draws (a stride's offset, a seed) are fixed at 1.
     with mock.patch.object(torch, "randint", lambda high, size: 1), FakeTensorMode(), \
             FlopCounterMode(display=False) as counter:
         q = torch.empty(1, H, T, D, requires_grad=True)
         k_cmp = torch.empty(1, KV, num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride), D,
                             requires_grad=True)
-        selection_score_loss(q, k_cmp, torch.empty(1, KV, T, D), config, compute).backward()
+        k_slc = torch.empty(1, KV, T, D)
+        selection_score_loss(q, k_cmp, k_slc, config, ComputeConfig(), objective).backward()  # the default chunk
     return counter.get_total_flops()
 
 

@@ -79,8 +79,7 @@ SPARSE = ("sparse_labels", "answer_loss", *SCORE_LOSS)  # labels keep one target
 def variant_config(base: train_config.TrainConfig, variant: str) -> train_config.TrainConfig:
     """`base` changed as `variant` says (one of VARIANTS)."""
     if variant in SCORE_LOSS:
-        overrides = {**base.model_overrides, "nsa_score_loss_coef": 0.1, **SCORE_LOSS[variant]}
-        return dataclasses.replace(base, answer_loss=True, model_overrides=overrides)
+        return dataclasses.replace(base, answer_loss=True, nsa_score_loss_coef=0.1, **SCORE_LOSS[variant])
     changes = {"default": {}, "checkpointing": {"gradient_checkpointing": True},
                "microsteps": {"batch_size": base.batch_size // 2, "gradient_accumulation_steps": 2},
                "bf16": {"dtype": "bfloat16"}, "compile": {"compile": True}, "sparse_labels": {},

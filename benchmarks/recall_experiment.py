@@ -180,18 +180,18 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
     # it out, and so shares its arguments (and a reused run) with the same stage trained without the loss.
     n, l_sel = fields.get("nsa_num_selected", 0), fields.get("nsa_select_block_size", 0)
     scored = kind == "nsa" and stage.task == "mqar" and args.score_loss and n >= 4 and stage.length > n * l_sel
-    score = {"nsa_score_loss_coef": args.score_loss} if scored else {}  # ComputeConfig fields train.py also takes
+    score = {"nsa_score_loss_coef": args.score_loss} if scored else {}  # train.py's objective options
     score |= {"nsa_score_loss_stride": args.score_loss_stride} if scored and args.score_loss_stride > 1 else {}
     score |= {"nsa_score_loss_top": args.score_loss_top} if scored and args.score_loss_top else {}
     score |= {"nsa_score_loss_random": args.score_loss_random} if scored and args.score_loss_random else {}
     score |= {"nsa_score_loss_target": args.score_loss_target} if scored and args.score_loss_target != "scores" else {}
+    argv += [arg for name, value in score.items() for arg in (f"--{name}", str(value))]
     if previous is None:
-        argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"],
-                 *override_args({**fields, **score})]
+        argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"], *override_args(fields)]
     else:
         before, before_dir = previous
         argv += ["--init_from", str(before_dir / "model")]
-        argv += override_args({**(fields if fields != model_fields(kind, before, args) else {}), **score})
+        argv += override_args(fields if fields != model_fields(kind, before, args) else {})
     return run_dir, argv
 
 
@@ -257,18 +257,18 @@ def main(argv: list[str] | None = None) -> None:
                         '"mean" compressor')
     p.add_argument("--score_loss", type=float, default=0.0, metavar="COEF",
                    help="NSA's MQAR stages add the selection-scoring loss (nsa/scoring.py) with this weight per layer "
-                        "(ComputeConfig.nsa_score_loss_coef; default 0: off)")
+                        "(train.py's --nsa_score_loss_coef; default 0: off)")
     p.add_argument("--score_loss_stride", type=int, default=1, metavar="K",
-                   help="that loss on every K-th query, from a random offset (ComputeConfig.nsa_score_loss_stride; "
+                   help="that loss on every K-th query, from a random offset (train.py's --nsa_score_loss_stride; "
                         "an unbiased estimate at 1/K of its cost)")
     p.add_argument("--score_loss_top", type=int, default=0, metavar="M",
-                   help="that loss over each query's M blocks of highest importance only (ComputeConfig."
-                        "nsa_score_loss_top; default 0: every block, reading every key)")
+                   help="that loss over each query's M blocks of highest importance only (train.py's "
+                        "--nsa_score_loss_top; default 0: every block, reading every key)")
     p.add_argument("--score_loss_random", type=int, default=0, metavar="R",
-                   help="and over R random other blocks (ComputeConfig.nsa_score_loss_random; with --score_loss_top)")
+                   help="and over R random other blocks (train.py's --nsa_score_loss_random; with --score_loss_top)")
     p.add_argument("--score_loss_target", choices=("scores", "selection"), default="scores",
                    help="that loss's target: each block's best-key softmax (default), or uniform over the blocks "
-                        "the best keys select (ComputeConfig.nsa_score_loss_target)")
+                        "the best keys select (train.py's --nsa_score_loss_target)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of a stage without @LR")
     p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     p.add_argument("--jobs", type=int, default=1,

@@ -6,7 +6,8 @@ only what the protocol lists; train.py's MFU, profile_memory.py's stand-ins and 
 come from the same class. Adding a type is one file plus one registry line (docs/model.md, "Attention types, and
 adding your own"; examples/sliding_window_attention.py).
 A type may also add training-only loss terms during a forward (`add_aux_loss`); `model.Transformer.forward` adds them
-to the loss.
+to the loss. Their weights belong to the training objective: a type that has such terms declares an `objective`
+attribute (modeling.objective.Objective), which `Transformer.objective` sets.
 
 Notation: B batch, T new tokens, S cached tokens (keys visible to a query), C model width, H query heads,
 KV key/value heads, D head dimension.

@@ -148,8 +148,9 @@ class ModelConfig:
 
 @dataclass
 class ComputeConfig:
-    """How the model computes: memory/speed knobs that never change what the weights mean, free to change between
-    runs (resume, load, eval). The defaults suit short sequences; train.py picks the long-context values."""
+    """How the model computes: memory/speed knobs that never change what the weights mean nor what training
+    minimises (that is modeling.objective.Objective), free to change between runs (resume, load, eval). The defaults
+    suit short sequences; train.py picks the long-context values."""
 
     ffn_chunk_size: int | None = None  # tokens per FFN tile (tiled MLP, recomputed in backward); None: untiled
     attention_query_chunk: int = 512  # queries an attention processes together (NSA: bounds its working memory)
@@ -161,35 +162,17 @@ class ComputeConfig:
     # Rows of the output layer: "all" positions, or only "targets" (those whose label is not ignored: a
     # data-dependent shape, one host sync on a GPU), which saves most of its cost when few tokens carry a loss.
     loss_rows: Literal["all", "targets"] = "all"
-    z_loss_coef: float = 0.0  # weight of the z-loss (lse^2), a training objective term
-    nsa_score_loss_coef: float = 0.0  # weight of each NSA layer's selection-scoring loss (nsa/scoring.py), likewise
-    nsa_score_loss_stride: int = 1  # that loss scores every k-th of its queries (random offset): 1/k of its cost
-    nsa_score_loss_top: int = 0  # m > 0: its target over each query's m top blocks by importance (0: every block)
-    nsa_score_loss_random: int = 0  # and over this many random other blocks (with nsa_score_loss_top only)
-    # Its target: "scores", the blocks' best-key softmax; "selection", uniform over the n - 3 blocks it would select
-    nsa_score_loss_target: Literal["scores", "selection"] = "scores"
     offload_activations: bool = False  # tensors the blocks save for backward live in host memory (offload.py)
 
     def __post_init__(self) -> None:
         _positive_int("ComputeConfig", "ffn_chunk_size", self.ffn_chunk_size, optional=True)
-        for name in ("attention_query_chunk", "loss_chunk_threshold_bytes", "loss_chunk_size", "nsa_score_loss_stride"):
+        for name in ("attention_query_chunk", "loss_chunk_threshold_bytes", "loss_chunk_size"):
             _positive_int("ComputeConfig", name, getattr(self, name))
-        for name in ("nsa_score_loss_top", "nsa_score_loss_random"):
-            _positive_int("ComputeConfig", name, getattr(self, name), minimum=0)
-        if self.nsa_score_loss_random and not self.nsa_score_loss_top:
-            raise ValueError("ComputeConfig.nsa_score_loss_random goes with nsa_score_loss_top > 0 (the dense target "
-                             "already reads every block): set nsa_score_loss_top too")
         if self.loss_mode not in ("auto", "chunked", "standard"):
             raise ValueError(f"ComputeConfig.loss_mode must be 'auto', 'chunked' or 'standard', got "
                              f"{self.loss_mode!r}")
-        if self.nsa_score_loss_target not in ("scores", "selection"):
-            raise ValueError(f"ComputeConfig.nsa_score_loss_target must be 'scores' or 'selection', got "
-                             f"{self.nsa_score_loss_target!r}")
         if self.loss_rows not in ("all", "targets"):
             raise ValueError(f"ComputeConfig.loss_rows must be 'all' or 'targets', got {self.loss_rows!r}")
-        for name in ("z_loss_coef", "nsa_score_loss_coef"):
-            if not (_is_real(getattr(self, name)) and 0 <= getattr(self, name) < math.inf):
-                raise ValueError(f"ComputeConfig.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ComputeConfig:
@@ -202,14 +185,11 @@ class ComputeConfig:
 
 NSA_FIELDS = ("nsa_block_size", "nsa_stride", "nsa_select_block_size", "nsa_num_selected", "nsa_window",
               "nsa_separate_kv", "nsa_compressor")
-SCORE_LOSS_FIELDS = ("nsa_score_loss_stride", "nsa_score_loss_top", "nsa_score_loss_random", "nsa_score_loss_target")
 _NSA = ("attention_type", lambda value: value == "nsa", "attention_type 'nsa'")
-_SCORE_LOSS = ("nsa_score_loss_coef", lambda value: value > 0, "nsa_score_loss_coef > 0")
 # Fields that act only beside another: name -> (that field, whether its value lets the name act, what it needs).
 # `check_effective` refuses one set where it cannot act; every other field acts on its own.
 EFFECT_NEEDS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
-    **dict.fromkeys((*NSA_FIELDS, "triton_kernels", "attention_query_chunk", "nsa_score_loss_coef"), _NSA),
-    **dict.fromkeys(SCORE_LOSS_FIELDS, _SCORE_LOSS),
+    **dict.fromkeys((*NSA_FIELDS, "triton_kernels", "attention_query_chunk"), _NSA),
     "attention_options": ("attention_type", lambda value: value not in ("full", "nsa"),
                           "a registered attention type that reads them (full and nsa read none)"),
     "loss_chunk_size": ("loss_mode", lambda value: value != "standard", "loss_mode 'auto' or 'chunked'"),
@@ -217,19 +197,10 @@ EFFECT_NEEDS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
 }
 
 
-def score_loss_queries(model: ModelConfig) -> int:
-    """Queries of a context_length sequence at which NSA's top-n really chooses, and so the selection-scoring loss
-    has a target (`nsa.blocks.contested_blocks`): those from n x l' on, none when n < 4."""
-    first = model.nsa_num_selected * model.nsa_select_block_size
-    return max(0, model.context_length - first) if model.nsa_num_selected >= 4 else 0
-
-
 def check_effective(model: ModelConfig, compute: ComputeConfig, names: set[str] | frozenset[str],
                     spelled: dict[str, str] | None = None) -> None:
     """ValueError, naming why, when a field of `names` (those a user set; `spelled`: how, for fields set by an option
-    of their own) cannot act in this pair of configs (EFFECT_NEEDS), or when the selection-scoring loss it sets
-    would be 0 on every step (top-n never chooses at this context_length) or on most (a stride beyond the queries
-    that choose)."""
+    of their own) cannot act in this pair of configs (EFFECT_NEEDS)."""
     value = {**dataclasses.asdict(model), **dataclasses.asdict(compute)}
     for name in sorted(names & set(EFFECT_NEEDS)):
         other, acts, needs = EFFECT_NEEDS[name]
@@ -237,17 +208,6 @@ def check_effective(model: ModelConfig, compute: ComputeConfig, names: set[str] 
             given = (spelled or {}).get(name, name)
             raise ValueError(f"{given} has no effect without {needs}, and this run's {other} is {value[other]!r}: "
                              f"leave {given} out, or set {other}")
-    if not (names & {"nsa_score_loss_coef", *SCORE_LOSS_FIELDS}) or compute.nsa_score_loss_coef == 0:
-        return
-    queries, first = score_loss_queries(model), model.nsa_num_selected * model.nsa_select_block_size
-    if queries == 0:
-        raise ValueError(f"nsa_score_loss_coef: top-n never chooses at context_length {model.context_length} (only "
-                         f"from n x l' = {first} tokens on, with nsa_num_selected >= 4), so the loss would be 0 on "
-                         f"every step: train at a context_length above {first}, or leave it out")
-    if compute.nsa_score_loss_stride > queries:
-        raise ValueError(f"nsa_score_loss_stride {compute.nsa_score_loss_stride} exceeds the {queries} queries where "
-                         f"top-n chooses (context_length {model.context_length} - n x l' {first}), so most steps "
-                         f"would score none: pass at most {queries}")
 
 
 def check_fields(cls: type, values: dict[str, Any]) -> None:

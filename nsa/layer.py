@@ -18,9 +18,9 @@ Each query head attends through three branches whose outputs are mixed by per-to
   tokens (Eq. 9, 0-based: `selection_pool_weights`), summed over the query heads of one GQA group (Eq. 10), and the
   top n blocks are attended token by token (Eqs. 11-12). The n blocks include block 0 and the two most recent
   blocks (the query's own and the previous one), which are always selected; future blocks never are; inside the
-  query's own block a token-level causal mask applies. The top-n indices carry no gradient; with
-  `ComputeConfig.nsa_score_loss_coef` > 0, a training forward adds nsa/scoring.py's loss, which teaches the scores
-  to rank blocks by their best key.
+  query's own block a token-level causal mask applies. The top-n indices carry no gradient; with the model's
+  `objective.nsa_score_loss_coef` > 0, a training forward adds nsa/scoring.py's loss, which teaches the scores to
+  rank blocks by their best key.
 - Sliding window (3.3.3): the w keys (t - w, t], i.e. w keys counting the query's own token.
 
 The attention itself (selection, the three branches, chunking, the custom backward, the memory formula) is in
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from modeling.attention import add_aux_loss, attention_flops, projection_flops
 from modeling.config import ComputeConfig, ModelConfig
 from modeling.layers import RMSNorm, apply_rope
+from modeling.objective import Objective
 from nsa.attention import sparse_attention
 from nsa.blocks import num_compressed_blocks
 from nsa.scoring import selection_score_loss
@@ -127,6 +128,7 @@ class NativeSparseAttention(nn.Module):
     def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
         super().__init__()
         self.config, self.compute = config, compute or ComputeConfig()
+        self.objective = Objective()  # the training objective's terms; Transformer.objective sets it
         c, h, kv, d = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
         self.n_sets = 3 if config.nsa_separate_kv else 1
         self.q_proj = nn.Linear(c, h * d, bias=False)
@@ -186,9 +188,9 @@ class NativeSparseAttention(nn.Module):
         if start_pos is None:
             k_cmp, v_cmp = self._compress(k_cmp_raw, v_cmp_raw, 0, cos, sin, 0)
             out = self.sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, compute=self.compute)
-            coef = self.compute.nsa_score_loss_coef
+            coef = self.objective.nsa_score_loss_coef
             if coef and torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad):
-                add_aux_loss(coef * selection_score_loss(q, k_cmp, k_slc, cfg, self.compute))
+                add_aux_loss(coef * selection_score_loss(q, k_cmp, k_slc, cfg, self.compute, self.objective))
         else:
             cache = self._check_cache(B, start_pos, T)
             end = start_pos + T

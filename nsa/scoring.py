@@ -17,7 +17,7 @@ blocks j (1 .. c - 2):
                    a block far below the row's best keeps its gradient where its probability underflows);
     loss         = KL(t || p) = sum_j t_j (log t_j - log p_j).
 
-With `ComputeConfig.nsa_score_loss_target` "selection", t is instead the set selection by t would take: uniform
+With `Objective.nsa_score_loss_target` "selection", t is instead the set selection by t would take: uniform
 over the n - 3 blocks t ranks highest (`nsa.blocks.selection_target`). Top-n needs a block's rank, not its share:
 t often puts nearly all its mass on one or two blocks, so a block it ranks fifth weighs almost nothing in KL(t || p)
 though selection by t takes it; the set weighs each of the n - 3 alike. The loss is then the cross-entropy of p on
@@ -27,15 +27,15 @@ The loss is averaged over those (batch, KV head, query) rows: a mean over the ro
 means the same at every length, and independent of the labels. Computed in at least float32 with autocast off (a bf16
 autocast run and a float32 one train the same objective). Gradients reach the queries and the compressed keys (so
 the projections and, with the "mlp" compressor, its MLP), not the target's keys. It is a training objective,
-weighted by `ComputeConfig.nsa_score_loss_coef` (off by default) and added by nsa/layer.py through
+weighted by `Objective.nsa_score_loss_coef` (off by default) and added by nsa/layer.py through
 `attention.add_aux_loss`.
 
 Cost and memory: the target reads every key of the prefix (a chunk's best-token logits are Q x T in tiles of keys),
 so each NSA layer pays one full-attention score product (QK^T) more per step (two with gradient checkpointing, which
 recomputes the forward). Two options make it cheaper:
-- `ComputeConfig.nsa_score_loss_stride` k scores every k-th row from a random offset and scales their sum by k: an
+- `Objective.nsa_score_loss_stride` k scores every k-th row from a random offset and scales their sum by k: an
   unbiased estimate of the same mean, and of its gradients, at 1/k of the cost, still O(T^2 / k);
-- `ComputeConfig.nsa_score_loss_top` m > 0 takes t and p over each row's own candidates only: its m blocks of
+- `Objective.nsa_score_loss_top` m > 0 takes t and p over each row's own candidates only: its m blocks of
   highest importance (the n - 3 it selects among them when m >= n - 3) and `nsa_score_loss_random` r others drawn
   uniformly from the rest (`nsa.blocks.candidate_blocks`), so the target reads (m + r) l' keys a query: O(T (m + r)
   l') work, linear in T. It is another loss, not an estimate of the dense one (equal to it on rows with at most m
@@ -73,6 +73,7 @@ from nsa.blocks import (
 
 if TYPE_CHECKING:
     from modeling.config import ComputeConfig, ModelConfig
+    from modeling.objective import Objective
 
 
 def _as_is(t: Tensor) -> Tensor:
@@ -152,8 +153,8 @@ class _SelectionScoreLoss(torch.autograd.Function):
 
 
 @torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
-def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig,
-                         compute: ComputeConfig) -> Tensor:
+def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, compute: ComputeConfig,
+                         objective: Objective) -> Tensor:
     """The mean KL(target || importance) over the rows where top-n chooses (module docstring).
 
     Args:
@@ -162,7 +163,8 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
         k_slc: `(B, KV, S, D)` the selection branch's keys at positions [0, S), S >= T; no gradient reaches them
             through the target.
         config: block geometry (`nsa_*` fields).
-        compute: `attention_query_chunk` queries are scored at a time; with `nsa_score_loss_stride` k > 1, every
+        compute: `attention_query_chunk` queries are scored at a time.
+        objective: with `nsa_score_loss_stride` k > 1, every
             k-th of the rows from a random offset (the CPU generator's, so a resumed run and a checkpoint's
             recomputation draw the same), their sum times k over the rows' count: an unbiased estimate of the mean
             at 1/k of the cost; with `nsa_score_loss_top` m > 0, each row's target and prediction over its m
@@ -173,8 +175,8 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
         A 0-dim tensor in at least float32 (0 when T <= n l': no query chooses yet), differentiable in q and
         k_cmp.
     """
-    stride, top, random = compute.nsa_score_loss_stride, compute.nsa_score_loss_top, compute.nsa_score_loss_random
+    stride, top, random = objective.nsa_score_loss_stride, objective.nsa_score_loss_top, objective.nsa_score_loss_random
     offset = int(torch.randint(stride, ())) if stride > 1 else 0  # host draws: no device sync
     seed = int(torch.randint(2**62, ())) if random else 0
     return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset, top,
-                                     random, seed, compute.nsa_score_loss_target == "selection")
+                                     random, seed, objective.nsa_score_loss_target == "selection")

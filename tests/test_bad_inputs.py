@@ -670,6 +670,10 @@ OPTION_CANNOT_ACT = {
     "export_dtype": ["--finetune", "lora", "--export_dtype", "float32"],
     "attention_query_chunk": ["--attention_type", "full", "--attention_query_chunk", "64"],
     "resume": ["--resume"],  # into a directory that holds no run
+    "nsa_score_loss_coef": ["--attention_type", "full", "--nsa_score_loss_coef", "0.1"],
+    **{name: ["--attention_type", "nsa", f"--{name}", value] for name, value in (
+        ("nsa_score_loss_stride", "2"), ("nsa_score_loss_top", "4"), ("nsa_score_loss_target", "selection"))},
+    "nsa_score_loss_random": ["--attention_type", "nsa", "--nsa_score_loss_top", "4", "--nsa_score_loss_random", "2"],
     # another fine-tuning mode's options (this run: --finetune full)
     "lora_rank": ["--lora_rank", "4"], "lora_alpha": ["--lora_alpha", "3"], "lora_targets": ["--lora_targets", "q"],
     "quantize_base": ["--quantize_base", "int8"], "merge": ["--merge"], "adapter": ["--adapter", "x"],
@@ -683,21 +687,17 @@ OPTIONS_ACT_ALONE = (
     "log_interval", "loss", "lr", "max_bad_steps", "max_memory", "max_steps", "model_overrides", "model_size",
     "min_lr_ratio",  # acts in every run longer than its warmup; a given --warmup_steps beyond the run is warned
     "out_dir", "rope_scaling", "rope_theta", "sample_tokens", "seed", "synthetic_mix", "tokenizer", "tracker",
-    "verbose", "warmup_steps", "weight_decay")
+    "verbose", "warmup_steps", "weight_decay", "z_loss_coef")
 FIELD_CANNOT_ACT = {  # (--model_overrides, the run's other options)
     **{name: ({name: value}, []) for name, value in (
         ("nsa_block_size", 4), ("nsa_stride", 2), ("nsa_select_block_size", 8), ("nsa_num_selected", 5),
         ("nsa_window", 8), ("nsa_separate_kv", False), ("nsa_compressor", "mean"), ("triton_kernels", False),
-        ("nsa_score_loss_coef", 0.1), ("attention_options", {"window": 4}), ("attention_query_chunk", 64),
-        ("offload_activations", True))},
-    **{name: ({name: value}, ["--attention_type", "nsa"]) for name, value in (
-        ("nsa_score_loss_stride", 2), ("nsa_score_loss_top", 4), ("nsa_score_loss_target", "selection"))},
-    "nsa_score_loss_random": ({"nsa_score_loss_top": 4, "nsa_score_loss_random": 2}, ["--attention_type", "nsa"]),
+        ("attention_options", {"window": 4}), ("attention_query_chunk", 64), ("offload_activations", True))},
     "loss_chunk_size": ({"loss_chunk_size": 16}, ["--loss", "standard"]),
     "loss_chunk_threshold_bytes": ({"loss_chunk_threshold_bytes": 2**20}, ["--loss", "chunked"]),
 }
 FIELDS_ACT_ALONE = ("dim", "ffn_dim", "head_dim", "init_std", "logit_softcap", "n_heads", "n_kv_heads", "n_layers",
-                    "norm_eps", "qk_norm", "tie_embeddings", "vocab_size", "z_loss_coef", "ffn_chunk_size",
+                    "norm_eps", "qk_norm", "tie_embeddings", "vocab_size", "ffn_chunk_size",
                     "loss_mode", "loss_rows")
 
 
@@ -707,7 +707,7 @@ def test_every_option_that_cannot_act_is_refused(data_dir, tmp_path, capsys):
     import dataclasses
 
     from modeling.config import ComputeConfig
-    from training.options import OWN_OPTION, SHARED_FIELD, TrainConfig
+    from training.options import OBJECTIVE_FIELDS, OWN_OPTION, SHARED_FIELD, TrainConfig
 
     options = {f.name for f in dataclasses.fields(TrainConfig)}
     assert sorted(options) == sorted([*OPTION_CANNOT_ACT, *OPTIONS_ACT_ALONE]), "classify the new option here"
@@ -732,6 +732,8 @@ def test_every_option_that_cannot_act_is_refused(data_dir, tmp_path, capsys):
         assert f"{name} has no effect without" in message, (name, message)
     for name, option in OWN_OPTION.items():
         assert f"pass {option} instead" in refusal(["--model_overrides", json.dumps({name: 1})])
+    for name in OBJECTIVE_FIELDS:  # the objective's terms, once ComputeConfig fields: options of their own
+        assert f"pass --{name} instead" in refusal(["--model_overrides", json.dumps({name: 1})])
     for name, option in SHARED_FIELD.items():  # an override and the option that sets the same field
         value = {"loss_mode": "chunked", "loss_rows": "targets", "offload_activations": False}.get(name, 64)
         args = {"loss": ["--loss", "chunked"], "answer_loss": ["--answer_loss", "--synthetic_mix", "0.5"],

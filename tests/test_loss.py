@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ComputeConfig, ModelConfig, Transformer
+from model import ComputeConfig, ModelConfig, Objective, Transformer
 from modeling.config import GiB
 from modeling.loss import IGNORE_INDEX, chunked_linear_cross_entropy, shift_labels, standard_linear_cross_entropy
 from verify_chunked_loss import fake_loss_peak, float64_reference
@@ -203,8 +203,8 @@ def test_model_chunked_equals_standard_and_rowwise_reference(tie):
     for mode in ("chunked", "standard"):
         for rows in ("all", "targets"):
             torch.manual_seed(1)
-            model = Transformer(cfg, ComputeConfig(loss_mode=mode, loss_chunk_size=5, z_loss_coef=1e-3,
-                                                   loss_rows=rows))
+            model = Transformer(cfg, ComputeConfig(loss_mode=mode, loss_chunk_size=5, loss_rows=rows),
+                                Objective(z_loss_coef=1e-3))
             loss = model(ids, labels=labels).loss
             loss.backward()
             results[mode, rows] = (loss, {n: p.grad for n, p in model.named_parameters()})

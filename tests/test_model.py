@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from model import ComputeConfig, ModelConfig, Transformer
+from model import ComputeConfig, ModelConfig, Objective, Transformer
 from modeling.config import GiB
 
 
@@ -92,11 +92,15 @@ def test_invalid_config_names_the_field(overrides, field):
     (dict(loss_mode="fast"), "loss_mode"),
     (dict(ffn_chunk_size=0), "ffn_chunk_size"),
     (dict(attention_query_chunk=-1), "attention_query_chunk"),
-    (dict(z_loss_coef=-1.0), "z_loss_coef"),
 ])
 def test_invalid_compute_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         ComputeConfig(**overrides)
+
+
+def test_invalid_objective_names_the_field():
+    with pytest.raises(ValueError, match="z_loss_coef must be a finite number >= 0"):
+        Objective(z_loss_coef=-1.0)
 
 
 def test_unknown_preset_lists_the_valid_ones():

@@ -13,12 +13,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from model import Transformer
 from modeling.config import ComputeConfig, ModelConfig
 from modeling.memtrack import LiveBytesTracker
+from modeling.objective import Objective
 from nsa import blocks, scoring
 from nsa.blocks import num_compressed_blocks, selection_pool_weights
 from nsa.scoring import selection_score_loss
 
 F64 = dict(rtol=0, atol=1e-12)
 
+
+
+def score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, config: ModelConfig, chunk: int = 512,
+               **objective: object) -> torch.Tensor:
+    """`selection_score_loss` scoring `chunk` queries at a time, with the Objective fields `objective`."""
+    return selection_score_loss(q, k_cmp, k_slc, config, ComputeConfig(attention_query_chunk=chunk),
+                                Objective(**objective))
 
 def geometry(**overrides: object) -> ModelConfig:
     return ModelConfig.from_preset("tiny", attention_type="nsa", **overrides)
@@ -88,7 +96,7 @@ def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_
     k_cmp = torch.randn(B, KV, num_compressed_blocks(T, l, d), D, generator=g, dtype=torch.float64,
                         requires_grad=True)
     k_slc = torch.randn(B, KV, T, D, generator=g, dtype=torch.float64, requires_grad=True)
-    loss = selection_score_loss(q, k_cmp, k_slc, config, ComputeConfig(attention_query_chunk=24))
+    loss = score_loss(q, k_cmp, k_slc, config, chunk=24)
     grads = torch.autograd.grad(loss, (q, k_cmp, k_slc), allow_unused=True)
     expected = naive_score_loss(q, k_cmp, k_slc, config)
     expected_grads = torch.autograd.grad(expected, (q, k_cmp))
@@ -104,8 +112,7 @@ def test_the_selection_target_equals_a_float64_loop_over_queries(l: int, d: int,
     highest (with n = 4 one block, a cross-entropy on the best one), value and gradients to 1e-12."""
     config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel, nsa_num_selected=n)
     q, k_cmp, k_slc = inputs(11, B=2, H=4, KV=2, T=100, D=8, l=l, d=d)
-    compute = ComputeConfig(attention_query_chunk=24, nsa_score_loss_target="selection")
-    loss = selection_score_loss(q, k_cmp, k_slc, config, compute)
+    loss = score_loss(q, k_cmp, k_slc, config, chunk=24, nsa_score_loss_target="selection")
     expected = naive_score_loss(q, k_cmp, k_slc, config, as_set=True)
     torch.testing.assert_close(loss, expected, **F64)
     for got, want in zip(torch.autograd.grad(loss, (q, k_cmp)), torch.autograd.grad(expected, (q, k_cmp)),
@@ -139,14 +146,13 @@ def test_a_strided_sample_of_the_rows_is_unbiased(monkeypatch: pytest.MonkeyPatc
     k_cmp = torch.randn(B, KV, num_compressed_blocks(T, 8, 4), D, generator=g, dtype=torch.float64,
                         requires_grad=True)
     k_slc = torch.randn(B, KV, T, D, generator=g, dtype=torch.float64)
-    full = selection_score_loss(q, k_cmp, k_slc, config, ComputeConfig(attention_query_chunk=8))
+    full = score_loss(q, k_cmp, k_slc, config, chunk=8)
     full_grads = torch.autograd.grad(full, (q, k_cmp))
     first, rows = 5 * 8, B * KV * (T - 5 * 8)
     sampled = []
     for offset in range(k):
         monkeypatch.setattr(torch, "randint", lambda high, size, offset=offset: torch.tensor(offset))
-        loss = selection_score_loss(q, k_cmp, k_slc, config,
-                                    ComputeConfig(attention_query_chunk=8, nsa_score_loss_stride=k))
+        loss = score_loss(q, k_cmp, k_slc, config, chunk=8, nsa_score_loss_stride=k)
         sampled.append((loss, *torch.autograd.grad(loss, (q, k_cmp))))
         keep = torch.zeros(T, dtype=torch.bool)
         keep[first + offset::k] = True  # the loop over the sampled rows: the other queries cannot choose
@@ -183,9 +189,8 @@ def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: in
     monkeypatch.setattr(scoring, "candidate_blocks", lambda *a: drawn.append(choose(*a)) or drawn[-1])
     randint = torch.randint
     monkeypatch.setattr(torch, "randint", lambda high, size: randint(high, size) if high > stride else high - 1)
-    compute = ComputeConfig(attention_query_chunk=16, nsa_score_loss_top=top, nsa_score_loss_random=random,
-                            nsa_score_loss_stride=stride, nsa_score_loss_target=target)
-    loss = selection_score_loss(q, k_cmp, k_slc, config, compute)
+    loss = score_loss(q, k_cmp, k_slc, config, chunk=16, nsa_score_loss_top=top, nsa_score_loss_random=random,
+                      nsa_score_loss_stride=stride, nsa_score_loss_target=target)
     grads = torch.autograd.grad(loss, (q, k_cmp))
     idx = torch.cat([i for i, _ in drawn], dim=2)  # (B, KV, rows, K): the rows from position n l' = 40 on
     valid = torch.cat([v for _, v in drawn], dim=2)
@@ -214,9 +219,8 @@ def test_enough_candidates_give_the_dense_loss() -> None:
     config = geometry(nsa_block_size=8, nsa_stride=4, nsa_select_block_size=8, nsa_num_selected=5)
     q, k_cmp, k_slc = inputs(4, B=1, H=4, KV=2, T=100, D=8, l=8, d=4)
     results = []
-    for compute in (ComputeConfig(attention_query_chunk=32), ComputeConfig(attention_query_chunk=32,
-                                                                            nsa_score_loss_top=11)):
-        loss = selection_score_loss(q, k_cmp, k_slc, config, compute)
+    for form in ({}, {"nsa_score_loss_top": 11}):
+        loss = score_loss(q, k_cmp, k_slc, config, chunk=32, **form)
         results.append((loss, *torch.autograd.grad(loss, (q, k_cmp))))
     for dense, candidates in zip(*results, strict=True):
         torch.testing.assert_close(candidates, dense, **F64)
@@ -258,8 +262,7 @@ def test_gradcheck_of_the_compressed_keys() -> None:
     k_cmp = torch.randn(1, 1, num_compressed_blocks(30, 4, 4), 4, generator=g, dtype=torch.float64,
                         requires_grad=True)
     k_slc = torch.randn(1, 1, 30, 4, generator=g, dtype=torch.float64)
-    compute = ComputeConfig(attention_query_chunk=8)
-    assert torch.autograd.gradcheck(lambda k: selection_score_loss(q, k, k_slc, config, compute), (k_cmp,))
+    assert torch.autograd.gradcheck(lambda k: score_loss(q, k, k_slc, config, chunk=8), (k_cmp,))
 
 
 @pytest.mark.parametrize("n", [4, 3])
@@ -271,7 +274,7 @@ def test_rows_where_top_n_chooses_nothing_have_no_loss(n: int) -> None:
     T = 64
     q = torch.randn(1, 4, T, 16, requires_grad=True)
     k_cmp = torch.randn(1, 2, num_compressed_blocks(T, 8, 4), 16, requires_grad=True)
-    loss = selection_score_loss(q, k_cmp, torch.randn(1, 2, T, 16), config, ComputeConfig())
+    loss = score_loss(q, k_cmp, torch.randn(1, 2, T, 16), config)
     loss.backward()
     assert loss.item() == 0 and not q.grad.any() and not k_cmp.grad.any()
 
@@ -287,7 +290,7 @@ def test_autocast_does_not_change_the_loss() -> None:
     results = []
     for enabled in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-            loss = selection_score_loss(q, k_cmp, k_slc, config, ComputeConfig(attention_query_chunk=32))
+            loss = score_loss(q, k_cmp, k_slc, config, chunk=32)
         results.append((loss, *torch.autograd.grad(loss, (q, k_cmp))))
     for plain, autocast in zip(*results, strict=True):
         assert plain.dtype == autocast.dtype == torch.float32
@@ -301,9 +304,8 @@ def test_backward_keeps_only_the_input_gradients(top: int, random: int, target: 
     config = geometry()
     q = torch.randn(2, 4, 256, 16, requires_grad=True)
     k_cmp = torch.randn(2, 2, num_compressed_blocks(256, 8, 4), 16, requires_grad=True)
-    compute = ComputeConfig(attention_query_chunk=64, nsa_score_loss_top=top, nsa_score_loss_random=random,
-                            nsa_score_loss_target=target)
-    loss = selection_score_loss(q, k_cmp, torch.randn(2, 2, 256, 16), config, compute)
+    loss = score_loss(q, k_cmp, torch.randn(2, 2, 256, 16), config, chunk=64, nsa_score_loss_top=top,
+                      nsa_score_loss_random=random, nsa_score_loss_target=target)
     saved = loss.grad_fn.saved_tensors
     assert sum(t.nbytes for t in saved) == q.nbytes + k_cmp.nbytes
 
@@ -316,7 +318,7 @@ def test_memory_grows_linearly_with_the_sequence(top: int, random: int, monkeypa
     would quadruple its share)."""
     monkeypatch.setattr(torch, "randint", lambda high, size: 1)  # the host draw of a seed has no value when faked
     config = geometry(nsa_block_size=8, nsa_stride=8, nsa_select_block_size=8)
-    compute = ComputeConfig(attention_query_chunk=256, nsa_score_loss_top=top, nsa_score_loss_random=random)
+    form = {"chunk": 256, "nsa_score_loss_top": top, "nsa_score_loss_random": random}
     peaks = []
     for T in (4096, 8192):
         with FakeTensorMode():
@@ -324,7 +326,7 @@ def test_memory_grows_linearly_with_the_sequence(top: int, random: int, monkeypa
             k_cmp = torch.empty(1, 2, T // 8, 16, requires_grad=True)
             k_slc = torch.empty(1, 2, T, 16)
             with LiveBytesTracker() as tracker:
-                selection_score_loss(q, k_cmp, k_slc, config, compute)
+                score_loss(q, k_cmp, k_slc, config, **form)
         peaks.append(tracker.peak)
     assert peaks[1] <= 2.1 * peaks[0]
     assert peaks[1] < 4 * 8192 * 8192  # below one float32 (T, T) matrix of one head
@@ -347,10 +349,11 @@ def test_work_beside_the_importance_is_linear_with_candidate_blocks(top: int, ra
     assert flops[0] > 0 and growth[0] <= flops[1] / flops[0] <= growth[1]
 
 
-def nsa_model(coef: float, **compute: object) -> Transformer:
+def nsa_model(coef: float, **objective: object) -> Transformer:
     torch.manual_seed(0)
     config = ModelConfig.from_preset("tiny", attention_type="nsa", context_length=256)
-    return Transformer(config, ComputeConfig(nsa_score_loss_coef=coef, attention_query_chunk=64, **compute))
+    return Transformer(config, ComputeConfig(attention_query_chunk=64),
+                       Objective(nsa_score_loss_coef=coef, **objective))
 
 
 def test_model_adds_the_weighted_loss() -> None:
@@ -367,7 +370,7 @@ def test_model_adds_the_weighted_loss() -> None:
             return seam(q, k_cmp, v_cmp, k_slc, *rest, **kw)
         block.attn.sparse_attention = capture
     out = model(ids, ids)
-    terms = sum(selection_score_loss(*q_of[i], model.config, model.compute) for i in q_of)
+    terms = sum(selection_score_loss(*q_of[i], model.config, model.compute, model.objective) for i in q_of)
     torch.testing.assert_close(out.aux_loss, 0.5 * terms)
     torch.testing.assert_close(out.loss, plain.loss + out.aux_loss)
     sparse = torch.full_like(ids, -100)
@@ -437,8 +440,8 @@ def test_gradient_checkpointing_recomputes_the_loss_once(monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("bad", [-0.1, math.inf, math.nan, "0.1"])
 def test_bad_coefficient_is_refused(bad: object) -> None:
-    with pytest.raises(ValueError, match="ComputeConfig.nsa_score_loss_coef must be a finite number >= 0"):
-        ComputeConfig(nsa_score_loss_coef=bad)
+    with pytest.raises(ValueError, match="nsa_score_loss_coef must be a finite number >= 0"):
+        Objective(nsa_score_loss_coef=bad)
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -450,7 +453,7 @@ def test_bad_coefficient_is_refused(bad: object) -> None:
 ])
 def test_bad_loss_options_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ComputeConfig(**fields)
+        Objective(**fields)
 
 
 def test_the_log_importance_keeps_blocks_far_below_the_best() -> None:
@@ -482,3 +485,35 @@ def test_the_log_importance_keeps_blocks_far_below_the_best() -> None:
     (got * weights.float() * underflowed).sum().backward()
     assert k32.grad.abs().sum() > 0
     assert torch.allclose(k32.grad.double(), k_cmp.grad, rtol=1e-3, atol=1e-3 * k_cmp.grad.abs().max())
+
+
+def test_the_retrieval_recipe_is_one_config_file(data_dir: Path, tmp_path: Path) -> None:
+    """configs/nsa-retrieval.json trains NSA with the recipe's blocks and its selection-scoring loss: the model's
+    fields and objective as the file says, the loss's term in the metrics."""
+    import json
+
+    import train
+    from training.options import parse_config
+
+    recipe = json.loads((Path(__file__).resolve().parent.parent / "configs" / "nsa-retrieval.json").read_text())
+    cfg = parse_config(["--config", "configs/nsa-retrieval.json"])
+    assert cfg.objective() == Objective(**{k: v for k, v in recipe.items() if k.startswith("nsa_score_loss")})
+    train.main(["--config", "configs/nsa-retrieval.json", "--model_size", "tiny", "--batch_size", "1", "--max_steps",
+                "1", "--sample_tokens", "0", "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "run")])
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert {k: record["model"][k] for k in recipe["model_overrides"]} == recipe["model_overrides"]
+    assert record["train"]["nsa_score_loss_coef"] == 0.1 and record["model"]["attention_type"] == "nsa"
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert any(m.get("aux_loss", 0) > 0 for m in metrics)
+
+
+def test_a_run_recorded_with_the_objective_in_its_overrides_resumes_with_the_options() -> None:
+    """Runs once recorded the objective's terms among --model_overrides (ComputeConfig fields then): a resume reads
+    them as the options of the same names."""
+    from training.options import TrainConfig, continue_options
+
+    old = {"model_overrides": {"n_layers": 2, "nsa_score_loss_coef": 0.1, "nsa_score_loss_stride": 4,
+                               "z_loss_coef": 1e-4}, "attention_type": "nsa", "context_length": 256}
+    cfg = continue_options(TrainConfig(), frozenset(), old)
+    assert cfg.model_overrides == {"n_layers": 2}
+    assert cfg.objective() == Objective(z_loss_coef=1e-4, nsa_score_loss_coef=0.1, nsa_score_loss_stride=4)

@@ -230,17 +230,17 @@ def test_score_loss(data_dir, tmp_path, capsys):
 
     def run(kind: str, stage: str) -> tuple[dict, list[dict]]:
         args = json.loads((out / f"{kind}-seed0" / stage / "stage.json").read_text())["args"]
-        overrides = json.loads(args[args.index("--model_overrides") + 1]) if "--model_overrides" in args else {}
+        score = {a[2:]: args[i + 1] for i, a in enumerate(args) if a.startswith("--nsa_score_loss")}
         metrics = [json.loads(line) for line in (out / f"{kind}-seed0" / stage / "metrics.jsonl").open()]
-        return overrides, [m for m in metrics if "loss" in m]
+        return score, [m for m in metrics if "loss" in m]
 
-    overrides, metrics = run("nsa", "T32-p2")
-    assert overrides == {"nsa_score_loss_coef": 0.1, "nsa_score_loss_top": 2, "nsa_score_loss_random": 1,
-                         "nsa_score_loss_target": "selection"}
+    score, metrics = run("nsa", "T32-p2")
+    assert score == {"nsa_score_loss_coef": "0.1", "nsa_score_loss_top": "2", "nsa_score_loss_random": "1",
+                     "nsa_score_loss_target": "selection"}
     assert all(m["aux_loss"] > 0 for m in metrics)
     for kind, stage in (("nsa", "copy-T32"), ("nsa", "T16-p2"), ("full", "copy-T32"), ("full", "T32-p2")):
-        overrides, metrics = run(kind, stage)
-        assert "nsa_score_loss_coef" not in overrides and not any("aux_loss" in m for m in metrics)
+        score, metrics = run(kind, stage)
+        assert not score and not any("aux_loss" in m for m in metrics)
     for bad, message in ((["--types", "nsa", "--score_loss", "-1"], "--score_loss must be a finite number >= 0"),
                          (["--types", "full", "--score_loss", "0.1"], "add nsa to --types"),
                          (["--types", "nsa", "--score_loss_stride", "4"], "goes with --score_loss"),

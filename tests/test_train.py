@@ -177,9 +177,9 @@ def _gradient_parity(data_dir: str) -> None:
         return kept
 
     nsa_config = dataclasses.replace(config, attention_type="nsa", context_length=96)
-    nsa_compute = dataclasses.replace(compute, nsa_score_loss_coef=0.5)
-    nsa_sharded = trainer.build_model(nsa_config, nsa_compute, cfg, rt)
-    nsa_reference = trainer.build_model(nsa_config, nsa_compute, cfg, parallel.Runtime(0, 1, rt.device, None))
+    nsa_cfg = dataclasses.replace(cfg, nsa_score_loss_coef=0.5)  # the objective a run builds its model with
+    nsa_sharded = trainer.build_model(nsa_config, compute, nsa_cfg, rt)
+    nsa_reference = trainer.build_model(nsa_config, compute, nsa_cfg, parallel.Runtime(0, 1, rt.device, None))
     local_ids, local_labels = next(TokenLoader(data_dir, 96, 2, rt.rank, 2))  # (2, 96): past n l' = 64
     loss_nsa, extras = trainer.forward_backward(nsa_sharded, [[local_ids, sparse(local_labels, rt.rank)]],
                                                 torch.autocast("cpu", enabled=False))

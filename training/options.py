@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from modeling.config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, check_effective, split_overrides
+from modeling.objective import FIELDS as OBJECTIVE_FIELDS
+from modeling.objective import Objective, check_objective
 from text.synthetic import RECALL_TASKS, SYNTHETIC_TASKS
 from training.cli import Parser, json_object, numbered
 from training.quantize import QUANTIZED
@@ -83,7 +85,8 @@ class TrainConfig:
     rope_scaling: dict = option({}, "RoPE scaling as JSON (default: the preset's or the --init_from model's), e.g. "
                                     "YaRN: '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
                                     "\"original_max_position_embeddings\": 32768}'")
-    model_overrides: dict = option({}, "ModelConfig fields over the preset, as JSON, e.g. '{\"n_layers\": 8}'")
+    model_overrides: dict = option({}, "ModelConfig (and ComputeConfig) fields over the preset, as JSON, e.g. "
+                                       "'{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
     finetune: str = option("full", "'full': train every weight; 'lora': LoRA adapters, or 'npt': neuro-plastic FFN "
@@ -132,6 +135,18 @@ class TrainConfig:
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0: no clipping; the norm is still logged)")
     max_bad_steps: int = option(5, "stop after this many consecutive steps with a non-finite loss or gradient norm")
     seed: int = option(0, "seed of the initialisation, the data order and the sample")
+    # objective (modeling/objective.py): what the run minimises besides next-token cross-entropy
+    z_loss_coef: float = option(0.0, "weight of the z-loss, logsumexp(logits)^2 per predicted token (PaLM uses 1e-4)")
+    nsa_score_loss_coef: float = option(0.0, "NSA: weight of the selection-scoring loss (nsa/scoring.py), which "
+                                             "teaches the importance scores which blocks to select; the recommended "
+                                             "retrieval recipe is --config configs/nsa-retrieval.json")
+    nsa_score_loss_stride: int = option(1, "NSA: that loss on every k-th query, from a random offset (1/k of its "
+                                           "cost)")
+    nsa_score_loss_top: int = option(0, "NSA: that loss over each query's m blocks of highest importance only (0: "
+                                        "every block, reading every key)")
+    nsa_score_loss_random: int = option(0, "NSA: and over r random other blocks (with --nsa_score_loss_top)")
+    nsa_score_loss_target: str = option("scores", "NSA: that loss's target: 'scores' (the blocks' best-key softmax) "
+                                                  "or 'selection' (uniform over the n - 3 blocks it selects)")
     # data
     data_dir: str | None = option(None, f"prepared data (data.py); default: {DEFAULT_DATA_DIR}, this Python's "
                                         "standard library, tokenized there on first use (with another tokenizer: "
@@ -186,7 +201,7 @@ class TrainConfig:
                    "finetune": list(FINETUNE_MODES),
                    "npt_residual_mode": ["modulate", "additive"], "loss": ["auto", "standard", "chunked"],
                    "quantize_base": [None, *QUANTIZED], "synthetic_task": list(SYNTHETIC_TASKS),
-                   "tracker": [None, *TRACKERS]}
+                   "tracker": [None, *TRACKERS], "nsa_score_loss_target": ["scores", "selection"]}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -207,12 +222,23 @@ class TrainConfig:
                 check_real(name, getattr(self, name), high, zero_allowed)
         self.npt_layer_spec()
         try:
+            self.objective()
+        except ValueError as e:
+            raise ValueError(f"--{e}") from None
+        if moved := sorted(set(self.model_overrides) & set(OBJECTIVE_FIELDS)):
+            raise ValueError(f"--model_overrides may not set {moved[0]}, a term of the training objective: pass "
+                             f"--{moved[0]} instead")
+        try:
             split_overrides(self.model_overrides)
         except ValueError as e:
             raise ValueError(f"--model_overrides: {e}") from e
         if own := sorted(set(self.model_overrides) & set(OWN_OPTION)):
             raise ValueError(f"--model_overrides may not set {', '.join(own)}: pass {OWN_OPTION[own[0]]} instead (the "
                              "option train.py resolves and checks)")
+
+    def objective(self) -> Objective:
+        """What the run minimises besides cross-entropy: the objective options."""
+        return Objective(**{name: getattr(self, name) for name in OBJECTIVE_FIELDS})
 
     def npt_layer_spec(self) -> str | list[int]:
         """--npt_layers as npt.convert takes it: 'upper_half', 'all' or a list of indices."""
@@ -238,12 +264,14 @@ SHARED_FIELD = {"ffn_chunk_size": "ffn_chunk_size", "attention_query_chunk": "at
 MINIMUM = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1, "warmup_steps": 0,
            "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1, "eval_interval": 0, "eval_tokens": 1,
            "keep_checkpoints": 1, "lora_rank": 1, "npt_rank": 1, "empty_cache_interval": 0, "sample_tokens": 0,
-           "ffn_chunk_size": 0, "attention_query_chunk": 1, "seed": 0, "synthetic_pairs": 1}
+           "ffn_chunk_size": 0, "attention_query_chunk": 1, "seed": 0, "synthetic_pairs": 1,
+           "nsa_score_loss_stride": 1, "nsa_score_loss_top": 0, "nsa_score_loss_random": 0}
 MAX_SEED = 2**63 - 1
 # Real options: finite, in (0, high] (POSITIVE) or [0, high] (NON_NEGATIVE).
 POSITIVE = {"lr": 1.0, "max_memory": math.inf, "rope_theta": math.inf, "lora_alpha": math.inf}
 NON_NEGATIVE = {"weight_decay": math.inf, "grad_clip": math.inf, "checkpoint_minutes": math.inf,
-                "heartbeat_seconds": math.inf, "synthetic_mix": 1.0, "min_lr_ratio": 1.0}
+                "heartbeat_seconds": math.inf, "synthetic_mix": 1.0, "min_lr_ratio": 1.0, "z_loss_coef": math.inf,
+                "nsa_score_loss_coef": math.inf}
 
 
 def check_real(name: str, value: float | None, high: float, zero_allowed: bool) -> None:
@@ -420,6 +448,7 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
     others as the run recorded them (`recorded`: the "train" section of its config.json), so that --resume
     continues a run as it was, from any working directory. ValueError, naming the option, when a given one would
     change the run's data (DATA_OPTIONS) or its adapters (ADAPTER_OPTIONS)."""
+    recorded = upgraded_record(recorded)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     weights = f"a new run from its weights (--init_from {Path(cfg.out_dir) / 'step-N'})"
     for fixed, what, instead in ((DATA_OPTIONS, "its data", weights),
@@ -431,6 +460,17 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
                                  f"{instead}")
     continued = {k: v for k, v in recorded.items() if k in names and k not in given and k not in NOT_CONTINUED}
     return dataclasses.replace(cfg, **continued)
+
+
+def upgraded_record(recorded: dict) -> dict:
+    """A run's recorded options in today's names: the objective's terms, which runs once recorded among their
+    --model_overrides (ComputeConfig fields then), become the options of the same names."""
+    overrides = recorded.get("model_overrides") or {}
+    moved = {name: overrides[name] for name in OBJECTIVE_FIELDS if name in overrides}
+    if not moved:
+        return recorded
+    kept = {name: value for name, value in overrides.items() if name not in moved}
+    return {**recorded, **moved, "model_overrides": kept}
 
 
 def _same_value(name: str, value: object, recorded: object) -> bool:
@@ -544,6 +584,9 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     chunk = cfg.attention_query_chunk not in (None, ComputeConfig.attention_query_chunk)  # runs recorded 512 as such
     options = {"attention_query_chunk": "--attention_query_chunk"} if chunk else {}
     check_effective(model_config, compute_config, frozenset(cfg.model_overrides) | set(options), options)
+    objective = cfg.objective()
+    check_objective(model_config, objective, {name for name in OBJECTIVE_FIELDS  # those set: not their default
+                                              if getattr(objective, name) != getattr(Objective(), name)})
     return model_config, compute_config
 
 

@@ -98,10 +98,10 @@ def build_model(model_config: ModelConfig, compute: ComputeConfig, cfg: TrainCon
     if rt.mesh is None:
         torch.manual_seed(cfg.seed)
         with rt.device:
-            model = Transformer(model_config, compute)
+            model = Transformer(model_config, compute, cfg.objective())
     else:
         with torch.device("meta"):
-            model = Transformer(model_config, compute)
+            model = Transformer(model_config, compute, cfg.objective())
     mode.prepare(model)
     if mode.frozen_base and rt.mesh is None and cfg.dtype == "bfloat16":
         cast_frozen_base(model, torch.bfloat16)
@@ -159,7 +159,7 @@ def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Ten
             ) -> tuple[Tensor, dict[str, Tensor]]:
     """Language modelling: the micro-batch's summed next-token loss divided by `n_tokens`, the predicted tokens of
     the whole step (all micro-batches on all ranks), plus the attention's training-only terms (as `aux_loss`, the
-    one extra metric, when there are any: e.g. --model_overrides '{"nsa_score_loss_coef": 0.1}'), each a mean over
+    one extra metric, when there are any: e.g. --nsa_score_loss_coef 0.1), each a mean over
     its own rows, weighted 1 / (the step's micro-batches on all ranks) whatever the labels."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     out = model(input_ids, labels, loss_normalizer=n_tokens, aux_weight=1 / (n_micro * ranks))
