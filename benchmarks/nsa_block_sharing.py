@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from evaluation.loss import validation_windows  # noqa: E402
 from model import Transformer  # noqa: E402
+from nsa.blocks import first_choosing_position  # noqa: E402
 from nsa.inspection import inspect  # noqa: E402
 from storage.weights import load_model  # noqa: E402
 from training.cli import Parser  # noqa: E402
@@ -47,7 +48,7 @@ def union_sizes(selected: torch.Tensor, group: int, first: int) -> torch.Tensor:
 def measure(model: Transformer, windows: torch.Tensor, groups: list[int]) -> list[dict]:
     """Per layer and group size R: statistics of `union_sizes` over `windows` (N, T)."""
     config = model.config
-    n, first = config.nsa_num_selected, config.nsa_num_selected * config.nsa_select_block_size
+    n, first = config.nsa_num_selected, first_choosing_position(config.nsa_select_block_size, config.nsa_num_selected)
     per_layer: list[dict[int, list[torch.Tensor]]] = []
     for window in windows:
         for layer, found in enumerate(inspect(model, window[None])):
@@ -85,10 +86,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.manual_seed(0)
         model = Transformer(model.config).eval()
     config = model.config
-    length, first = args.context_length or min(config.context_length, 4096), config.nsa_num_selected * \
-        config.nsa_select_block_size
-    if length <= first:
-        p.error(f"--context_length {length}: top-n chooses only beyond n x l' = {first} tokens")
+    length = args.context_length or min(config.context_length, 4096)
+    first = first_choosing_position(config.nsa_select_block_size, config.nsa_num_selected)
+    if first is None or length <= first:
+        p.error(f"--context_length {length}: top-n chooses only beyond n x l' tokens, with n >= 4 (this model: n "
+                f"{config.nsa_num_selected}, l' {config.nsa_select_block_size})")
     data_dir = args.data_dir or _run_data_dir(Path(args.checkpoint))
     if data_dir is None:
         p.error("--data_dir: the checkpoint is not in a run directory that names its data")

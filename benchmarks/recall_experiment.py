@@ -67,6 +67,7 @@ import eval as eval_cli  # noqa: E402
 import train  # noqa: E402
 from evaluation.recall import plot_recall  # noqa: E402
 from modeling.config import NSA_FIELDS, ModelConfig, register_attention  # noqa: E402
+from nsa.blocks import first_choosing_position  # noqa: E402
 from storage.checkpoint import checkpoint_to_resume  # noqa: E402
 from storage.weights import state_shapes  # noqa: E402
 from training.cli import Parser, check_writable, json_object  # noqa: E402
@@ -178,8 +179,8 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
     fields = model_fields(kind, stage, args)
     # The loss has rows only where top-n chooses (`nsa.blocks.contested_blocks`): a stage too short for that leaves
     # it out, and so shares its arguments (and a reused run) with the same stage trained without the loss.
-    n, l_sel = fields.get("nsa_num_selected", 0), fields.get("nsa_select_block_size", 0)
-    scored = kind == "nsa" and stage.task == "mqar" and args.score_loss and n >= 4 and stage.length > n * l_sel
+    first = first_choosing_position(fields.get("nsa_select_block_size", 0), fields.get("nsa_num_selected", 0))
+    scored = kind == "nsa" and stage.task == "mqar" and args.score_loss and first is not None and stage.length > first
     score = {"nsa_score_loss_coef": args.score_loss} if scored else {}  # train.py's objective options
     score |= {"nsa_score_loss_stride": args.score_loss_stride} if scored and args.score_loss_stride > 1 else {}
     score |= {"nsa_score_loss_top": args.score_loss_top} if scored and args.score_loss_top else {}

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from modeling.config import ModelConfig, check_fields
+from modeling.config import check_fields
 
 SCORE_LOSS_OPTIONS = ("nsa_score_loss_stride", "nsa_score_loss_top", "nsa_score_loss_random", "nsa_score_loss_target")
 
@@ -62,34 +62,3 @@ class Objective:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Objective))
-
-
-def score_loss_queries(model: ModelConfig) -> int:
-    """Queries of a context_length sequence at which NSA's top-n really chooses, and so the selection-scoring loss
-    has a target (`nsa.blocks.contested_blocks`): those from n x l' on, none when n < 4."""
-    first = model.nsa_num_selected * model.nsa_select_block_size
-    return max(0, model.context_length - first) if model.nsa_num_selected >= 4 else 0
-
-
-def check_objective(model: ModelConfig, objective: Objective, given: set[str] | frozenset[str]) -> None:
-    """ValueError, naming the option, when a field of `objective` that was given (`given`) cannot act with `model`:
-    the selection-scoring loss without NSA, its options without its weight, a loss that would be 0 on every step
-    (top-n never chooses at this context_length) or on most (a stride beyond the queries that choose)."""
-    given = set(given) & set(FIELDS)
-    if "nsa_score_loss_coef" in given and model.attention_type != "nsa":
-        raise ValueError(f"--nsa_score_loss_coef has no effect without attention_type 'nsa', and this run's is "
-                         f"{model.attention_type!r}: leave it out, or pass --attention_type nsa")
-    if given & set(SCORE_LOSS_OPTIONS) and objective.nsa_score_loss_coef == 0:
-        name = sorted(given & set(SCORE_LOSS_OPTIONS))[0]
-        raise ValueError(f"--{name} has no effect without --nsa_score_loss_coef > 0: add it, or leave --{name} out")
-    if objective.nsa_score_loss_coef == 0:
-        return
-    queries, first = score_loss_queries(model), model.nsa_num_selected * model.nsa_select_block_size
-    if queries == 0:
-        raise ValueError(f"--nsa_score_loss_coef: top-n never chooses at context_length {model.context_length} (only "
-                         f"from n x l' = {first} tokens on, with nsa_num_selected >= 4), so the loss would be 0 on "
-                         f"every step: train at a context_length above {first}, or leave it out")
-    if objective.nsa_score_loss_stride > queries:
-        raise ValueError(f"--nsa_score_loss_stride {objective.nsa_score_loss_stride} exceeds the {queries} queries "
-                         f"where top-n chooses (context_length {model.context_length} - n x l' {first}), so most "
-                         f"steps would score none: pass at most {queries}")

@@ -39,16 +39,24 @@ def selection_pool_weights(block_size: int, stride: int, select_block_size: int)
     return -(per_cmp - 1), weights
 
 
-def pool_to_selection_blocks(p_cmp: Tensor, block_size: int, stride: int, select_block_size: int,
-                             num_select_blocks: int) -> Tensor:
-    """Map compressed-block scores (..., Nc) onto selection blocks (..., Ns) with Eq. 9 (`selection_pool_weights`)."""
+def selection_windows(x: Tensor, block_size: int, stride: int, select_block_size: int, num_select_blocks: int,
+                      fill: float | bool = 0.0) -> Tensor:
+    """Each selection block's window of compressed blocks (Eq. 9): x (..., Nc) -> (..., Ns, width), window j holding
+    compressed blocks (l'/d) j + first_offset + k, k < width (`selection_pool_weights`), `fill` where none exists."""
     first, weights = selection_pool_weights(block_size, stride, select_block_size)
     per_sel, width = select_block_size // stride, len(weights)
     # Pad so that window j starts at compressed index per_sel * j + first and all Ns windows fit.
-    right = per_sel * num_select_blocks + width - per_sel - (p_cmp.shape[-1] - first)
-    padded = F.pad(p_cmp, (-first, max(right, 0)))[..., : per_sel * (num_select_blocks - 1) + width]
+    right = per_sel * num_select_blocks + width - per_sel - (x.shape[-1] - first)
+    padded = F.pad(x, (-first, max(right, 0)), value=fill)[..., : per_sel * (num_select_blocks - 1) + width]
+    return padded.unfold(-1, width, per_sel)
+
+
+def pool_to_selection_blocks(p_cmp: Tensor, block_size: int, stride: int, select_block_size: int,
+                             num_select_blocks: int) -> Tensor:
+    """Map compressed-block scores (..., Nc) onto selection blocks (..., Ns) with Eq. 9 (`selection_pool_weights`)."""
+    weights = selection_pool_weights(block_size, stride, select_block_size)[1]
     kernel = torch.tensor(weights, dtype=p_cmp.dtype, device=p_cmp.device)  # (width,)
-    return padded.unfold(-1, width, per_sel) @ kernel  # windows (..., Ns, width) -> (..., Ns)
+    return selection_windows(p_cmp, block_size, stride, select_block_size, num_select_blocks) @ kernel  # (..., Ns)
 
 
 def as_blocks(x: Tensor, block: int) -> Tensor:
@@ -66,18 +74,29 @@ def block_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, s
     blocks, summed over each GQA group and pooled onto the first num_select_blocks selection blocks:
     (B, KV, Q, num_select_blocks) in at least float32 (in bfloat16 under a bfloat16 autocast), zero for queries that
     see no block. Differentiable (finite gradients everywhere)."""
+    B, KV, Q = q.shape[0], k_cmp.shape[1], q.shape[2]
+    if k_cmp.shape[2] == 0:
+        return q.new_zeros(B, KV, Q, num_select_blocks, dtype=torch.promote_types(q.dtype, torch.float32))
+    logits, visible, sees = _compression_logits(q, k_cmp, q_pos, block_size, stride)
+    probs = logits.masked_fill(~visible, -math.inf).softmax(-1).sum(2) * sees[:, None]  # (B, KV, Q, Nc)
+    return pool_to_selection_blocks(probs, block_size, stride, select_block_size, num_select_blocks)
+
+
+def _compression_logits(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: int, stride: int
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """Eq. 8's logits of queries q (B, H, Q, D) at positions q_pos (Q,) against the compressed keys k_cmp
+    (B, KV, Nc >= 1, D), grouped by KV head: (logits (B, KV, G, Q, Nc) in at least float32, visible (Q, Nc): block i
+    is visible to position t iff i*d + l - 1 <= t (a query that sees none is shown block 0), sees (Q,): the queries
+    that see a block)."""
     B, H, Q, D = q.shape
     KV, Nc = k_cmp.shape[1], k_cmp.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    if Nc == 0:
-        return q.new_zeros(B, KV, Q, num_select_blocks, dtype=acc)
-    sees = q_pos >= block_size - 1  # (Q,) queries that see a block; the others are shown block 0, then zeroed
+    sees = q_pos >= block_size - 1  # (Q,)
     block_end = torch.arange(Nc, device=q.device) * stride + block_size - 1  # (Nc,)
     visible = block_end <= q_pos.clamp(min=block_size - 1)[:, None]  # (Q, Nc)
     q_groups = q.to(acc).view(B, KV, H // KV, Q, D)  # (B, KV, G, Q, D)
     logits = torch.einsum("bkgqd,bknd->bkgqn", q_groups, k_cmp.to(acc)) * D**-0.5  # (B, KV, G, Q, Nc)
-    probs = logits.masked_fill(~visible, -math.inf).softmax(-1).sum(2) * sees[:, None]  # (B, KV, Q, Nc)
-    return pool_to_selection_blocks(probs, block_size, stride, select_block_size, num_select_blocks)
+    return logits, visible, sees
 
 
 NO_IMPORTANCE = -1e30  # log importance of a block nothing points to: exp() is 0 and its gradient 0, never NaN;
@@ -91,29 +110,20 @@ def block_log_importance(q: Tensor, k_cmp: Tensor, q_pos: Tensor, block_size: in
     block's compressed blocks. Finite where the importance underflows (a block whose compressed logits sit 100 below
     the row's best in every head keeps its gradient), NO_IMPORTANCE where it is exactly 0 (no visible compressed
     block; a query that sees none). (B, KV, Q, num_select_blocks) in at least float32."""
-    B, H, Q, D = q.shape
-    KV, Nc = k_cmp.shape[1], k_cmp.shape[2]
+    B, KV, Q = q.shape[0], k_cmp.shape[1], q.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    if Nc == 0:
+    if k_cmp.shape[2] == 0:
         return q.new_full((B, KV, Q, num_select_blocks), NO_IMPORTANCE, dtype=acc)
-    sees = q_pos >= block_size - 1  # (Q,)
-    block_end = torch.arange(Nc, device=q.device) * stride + block_size - 1  # (Nc,)
-    visible = block_end <= q_pos.clamp(min=block_size - 1)[:, None]  # (Q, Nc)
-    q_groups = q.to(acc).view(B, KV, H // KV, Q, D)  # (B, KV, G, Q, D)
-    logits = torch.einsum("bkgqd,bknd->bkgqn", q_groups, k_cmp.to(acc)) * D**-0.5  # (B, KV, G, Q, Nc)
+    logits, visible, sees = _compression_logits(q, k_cmp, q_pos, block_size, stride)
     log_p = logits.masked_fill(~visible, -math.inf).log_softmax(-1)
     log_p = torch.where(visible, log_p, NO_IMPORTANCE)  # (B, KV, G, Q, Nc): finite, so no NaN in backward
-    first, weights = selection_pool_weights(block_size, stride, select_block_size)
-    per_sel, width = select_block_size // stride, len(weights)
-    right = per_sel * num_select_blocks + width - per_sel - (Nc - first)
-    padded = F.pad(log_p, (-first, max(right, 0)), value=NO_IMPORTANCE)[..., : per_sel * (num_select_blocks - 1)
-                                                                         + width]
-    windows = padded.unfold(-1, width, per_sel)  # (B, KV, G, Q, Ns, width)
+    geometry = (block_size, stride, select_block_size, num_select_blocks)
+    weights = selection_pool_weights(block_size, stride, select_block_size)[1]
     log_w = torch.tensor(weights, dtype=acc, device=q.device).log()  # (width,)
+    windows = selection_windows(log_p, *geometry, fill=NO_IMPORTANCE)  # (B, KV, G, Q, Ns, width)
     pooled = (windows + log_w).logsumexp(-1).logsumexp(2)  # (B, KV, Q, Ns)
-    shown = F.pad(visible, (-first, max(right, 0)), value=False)[..., : per_sel * (num_select_blocks - 1) + width]
-    nonzero = shown.unfold(-1, width, per_sel).any(-1) & sees[:, None]  # (Q, Ns): a visible block in the window
-    return torch.where(nonzero, pooled, NO_IMPORTANCE)
+    shown = selection_windows(visible, *geometry, fill=False).any(-1) & sees[:, None]  # (Q, Ns): a visible block
+    return torch.where(shown, pooled, NO_IMPORTANCE)
 
 
 def choosable_blocks(q_pos: Tensor, select_block_size: int, num_select_blocks: int) -> Tensor:
@@ -123,14 +133,20 @@ def choosable_blocks(q_pos: Tensor, select_block_size: int, num_select_blocks: i
     return torch.arange(num_select_blocks, device=q_pos.device) < (q_pos // select_block_size - 1)[:, None]
 
 
+def first_choosing_position(select_block_size: int, num_selected: int) -> int | None:
+    """The first query position at which top-n really chooses: block 0 and the query's own and previous blocks are
+    forced in, so n - 3 slots are free for the c - 2 blocks between them (c: the query's block), more blocks than
+    slots from c = n on. n l' when n >= 4; None (never) when fewer slots are free than one."""
+    return num_selected * select_block_size if num_selected >= 4 else None
+
+
 def contested_blocks(q_pos: Tensor, select_block_size: int, num_select_blocks: int, num_selected: int) -> Tensor:
-    """(Q, num_select_blocks) bool: the blocks top-n really chooses among for queries at positions q_pos (Q,). Block
-    0 and the query's own and previous blocks are forced in, so n - 3 slots are free for the c - 2 blocks between
-    them (c: the query's block); only queries with more of those blocks than free slots (c >= n, and n >= 4)
-    choose, among blocks 1 .. c - 2. None for the others."""
+    """(Q, num_select_blocks) bool: the blocks top-n really chooses among for queries at positions q_pos (Q,): for
+    the queries from `first_choosing_position` on, blocks 1 .. c - 2 (c: the query's block). None for the others."""
     current = q_pos // select_block_size  # (Q,)
     block = torch.arange(num_select_blocks, device=q_pos.device)  # (Ns,)
-    choosing = (current >= num_selected) & (num_selected >= 4)  # (Q,)
+    first = first_choosing_position(select_block_size, num_selected)
+    choosing = q_pos >= first if first is not None else torch.zeros_like(q_pos, dtype=torch.bool)  # (Q,)
     return (block >= 1) & (block < (current - 1)[:, None]) & choosing[:, None]
 
 

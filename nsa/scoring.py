@@ -67,6 +67,7 @@ from nsa.blocks import (
     candidate_blocks,
     candidate_token_scores,
     contested_blocks,
+    first_choosing_position,
     num_compressed_blocks,
     selection_target,
 )
@@ -116,7 +117,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
         n = config.nsa_num_selected
-        first = n * l_sel if n >= 4 else T  # the first position where top-n chooses (`contested_blocks`)
+        first = first_choosing_position(l_sel, n) or T
         rows = B * KV * max(0, T - first)
         scored = range(first + offset, T, stride)  # each row with probability 1 / stride over the offsets
         acc = torch.promote_types(q.dtype, torch.float32)
@@ -180,3 +181,26 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
     seed = int(torch.randint(2**62, ())) if random else 0
     return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset, top,
                                      random, seed, objective.nsa_score_loss_target == "selection")
+
+
+def score_loss_queries(config: ModelConfig) -> int:
+    """Queries of a context_length sequence at which top-n really chooses, and so the selection-scoring loss has a
+    target (from `nsa.blocks.first_choosing_position` on)."""
+    first = first_choosing_position(config.nsa_select_block_size, config.nsa_num_selected)
+    return 0 if first is None else max(0, config.context_length - first)
+
+
+def check_score_loss(config: ModelConfig, objective: Objective) -> None:
+    """ValueError naming the option when the selection-scoring loss `objective` sets would be 0 on every step of
+    `config` (top-n never chooses at its context_length) or on most (a stride beyond the queries that choose)."""
+    if objective.nsa_score_loss_coef == 0:
+        return
+    queries, first = score_loss_queries(config), config.nsa_num_selected * config.nsa_select_block_size
+    if queries == 0:
+        raise ValueError(f"--nsa_score_loss_coef: top-n never chooses at context_length {config.context_length} (only "
+                         f"from n x l' = {first} tokens on, with nsa_num_selected >= 4), so the loss would be 0 on "
+                         f"every step: train at a context_length above {first}, or leave it out")
+    if objective.nsa_score_loss_stride > queries:
+        raise ValueError(f"--nsa_score_loss_stride {objective.nsa_score_loss_stride} exceeds the {queries} queries "
+                         f"where top-n chooses (context_length {config.context_length} - n x l' {first}), so most "
+                         f"steps would score none: pass at most {queries}")

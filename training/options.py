@@ -18,7 +18,7 @@ import torch
 
 from modeling.config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, check_effective, split_overrides
 from modeling.objective import FIELDS as OBJECTIVE_FIELDS
-from modeling.objective import Objective, check_objective
+from modeling.objective import SCORE_LOSS_OPTIONS, Objective
 from text.synthetic import RECALL_TASKS, SYNTHETIC_TASKS
 from training.cli import Parser, json_object, numbered
 from training.quantize import QUANTIZED
@@ -588,6 +588,22 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     check_objective(model_config, objective, {name for name in OBJECTIVE_FIELDS  # those set: not their default
                                               if getattr(objective, name) != getattr(Objective(), name)})
     return model_config, compute_config
+
+
+def check_objective(model: ModelConfig, objective: Objective, given: set[str]) -> None:
+    """ValueError, naming the option, when an objective option that was set (`given`) cannot act with `model`: the
+    selection-scoring loss without NSA, its options without its weight, or a loss that top-n's choices leave empty
+    (nsa.scoring.check_score_loss)."""
+    if "nsa_score_loss_coef" in given and model.attention_type != "nsa":
+        raise ValueError(f"--nsa_score_loss_coef has no effect without attention_type 'nsa', and this run's is "
+                         f"{model.attention_type!r}: leave it out, or pass --attention_type nsa")
+    if loose := sorted(given & set(SCORE_LOSS_OPTIONS)) if objective.nsa_score_loss_coef == 0 else []:
+        raise ValueError(f"--{loose[0]} has no effect without --nsa_score_loss_coef > 0: add it, or leave "
+                         f"--{loose[0]} out")
+    if objective.nsa_score_loss_coef:
+        from nsa.scoring import check_score_loss  # NSA's own rule; parsing options loads no model code
+
+        check_score_loss(model, objective)
 
 
 def check_model_size(cfg: TrainConfig, stored: ModelConfig) -> None:
