@@ -27,7 +27,7 @@ from tqdm import tqdm
 from evaluation.registry import EVAL_TASKS, EvalTask, Setting, task_class
 from evaluation.retrieval import DEPTHS
 from modeling.config import ComputeConfig
-from storage.weights import load_model, stored_config
+from storage.weights import Stored, load_model, stored
 from text.synthetic import PromptBuilder
 from text.tokenizer import check_vocab, model_tokenizer
 from training.cli import Parser, check_writable, numbered
@@ -108,11 +108,12 @@ def main(argv: list[str] | None = None) -> dict:
 def evaluate(args: argparse.Namespace) -> dict:
     """eval.py's work for parsed arguments: every input checked and every task prepared (one-line ValueError /
     FileNotFoundError) before the model is loaded; eval.json rewritten after each task."""
-    checkpoint, setting = check_inputs(args)
+    found, setting = check_inputs(args)
+    checkpoint = Path(args.checkpoint)
     tasks = {name: task_class(name)(name, setting) for name in setting.tasks}
     check_writable(setting.out_dir, "--out_dir", directory=True)
 
-    model = load_model(checkpoint, device=args.device, compute=ComputeConfig()).eval()
+    model = load_model(found, device=args.device, compute=ComputeConfig()).eval()  # its files checked once
     title = f"{checkpoint} ({model.config.attention_type} attention)"
     results: dict = {"checkpoint": str(checkpoint), "attention_type": model.config.attention_type,
                      "context_length": setting.context}
@@ -196,10 +197,11 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--lengths must be >= 2, got {args.lengths}")
 
 
-def check_inputs(args: argparse.Namespace) -> tuple[Path, Setting]:
-    """(checkpoint, what every task is given) from the arguments, each checked before anything large is read
-    (ValueError / FileNotFoundError naming the argument): the options first (`check_options`), then what they
-    name (the output directory's writability once the tasks have checked theirs)."""
+def check_inputs(args: argparse.Namespace) -> tuple[Stored, Setting]:
+    """(what the checkpoint holds, its files checked once: `storage.weights.stored`; what every task is given) from
+    the arguments, each checked before anything large is read (ValueError / FileNotFoundError naming the argument):
+    the options first (`check_options`), then what they name (the output directory's writability once the tasks
+    have checked theirs)."""
     check_options(args)
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
@@ -217,19 +219,19 @@ def check_inputs(args: argparse.Namespace) -> tuple[Path, Setting]:
         reading = [name for name in EVAL_TASKS if "data_dir" in task_class(name).reads]
         raise ValueError(f"--data_dir is read only by the task(s) {', '.join(reading)} (and for its tokenizer.model "
                          "when the checkpoint holds no tokenizer), which this call does not need: leave it out")
-    stored = stored_config(checkpoint)
-    check_vocab(tokenizer, stored.vocab_size)
-    if args.context_length and args.context_length > stored.context_length:
+    found = stored(checkpoint)
+    check_vocab(tokenizer, found.config.vocab_size)
+    if args.context_length and args.context_length > found.config.context_length:
         raise ValueError(f"--context_length {args.context_length} exceeds the model's context_length "
-                         f"{stored.context_length}")
-    context = min(args.context_length or run.get("context_length") or 1024, stored.context_length)
+                         f"{found.config.context_length}")
+    context = min(args.context_length or run.get("context_length") or 1024, found.config.context_length)
     out_dir = Path(args.out_dir) if args.out_dir else next(
         path for path in numbered(run_dir / f"eval-{checkpoint.stem}" if run_dir else Path("eval") / checkpoint.stem)
         if not (path / "eval.json").exists())
     if (out_dir / "eval.json").exists():
         raise ValueError(f"--out_dir {out_dir} holds an earlier evaluation (eval.json): choose another --out_dir, or "
                          "leave it out (each evaluation then gets a new directory)")
-    return checkpoint, Setting(args, tokenizer, PromptBuilder(tokenizer), context, data_dir, out_dir, running)
+    return found, Setting(args, tokenizer, PromptBuilder(tokenizer), context, data_dir, out_dir, running)
 
 
 if __name__ == "__main__":

@@ -19,27 +19,28 @@ from pathlib import Path
 
 import torch
 
-from modeling.config import ModelConfig
 from nsa.inspection import inspect, report
-from storage.weights import load_model, stored_config
+from storage.weights import Stored, load_model, stored
 from text.tokenizer import HFTokenizer, Tokenizer, check_vocab, model_tokenizer
 from training.cli import Parser
 
 
 def check_nsa_model(path: str | Path, tokenizer_path: str | None, use: str,
-                    length: int | None = None) -> tuple[ModelConfig, Tokenizer | HFTokenizer]:
+                    length: int | None = None) -> tuple[Stored, Tokenizer | HFTokenizer]:
     """The stored config and tokenizer of the NSA model at `path` (a run's model/ export or a checkpoint), read
     without loading its weights; ValueError or OSError (naming the fix) when the tokenizer does not fit the vocab,
     the model is not NSA or `length` (--length, documents of that many tokens) exceeds its context. `use` completes
-    "this tool ..." in that error. Returns (ModelConfig, tokenizer)."""
-    config, tokenizer = stored_config(path), model_tokenizer(path, tokenizer_path)
+    "this tool ..." in that error. Returns (what `path` holds, its files checked: `storage.weights.stored`, which
+    `load_model` takes; the tokenizer)."""
+    found, tokenizer = stored(path), model_tokenizer(path, tokenizer_path)
+    config = found.config
     check_vocab(tokenizer, config.vocab_size)
     if config.attention_type != "nsa":
         raise ValueError(f"{path} has {config.attention_type!r} attention; this tool {use}, so it needs an NSA model "
                          f"(attention_type nsa)")
     if length is not None and length > config.context_length:
         raise ValueError(f"--length {length} is longer than the model's context of {config.context_length}")
-    return config, tokenizer
+    return found, tokenizer
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> str:
         if args.text.startswith("@") and not Path(args.text[1:]).is_file():
             raise ValueError(f"--text {args.text}: no file {args.text[1:]} to read the prompt from")
         text = Path(args.text[1:]).read_text() if args.text.startswith("@") else args.text
-        config, tokenizer = check_nsa_model(args.checkpoint, args.tokenizer, "shows NSA's selection and gates")
+        found, tokenizer = check_nsa_model(args.checkpoint, args.tokenizer, "shows NSA's selection and gates")
+        config = found.config
         ids = tokenizer.encode(text)
         if not 1 <= len(ids) <= config.context_length:
             raise ValueError(f"the prompt is {len(ids)} tokens; the model takes 1 to {config.context_length}")
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> str:
                 raise ValueError(f"--find {args.find!r}: not in the prompt's tokens, so no block would be marked")
     except (OSError, ValueError) as e:
         p.error(str(e))
-    model = load_model(args.checkpoint).eval()
+    model = load_model(found).eval()
     needle_blocks = {i // model.config.nsa_select_block_size for i in starts} if starts else None
     out = report(inspect(model, torch.tensor([ids])), args.positions, model.config.nsa_select_block_size,
                  needle_blocks)

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if min(args.samples, args.batch_size) < 1:
             raise ValueError(f"--samples and --batch_size must be at least 1, got {args.samples} and "
                              f"{args.batch_size}")
-        config, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches", args.length)
+        found, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches", args.length)
+        config = found.config
         if args.task in GRID_TASKS:
             builder = PromptBuilder(tokenizer)
             check_prompt_options(builder, args.task, args.length, args.depths, args.pairs, config.context_length)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             documents.check_length(args.length)
     except (OSError, ValueError) as e:
         p.error(str(e))
-    model = load_model(args.model).eval()
+    model = load_model(found).eval()
     if args.task in GRID_TASKS:
         def score() -> dict:
             return retrieval_grid(model, builder, args.task, [args.length], args.depths, args.samples, args.seed,

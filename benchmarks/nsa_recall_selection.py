@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
         if args.samples < 1:
             raise ValueError(f"--samples must be at least 1, got {args.samples}")
-        config, tokenizer = check_nsa_model(args.model, args.tokenizer, "recomputes NSA's selection", args.length)
+        found, tokenizer = check_nsa_model(args.model, args.tokenizer, "recomputes NSA's selection", args.length)
+        config = found.config
         block = config.nsa_select_block_size
         if args.task == "mqar":
             documents = SyntheticDocuments("mqar", tokenizer, args.pairs)
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             items = prompt_lookups(builder, args.task, args.length, args.depths, args.samples, args.seed, block)
     except (OSError, ValueError) as e:
         p.error(str(e))
-    model = load_model(args.model).eval()
+    model = load_model(found).eval()
     print(report(selection_hits(model, items), config.nsa_window))
 
 

@@ -43,7 +43,7 @@ from storage.hf import (
     json_object,
     load_hf_checkpoint,
 )
-from storage.manifest import MANIFEST_NAME, file_records, verify_files, written_directory
+from storage.manifest import MANIFEST_NAME, file_records, read_manifest, verify_files, written_directory
 
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "longctx"  # config.json "format" of the project's export (a Hugging Face config.json has "model_type")
@@ -133,12 +133,27 @@ class Stored(NamedTuple):
     project's export: its directory, or its model.safetensors) or "hf" (a Hugging Face directory); the
     architecture, checked against the tensor names and shapes in the file headers; the weights (the checkpoint's
     directory, the export's model.safetensors, the Hugging Face directory); the directory that holds them and what
-    is stored with them (a tokenizer: text.tokenizer.tokenizer_file)."""
+    is stored with them (a tokenizer: text.tokenizer.tokenizer_file); the records of its files, checked against its
+    manifest.json (None: it has none, as a Hugging Face directory from elsewhere). `load_model` takes it in place
+    of the path, so a caller that has asked what a path holds reads and checks its files once."""
 
     layout: str
     config: ModelConfig
     weights: Path
     home: Path
+    records: dict[str, dict] | None
+
+    def fingerprint(self) -> str:
+        """A checksum of the weight files: SHA-256 over their names, sizes and block CRC-32s (manifest.file_records),
+        16 hex digits, from the checked manifest when there is one (nothing read again). Tells whether two runs
+        adapt the same base."""
+        weights = self.weights
+        files = [weights] if weights.is_file() else sorted(p for p in weights.iterdir()
+                                                           if p.suffix in (".safetensors", ".distcp"))
+        known = self.records or {}
+        records = ({p.name: known[p.name] for p in files} if all(p.name in known for p in files)
+                   else file_records(files))
+        return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def stored(path: str | Path) -> Stored:
@@ -148,18 +163,18 @@ def stored(path: str | Path) -> Stored:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
-    verify(path)
+    records = verify(path)
     home = path.parent if path.suffix == ".safetensors" else path
     if _is_training_checkpoint(path):
         config = ModelConfig.from_dict(json.loads((path / STATE_NAME).read_text())["model_config"])
-        return Stored("checkpoint", config, path, home)
+        return Stored("checkpoint", config, path, home, records)
     if (described := _export_config(path)) is not None:
         weights = path if path.suffix == ".safetensors" else path / WEIGHTS_NAME
         config = ModelConfig.from_dict(described)
         _check_export_shapes(weights, config)
-        return Stored("export", config, weights, home)
+        return Stored("export", config, weights, home, records)
     if path.is_dir() and "model_type" in json_object(path / CONFIG_NAME):
-        return Stored("hf", check_hf_checkpoint(path), path, home)
+        return Stored("hf", check_hf_checkpoint(path), path, home, records)
     hint = f"; did you mean {path / 'model'} (a run's export)?" if (path / "model" / WEIGHTS_NAME).is_file() else ""
     raise ValueError(f"{path} is not a model: expected a training checkpoint step-N/ ({STATE_NAME} + .metadata), "
                      f"the project's export ({WEIGHTS_NAME} + {CONFIG_NAME} with \"format\": \"{FORMAT}\"), or a "
@@ -171,18 +186,19 @@ def stored_config(path: str | Path) -> ModelConfig:
     return stored(path).config
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+def load_model(path: str | Path | Stored, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                compute: ComputeConfig | None = None) -> Transformer:
     """The model stored at `path` (`stored`: a training checkpoint step-N/, the project's export, directory or
-    model.safetensors, or a Hugging Face directory). Weights land on `device`, cast to `dtype` when given (default:
-    as stored; a training checkpoint stores float32). `compute`: how the model will compute (default
-    ComputeConfig()). Raises FileNotFoundError / ValueError naming `path` when it is none of these.
+    model.safetensors, or a Hugging Face directory; or what `stored` found there, checked already). Weights land on
+    `device`, cast to `dtype` when given (default: as stored; a training checkpoint stores float32). `compute`: how
+    the model will compute (default ComputeConfig()). Raises FileNotFoundError / ValueError naming `path` when it is
+    none of these.
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: this machine has no CUDA device; use \"cpu\"")
-    found = stored(path)  # before anything is read or built
+    found = path if isinstance(path, Stored) else stored(path)  # before anything is read or built
     if found.layout == "hf":
         return load_hf_checkpoint(found.weights, device=device, dtype=dtype, compute=compute)
     if found.layout == "checkpoint":
@@ -196,22 +212,15 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     return Transformer.from_weights(found.config, state, compute)
 
 
-def verify(path: Path) -> None:
-    """Check the files of what `path` holds against its manifest.json (checkpoint.verify_files): every training
-    checkpoint and every export this project writes has one; a Hugging Face directory from elsewhere has none and is
-    read as it is."""
+def verify(path: Path) -> dict[str, dict] | None:
+    """Check the files of what `path` holds against its manifest.json (manifest.verify_files) and return its records:
+    every training checkpoint and every export this project writes has one; a Hugging Face directory from elsewhere
+    has none and is read as it is (None)."""
     home = path.parent if path.suffix == ".safetensors" else path
     if _is_training_checkpoint(home) or (home / MANIFEST_NAME).is_file():
         verify_files(home)
-
-
-def weights_fingerprint(path: str | Path) -> str:
-    """A checksum of the weight files stored at `path` (any layout `load_model` reads): SHA-256 over their names,
-    sizes and block CRC-32s (manifest.file_records), 16 hex digits. Tells whether two runs adapt the same base."""
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".distcp"))
-    records = file_records(files)
-    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+        return read_manifest(home)
+    return None
 
 
 def _check_export_shapes(weights: Path, config: ModelConfig) -> None:
@@ -228,15 +237,16 @@ def _check_export_shapes(weights: Path, config: ModelConfig) -> None:
         raise ValueError(f"{weights} does not match its config: {wrong[:10]} differ (names or shapes)")
 
 
-def load_initial_weights(model: Transformer, path: str | Path,
+def load_initial_weights(model: Transformer, path: str | Path | Stored,
                          convert: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
                          fresh: tuple[str, ...] = ()) -> None:
     """Fill `model` (plain, or sharded by FSDP2: collective then) with the weights stored at `path`, which must have
     the same parameter names and shapes (RoPE settings and the context length may differ: they are not weights;
     LoRA adapters are not in the file). Only rank 0 reads the file; under FSDP its full state dict is broadcast and
     each rank keeps its shards (the architecture was built from the file's own config, `stored_config`).
-    `convert`: maps the stored state dict to the model's (nsa.convert.nsa_state_from_dense); `fresh`: name parts
-    of parameters it leaves to the model's own initialisation."""
+    `path` may be what `stored` found there (its files checked already). `convert`: maps the stored state dict to the
+    model's (nsa.convert.nsa_state_from_dense); `fresh`: name parts of parameters it leaves to the model's own
+    initialisation."""
     source = load_model(path, "cpu", torch.float32) if rank() == 0 else None
     state = source.state_dict() if source is not None else {}
     if convert is not None and state:
@@ -246,7 +256,8 @@ def load_initial_weights(model: Transformer, path: str | Path,
         added = set(model.state_dict()) - base_parameter_names(model.config)  # a fine-tuning mode's own
         missing = [name for name in missing if name not in added and not any(part in name for part in fresh)]
         if missing or unexpected:
-            raise ValueError(f"{path} does not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
+            where = path.weights if isinstance(path, Stored) else path
+            raise ValueError(f"{where} does not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
         return
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                 strict=False))  # adapters, `fresh`: not stored

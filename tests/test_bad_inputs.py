@@ -934,3 +934,30 @@ def test_a_stray_rank_is_one_line(data_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="RANK=1 with WORLD_SIZE=1: launch under torchrun, or unset RANK"):
         train.main([*TINY, "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "r")])
+
+
+def test_each_file_of_init_from_and_of_an_evaluated_model_is_checked_once(four_checkpoints, data_dir, tmp_path,
+                                                                          monkeypatch):
+    """--init_from (a frozen base: its files checked, fingerprinted and loaded) and eval.py's checkpoint (checked,
+    then loaded) read each file's checksums once."""
+    import storage.manifest
+    import storage.weights
+
+    model, read = four_checkpoints / "model", []
+    real = storage.manifest.file_records
+
+    def counted(paths: list[Path]) -> dict:
+        read.extend(p.name for p in paths if p.parent == model)
+        return real(paths)
+
+    monkeypatch.setattr(storage.manifest, "file_records", counted)
+    monkeypatch.setattr(storage.weights, "file_records", counted)
+    train.main([*TINY, "--finetune", "lora", "--init_from", str(model), "--data_dir", str(data_dir), "--out_dir",
+                str(tmp_path / "lora")])
+    files = sorted(json.loads((model / "manifest.json").read_text())["files"])
+    assert sorted(read) == files, read
+    read.clear()
+    (tmp_path / "doc.txt").write_text("def f():\n    return 1\n")
+    eval_cli.main([str(model), "--tasks", "documents", "--documents", str(tmp_path / "doc.txt"), "--out_dir",
+                   str(tmp_path / "eval")])
+    assert sorted(read) == files, read

@@ -43,7 +43,7 @@ from storage.checkpoint import (
 )
 from storage.hf import ExportInfo, export_refusal
 from storage.manifest import damaged_export
-from storage.weights import load_initial_weights, stored, weights_fingerprint
+from storage.weights import Stored, load_initial_weights, stored
 from text.shards import TokenLoader
 from text.synthetic import SyntheticMix
 from text.tokenizer import HFTokenizer, Tokenizer, check_vocab
@@ -320,8 +320,8 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
         check_model_size(cfg, stored_config)
     resume_from = resume_point(cfg, rt)
     cfg, tokenizer, loader = prepare_data(cfg, rt, resume_from, source)
-    base = {"path": str(Path(cfg.init_from).resolve()), "checksum": weights_fingerprint(cfg.init_from)} \
-        if mode.frozen_base and cfg.init_from else None
+    base = {"path": str(Path(cfg.init_from).resolve()), "checksum": source.fingerprint()} \
+        if mode.frozen_base and source else None
     adapted = {"checksum": base and base["checksum"], "tokenizer": tokenizer.sha256} if mode.frozen_base else None
     if cfg.adapter:
         check_adapter_base(cfg.adapter, adapted)
@@ -333,7 +333,7 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     model = task.build(model_config, compute, cfg, rt)
     check_vocab(tokenizer, model.config.vocab_size)
     optimizer, scheduler = build_optimizer(model, cfg)
-    load_base(model, cfg, stored_config, mode.frozen_base, resume_from, rt)
+    load_base(model, cfg, source, mode.frozen_base, resume_from, rt)
     mode.initialise(model, cfg.seed)
     run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
               torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
@@ -391,16 +391,16 @@ def settle_checkpoints(cfg: TrainConfig, rt: Runtime, resume_from: Path | None) 
     prune_checkpoints(Path(cfg.out_dir), cfg.keep_checkpoints, resume_from)  # stale step-N.tmp, too many step-N
 
 
-def load_base(model: Transformer, cfg: TrainConfig, stored: ModelConfig | None, frozen_base: bool,
+def load_base(model: Transformer, cfg: TrainConfig, source: Stored | None, frozen_base: bool,
               resume_from: Path | None, rt: Runtime) -> None:
-    """Fill `model` from --init_from when the run starts from it, and always for a frozen base (checkpoints do not
-    hold it); dense weights into NSA layers through nsa.convert, the one conversion allowed. Warns about a frozen
-    random base."""
+    """Fill `model` from --init_from (`source`: what it holds, checked once in `prepare_run`) when the run starts
+    from it, and always for a frozen base (checkpoints do not hold it); dense weights into NSA layers through
+    nsa.convert, the one conversion allowed. Warns about a frozen random base."""
     say = print if rt.rank == 0 else (lambda message: None)
-    if cfg.init_from and (frozen_base or not resume_from):
-        convert = None if stored.attention_type == model.config.attention_type else (
+    if source is not None and (frozen_base or not resume_from):
+        convert = None if source.config.attention_type == model.config.attention_type else (
             partial(nsa_state_from_dense, config=model.config))
-        load_initial_weights(model, cfg.init_from, convert, FRESH if convert else ())
+        load_initial_weights(model, source, convert, FRESH if convert else ())
     elif frozen_base:
         say(f"warning: --finetune {cfg.finetune} without --init_from adapts a randomly initialised, frozen base")
 
