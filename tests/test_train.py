@@ -211,6 +211,19 @@ def test_fsdp_gradients_equal_single_process(data_dir: Path) -> None:
 # ---- configuration -----------------------------------------------------------------------------------------
 
 
+def test_a_process_takes_its_gpu_when_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """init_runtime puts one process on the GPU of its LOCAL_RANK when CUDA is available, else on the CPU."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert parallel.init_runtime().device == torch.device("cuda", 0) and chosen == [torch.device("cuda", 0)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parallel.init_runtime().device == torch.device("cpu")
+
+
 def test_config_precedence(tmp_path: Path) -> None:
     file = tmp_path / "run.json"
     file.write_text(json.dumps({"lr": 0.01, "max_steps": 7, "batch_size": 3, "model_overrides": {"n_layers": 3}}))

@@ -38,6 +38,7 @@ def init_runtime() -> Runtime:
     if not 0 <= rank < world_size:  # a stray RANK: every error would be left to a rank that prints nothing
         os.environ["RANK"] = "0"  # so that this one line is printed
         raise ValueError(f"RANK={rank} with WORLD_SIZE={world_size}: launch under torchrun, or unset RANK")
+    if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
