@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# The Triton kernels (nsa/kernels.py) run in Triton's interpreter in this process, on any machine (read when the module
-# is imported); on a GPU, test_triton_kernels_on_gpu runs them for real in a subprocess.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# The Triton kernels (nsa/kernels.py) run in Triton's interpreter in this process, on any machine and whatever the
+# environment says (read when the module is imported); on a GPU, test_triton_kernels_on_gpu runs them for real in a
+# subprocess.
+os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -18,6 +19,17 @@ def pytest_configure(config: pytest.Config) -> None:
         from training.monitor import process_cpus
 
         torch.set_num_threads(max(1, len(process_cpus()) // workers))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_about_the_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test runs on the CPU, whatever the machine has, unless it is marked `gpu`: CUDA is reported absent in this
+    process, and hidden from the processes it starts (torchrun, scripts, gloo ranks). The suite then checks the same
+    numbers on a GPU machine as on a laptop; the GPU tests check the GPU."""
+    if "gpu" not in request.keywords:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(autouse=True)

@@ -198,6 +198,7 @@ def test_stored_rope_buffers_are_ignored(tmp_path):
                                atol=0, rtol=0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_load_to_cuda_holds_one_copy(tmp_path):
     """Loaded straight onto the GPU, built on meta: peak memory is the weights once (plus allocator rounding)."""

@@ -760,6 +760,7 @@ def test_triton_kernels_compile_for_gpus():
         assert proc.returncode == 0, err[-3000:]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the Triton kernels on a CUDA device")
 def test_triton_kernels_on_gpu():
     """The real kernels on the GPU (this process runs them in the interpreter): tests/nsa_triton_gpu_check.py

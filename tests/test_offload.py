@@ -48,6 +48,7 @@ def test_the_estimate_counts_offloaded_inputs_as_host_memory():
     assert on["peak"]["total"] <= off["peak"]["total"]  # here the logits set the peak; at 131k the inputs do
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory and a side stream need CUDA")
 def test_offload_on_cuda_changes_no_number():
     torch.manual_seed(0)

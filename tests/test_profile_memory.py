@@ -367,6 +367,7 @@ def test_refuses_to_run_inside_an_initialised_process_group():
     assert not dist.is_initialized()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="--measure needs a CUDA device")
 def test_measured_on_gpu_matches_estimate():
     config = pm.StepConfig.of(model_size="0.6B", context_length=4096, gradient_checkpointing=True)
