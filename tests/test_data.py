@@ -166,6 +166,19 @@ def test_prepare_txt_jsonl_directory(tok, small_corpus, tmp_path):
     assert index2["num_documents"] == 1
 
 
+def test_a_killed_prepare_with_this_process_id_leaves_nothing_behind(tok, small_corpus, tmp_path):
+    """A staging directory left by a killed prepare whose process id this one now has (ids repeat) is cleared before
+    staging: none of its files reaches the prepared directory."""
+    import os
+
+    leftover = tmp_path / f".out.preparing-{os.getpid()}"
+    leftover.mkdir()
+    (leftover / "shard_00007.bin").write_bytes(b"\0" * 8)
+    prepare(small_corpus[0], tok, tmp_path / "out", progress=False, validation_fraction=0)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [INDEX_NAME, "shard_00000.bin"]
+    assert not leftover.exists()
+
+
 def test_prepare_cli(tok, small_corpus, tmp_path, capsys):
     inputs, docs = small_corpus
     main(["train-tokenizer", "--input", *map(str, inputs), "--vocab_size", "420", "--model_prefix",

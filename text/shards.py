@@ -222,10 +222,12 @@ def prepare(
 
 
 def remove_stale_staging(out_dir: Path) -> None:
-    """Delete the staging directories of prepares into `out_dir` whose process is gone (killed mid-prepare)."""
+    """Delete the staging directories of prepares into `out_dir` whose process is gone (killed mid-prepare), and
+    this process's own name (a killed process had its id: ids repeat, in containers often), before it stages."""
     for stale in out_dir.parent.glob(f".{out_dir.name}.preparing-*"):
         pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and stale.is_dir():
+        gone = pid.isdigit() and (int(pid) == os.getpid() or not Path(f"/proc/{pid}").exists())
+        if gone and stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
 
 
