@@ -88,7 +88,7 @@ if TYPE_CHECKING:
 # ---- selection branch: own block densely, past blocks in tiles ---------------------------------------------------
 
 _TILE_ROWS = (16, 32)  # candidate (query, block) pairs per tile; one tile attends R * G query rows over l' keys
-_SMALL_TILE_COST = 1.25  # cost per row of R = 16 tiles relative to R = 32 (CPU flash kernels, benchmarks/RESULTS.md)
+_SMALL_TILE_COST = 1.25  # cost per row of R = 16 tiles relative to R = 32 (CPU flash kernels, benchmarks/results/nsa.md)
 
 
 class TilePlan(NamedTuple):

@@ -28,7 +28,7 @@ nsa/attention.py (`sparse_attention`: q, per-branch keys/values, gates, position
 run on the Triton kernels of nsa/kernels.py. This module holds the layer: projections, gates, the block compressor
 and the decoding cache. Measured with FakeTensorMode for one 4B-geometry layer
 (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072, forward+backward, weights and input excluded
-(`memtrack.LiveBytesTracker`, worst-case tile count): see benchmarks/RESULTS.md.
+(`memtrack.LiveBytesTracker`, worst-case tile count): see benchmarks/results/nsa.md, "Memory at full size".
 
 Notation: B batch, T new tokens (queries), H query heads, KV key/value heads, D head dimension, C model width,
 N blocks, nb key/value sets (3 separate or 1 shared). Block geometry: l (`nsa_block_size`), d (`nsa_stride`),

@@ -1,6 +1,6 @@
 """The figures the README's first screen and its "Will it fit?" print, and the memory table of docs/memory.md, are
 what the code computes now, within 1%: a stale figure fails here. (Times, and what was measured on a GPU, are
-measurements named with their machine and command in benchmarks/RESULTS.md, which a CPU cannot rerun.)"""
+measurements named with their machine and command in benchmarks/results/, which a CPU cannot rerun.)"""
 
 from __future__ import annotations
 

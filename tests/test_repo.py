@@ -17,12 +17,21 @@ def test_ci_runs_the_readme_commands():
 
 
 def test_results_sections_named_in_the_repo_exist():
-    """Every reference to a section of RESULTS.md by its quoted name (README, docstrings) names one of its headings."""
-    headings = [line.lstrip("#").strip() for line in (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
-                if line.startswith("#")]
+    """Every reference to a section of the results by its quoted name (README, guides, docstrings) names one of the
+    headings of the file it names (benchmarks/results/NAME.md), and the index (benchmarks/RESULTS.md) lists every
+    file."""
+    results = ROOT / "benchmarks" / "results"
+    headings = {path.stem: [line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+                for path in results.glob("*.md")}
     files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("*.py"), *ROOT.glob("*/*.py")]
-    names = {(path.name, " ".join(name.split())) for path in files if ".venv" not in path.parts
-             for name in re.findall(r'RESULTS\.md`?,?\s+"([^"]+)"', path.read_text())}  # names may wrap lines
+    texts = {path.name: path.read_text() for path in files if ".venv" not in path.parts}
+    names = {(file, stem, " ".join(name.split())) for file, text in texts.items()
+             for stem, name in re.findall(r'results/([\w-]+)\.md`?,?\s+"([^"]+)"', text)}  # names may wrap lines
     assert names, "no reference found: the pattern is stale"
-    missing = [(file, name) for file, name in sorted(names) if not any(h.startswith(name) for h in headings)]
-    assert not missing, f"RESULTS.md has no section for {missing}"
+    missing = [(file, stem, name) for file, stem, name in sorted(names)
+               if not any(h.startswith(name) for h in headings.get(stem, []))]
+    assert not missing, f"no such section: {missing}"
+    old = [file for file, text in texts.items() if re.search(r'RESULTS\.md`?,?\s+"', text)]
+    assert not old, f"sections are cited by their file under benchmarks/results/ now: {old}"
+    index = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert all(f"results/{stem}.md" in index for stem in headings), "list the new file in benchmarks/RESULTS.md"
