@@ -1,6 +1,6 @@
 """NSA on a CUDA GPU against full causal attention (SDPA, flash backend): forward and forward+backward time and peak
 memory of one attention layer, side by side in one process, bf16, the 4B geometry by default (dim 2560, H=32,
-KV=8, D=128). `nsa` runs its three branches and the importance scores on the Triton kernels (nsa/kernels.py);
+KV=8, D=128). `nsa` runs its three branches and the importance scores on the Triton kernels (nsa/triton_path.py);
 `nsa-torch` is the same layer with `ComputeConfig.triton_kernels=False` (the explicit PyTorch path, tiles for the
 selection). `nsa+loss` and `nsa+dense-loss` are `nsa` training with the selection-scoring loss (nsa/scoring.py, weight
 0.1, its PyTorch path): on candidate blocks (24 of highest importance + 8 random, every 8th query), and the dense
@@ -91,7 +91,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark measures the GPU path (--device cpu only smoke-tests the script)")
     if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before nsa.kernels is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before nsa.triton_path is imported
     from nsa.primitive import triton_kernels
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -5,10 +5,10 @@ for its forms side by side: the dense target (every key of every contested block
     python benchmarks/bench_score_loss.py [--lengths 2048 4096 8192 16384] [--rounds 5] [--threads N]
     python benchmarks/bench_score_loss.py --flops [--lengths 8192 32768 131072]
 
-The geometry is the MQAR recipe's (benchmarks/results/recall.md): the demo model's heads (4 query heads, 2 key/value heads
-of 32), blocks l = d = l' = 8, n = 18, one sequence. Random inputs (the cost does not depend on their values).
-Rounds interleave the forms, so that load changes on the machine hit all of them alike; the table reports each
-form's median milliseconds and its ratio to the dense target at the same length.
+The geometry is the MQAR recipe's (benchmarks/results/recall.md): the demo model's heads (4 query heads, 2 key/value
+heads of 32), blocks l = d = l' = 8, n = 18, one sequence. Random inputs (the cost does not depend on their values).
+Rounds interleave the forms, so that load changes on the machine hit all of them alike; the table reports each form's
+median milliseconds and its ratio to the dense target at the same length.
 
 With --flops it counts instead of timing, on any machine: floating-point operations of one layer's call with its
 backward (torch.utils.flop_counter on fake tensors: matrix products only) at the 4B preset's geometry (32 query

@@ -1,4 +1,4 @@
-"""Dense to NSA: the held-out loss of a full-attention model, of the NSA model converted from it (nsa/convert.py)
+"""Dense to NSA: the held-out loss of a full-attention model, of the NSA model converted from it (nsa/from_dense.py)
 before any training, and of both after the same N further steps, on a CPU.
 
     python benchmarks/dense_to_nsa.py                      # demo model, 300 dense steps at T=512, then 100 more each
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train  # noqa: E402
 from evaluation.loss import validation_loss, validation_windows  # noqa: E402
 from model import Transformer  # noqa: E402
-from nsa.convert import nsa_state_from_dense  # noqa: E402
+from nsa.from_dense import nsa_state_from_dense  # noqa: E402
 from storage.weights import load_model  # noqa: E402
 
 

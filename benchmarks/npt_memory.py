@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from an
 from model import Block, ModelConfig, Transformer  # noqa: E402
 from modeling.config import GiB  # noqa: E402
 from npt.convert import convert, np_parameters  # noqa: E402
-from npt.layer import NPBlock  # noqa: E402
 from npt.memory import layer_memory, llama_like_config, offload_memory
+from npt.modulated import NPBlock  # noqa: E402
 
 MiB = 1024**2
 

@@ -8,7 +8,7 @@ designs that replace its query-centric selection, beside flash attention. Runs o
 
 Designs of the selection branch (the compression and window branches are flash attention over per-query ranges in
 every design; `python benchmarks/nsa_block_sharing.py` measures the union below on a trained model):
-- query-centric (today, nsa/kernels.py): one program per (query, KV head); its G rows padded to a 16-row tile walk
+- query-centric (today, nsa/triton_path.py): one program per (query, KV head); its G rows padded to a 16-row tile walk
   the query's n blocks, loading each block's K and V (2 l' D elements) per query, in the forward and again for dQ;
   dK/dV per block over the queries that chose it. Launched per query chunk (`attention_query_chunk`), each chunk
   with its own importance, top-n and CSR list (about LAUNCHES_PER_CHUNK kernels).

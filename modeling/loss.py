@@ -251,9 +251,9 @@ def chunked_linear_cross_entropy(
     grad_output (so any grad_output works). Kept for backward: grad_hidden (N, C) and a float32 grad_weight (V, C);
     live during forward, beyond those: one float32 (c, V) logits/gradient buffer plus its cast to the compute dtype
     (one more float32 (c, V) buffer with softcap). Gradients are computed only for inputs that require them, and
-    none at all under no_grad. Measured (benchmarks/results/chunked-loss.md, "Chunked loss"): fwd+bwd time 0.6-0.7x the plain
-    path's on CPU float32 (C=128, V=151,936); fwd+bwd peak beyond the inputs at 131,072 x 2560, V=151,936, bf16,
-    chunk 4096: 5.55 GiB vs 222.56 GiB for the plain path (FakeTensorMode, verify_chunked_loss.py).
+    none at all under no_grad. Measured (benchmarks/results/chunked-loss.md, "Chunked loss"): fwd+bwd time 0.6-0.7x
+    the plain path's on CPU float32 (C=128, V=151,936); fwd+bwd peak beyond the inputs at 131,072 x 2560,
+    V=151,936, bf16, chunk 4096: 5.55 GiB vs 222.56 GiB for the plain path (FakeTensorMode, verify_chunked_loss.py).
     Not supported: double backward (create_graph=True). No host syncs in the chunk loop.
     """
     _check_inputs(hidden, weight, targets)

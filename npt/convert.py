@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from model import Transformer
-from npt.layer import Mode, NPBlock, ResidualMode
+from npt.modulated import Mode, NPBlock, ResidualMode
 
 LayerSpec = str | Sequence[int]
 
@@ -55,7 +55,7 @@ def convert(model: Transformer, layers: LayerSpec = "upper_half", rank: int = 16
 
     Args:
         layers: indices, "upper_half" or "all". rank: r. targets: FFN projections to modulate ("gate", "up",
-            "down"). residual_mode: "modulate" or "additive" (see npt.layer).
+            "down"). residual_mode: "modulate" or "additive" (see npt.modulated).
         freeze_base: every parameter except the new NP parameters gets requires_grad=False.
         base_dtype: if given, the frozen parameters are cast to it (e.g. torch.bfloat16 halves their memory and
             makes it the compute dtype); requires freeze_base.

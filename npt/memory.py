@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from model import Block, ModelConfig
 from modeling.memtrack import LiveBytesTracker
-from npt.layer import NPBlock
+from npt.modulated import NPBlock
 
 ACCELERATOR = "meta"  # device type of the stand-in accelerator under FakeTensorMode
 

@@ -15,7 +15,7 @@ the forward (`attend_backward`).
   A chunk whose queries have at most n blocks each (q_start + Q <= n*l') selects them all: there the branch is one
   causal attention over the prefix, with no scores and no top-n.
 - Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
-- On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa/kernels.py's
+- On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa/triton_path.py's
   kernels, which keep no logits and gather no tiles (`_Chunk`).
 
 Threads. On CPU tensors the chunks run on one Python thread per PyTorch intra-op thread, each chunk on a single
@@ -82,13 +82,13 @@ from nsa.primitive import (
 
 if TYPE_CHECKING:
     from modeling.config import ModelConfig
-    from nsa.kernels import TritonSelection
+    from nsa.triton_path import TritonSelection
 
 
 # ---- selection branch: own block densely, past blocks in tiles ---------------------------------------------------
 
 _TILE_ROWS = (16, 32)  # candidate (query, block) pairs per tile; one tile attends R * G query rows over l' keys
-_SMALL_TILE_COST = 1.25  # cost per row of R = 16 tiles relative to R = 32 (CPU flash kernels, benchmarks/results/nsa.md)
+_SMALL_TILE_COST = 1.25  # per-row cost of R = 16 tiles relative to R = 32 (CPU kernels; benchmarks/results/nsa.md)
 
 
 class TilePlan(NamedTuple):
@@ -225,7 +225,7 @@ class _Selection:
 class _MaskedAttention:
     """`attend` of q (B, KV, L, D) over k, v (B, KV, S, D) under an additive mask, with the forward() ->
     (out, lse) / backward(grad_out, out, lse) -> (dq, dk, dv) interface of `_Window` and
-    `nsa.kernels.RangeAttention`."""
+    `nsa.triton_path.RangeAttention`."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> None:
         self.q, self.k, self.v, self.mask, self.scale = q, k, v, mask, scale
@@ -333,7 +333,7 @@ class _Chunk:
         self.n_empty = min(Q, max(0, l - 1 - q_start))
         self.triton = triton_ready(q, compute)
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
-            from nsa.kernels import RangeAttention
+            from nsa.triton_path import RangeAttention
 
             self.n_visible = ((q_pos - (l - 1)).div(d, rounding_mode="floor") + 1).clamp(min=0)  # (Q,) blocks seen
             shown = self.n_visible.clamp(min=1)  # block 0 shown to the first l - 1 positions
@@ -370,11 +370,11 @@ class _Chunk:
 
     def _selection(self, idx: Tensor) -> _Selection | TritonSelection:
         """The selection branch over the blocks idx (B, KV, Q, n): `_Selection`, or the Triton kernels
-        (`nsa.kernels.TritonSelection`, same interface) for real CUDA tensors when Triton is installed and l' is a
+        (`nsa.triton_path.TritonSelection`, same interface) for real CUDA tensors when Triton is installed and l' is a
         power of two >= 16 (the smallest tensor-core tile)."""
         q, l_sel = self._heads_to_rows(self.q_heads), self.k_blocks.shape[3]
         if self.triton and l_sel >= 16 and l_sel & (l_sel - 1) == 0:
-            from nsa.kernels import TritonSelection
+            from nsa.triton_path import TritonSelection
 
             return TritonSelection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
         return _Selection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
@@ -409,7 +409,7 @@ class _Chunk:
         if n_select is None:
             out, lse = self.compression.forward()
         elif self.triton:
-            from nsa.kernels import importance_scores
+            from nsa.triton_path import importance_scores
 
             out, lse = self.compression.forward()
             geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
@@ -635,7 +635,7 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
         gates: `(B, H, T, 3)` branch gates (compression, selection, window).
         config: block geometry (`nsa_*` fields).
         compute: `attention_query_chunk` queries are processed at a time; `triton_kernels` lets CUDA tensors run
-            on nsa/kernels.py (default: ComputeConfig()).
+            on nsa/triton_path.py (default: ComputeConfig()).
     Returns:
         `(B, H, T, D)`; see `_SparseAttention` for what forward keeps for backward.
     """

@@ -2,7 +2,7 @@
 blocks are complete, how compressed-block probabilities map onto selection blocks (Eq. 9), the importance scores
 computed explicitly (Eqs. 8-10) and the best-token scores that judge a block by its best key, which blocks each
 query selects, and the grouping of (query, selected block) pairs by block that both selection paths use. Used by
-nsa/layer.py (the layer, the decoding cache), nsa/attention.py, nsa/kernels.py, nsa/scoring.py and
+nsa/layer.py (the layer, the decoding cache), nsa/attention.py, nsa/triton_path.py, nsa/scoring.py and
 nsa/inspection.py.
 
 Notation: B batch, H query heads, KV key/value heads, G = H // KV, D head dimension, Q queries, S keys, Nc compressed

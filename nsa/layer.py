@@ -25,7 +25,7 @@ Each query head attends through three branches whose outputs are mixed by per-to
 
 The attention itself (selection, the three branches, chunking, the custom backward, the memory formula) is in
 nsa/attention.py (`sparse_attention`: q, per-branch keys/values, gates, positions -> output); on CUDA its branches
-run on the Triton kernels of nsa/kernels.py. This module holds the layer: projections, gates, the block compressor
+run on the Triton kernels of nsa/triton_path.py. This module holds the layer: projections, gates, the block compressor
 and the decoding cache. Measured with FakeTensorMode for one 4B-geometry layer
 (dim 2560, H=32, KV=8, D=128, separate K/V, bf16) at T = 131072, forward+backward, weights and input excluded
 (`memtrack.LiveBytesTracker`, worst-case tile count): see benchmarks/results/nsa.md, "Memory at full size".
@@ -120,7 +120,7 @@ class NativeSparseAttention(nn.Module):
     q_norm/k_norm (RMSNorm over D, when qk_norm; k_norm applies to every key a query meets, always before RoPE:
     "mlp" compressed keys after compression, "mean" ones before).
     The attention itself is the class attribute `sparse_attention` (nsa.attention.sparse_attention): the one seam
-    through which profile_memory.py swaps in a memory double (nsa/memory.py).
+    through which profile_memory.py swaps in a memory double (nsa/memory_stand_in.py).
     """
 
     sparse_attention = staticmethod(sparse_attention)
@@ -276,6 +276,6 @@ class NativeSparseAttention(nn.Module):
     @classmethod
     def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
                         dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
-        from nsa.memory import sparse_attention_stand_in
+        from nsa.memory_stand_in import sparse_attention_stand_in
 
         return sparse_attention_stand_in(cls, config, compute, batch_size, seq_len, dtype, device)

@@ -10,7 +10,7 @@ lse of a larger attention yields this key set's share of its gradients (the flas
 dS = P * (dO V^T - rowsum(dO * O))).
 
 The switches, context managers for tests, estimates and experiments: `explicit_attention` (the explicit path on
-every device), `triton_kernels` (nsa/kernels.py's branches on every device) and `exact_block_scores` (selection by
+every device), `triton_kernels` (nsa/triton_path.py's branches on every device) and `exact_block_scores` (selection by
 each block's best key instead of the compression branch).
 """
 
@@ -53,7 +53,7 @@ def explicit_attention() -> AbstractContextManager[None]:
 
 
 def triton_kernels() -> AbstractContextManager[None]:
-    """Within the block, the branches run on the Triton kernels (nsa/kernels.py) on every device, as they do on
+    """Within the block, the branches run on the Triton kernels (nsa/triton_path.py) on every device, as they do on
     CUDA: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 before nsa.triton_kernels is imported), for
     tests; on fake tensors without launching them (their outputs are allocated; Triton need not be installed), for
     profile_memory.py's estimates."""
@@ -84,7 +84,7 @@ def triton_installed() -> bool:
 def triton_ready(t: Tensor, compute: ComputeConfig) -> bool:
     """Whether the Triton kernels' path runs for t: real CUDA tensors when `compute.triton_kernels` and Triton is
     installed; under `triton_kernels()` any tensors, real ones only with Triton installed (fake ones launch nothing,
-    so they need no Triton: nsa/kernels.py)."""
+    so they need no Triton: nsa/triton_path.py)."""
     if _forced["triton"]:
         return is_fake(t) or triton_installed()
     return compute.triton_kernels and t.is_cuda and not is_fake(t) and triton_installed()

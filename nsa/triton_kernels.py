@@ -1,4 +1,4 @@
-"""The Triton kernels of NSA's branches (paper section 3.4), the device code behind nsa/kernels.py, which launches
+"""The Triton kernels of NSA's branches (paper section 3.4), the device code behind nsa/triton_path.py, which launches
 them and allocates what they read and write (read it first: shapes, grids and the algorithm are described there).
 Imported only to launch a kernel on real tensors, so nothing else in the project needs Triton.
 
@@ -13,7 +13,7 @@ Notation: B batch, KV key/value heads, G query heads per KV head, NQ queries of 
 try:
     import triton
     import triton.language as tl
-except ImportError as e:  # nsa/kernels.py launches kernels only when Triton is installed
+except ImportError as e:  # nsa/triton_path.py launches kernels only when Triton is installed
     raise ImportError("nsa/triton_kernels.py needs Triton (pip install triton); without it NSA runs its PyTorch "
                       "path") from e
 

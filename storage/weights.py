@@ -245,7 +245,7 @@ def load_initial_weights(model: Transformer, path: str | Path | Stored,
     LoRA adapters are not in the file). Only rank 0 reads the file; under FSDP its full state dict is broadcast and
     each rank keeps its shards (the architecture was built from the file's own config, `stored_config`).
     `path` may be what `stored` found there (its files checked already). `convert`: maps the stored state dict to the
-    model's (nsa.convert.nsa_state_from_dense); `fresh`: name parts of parameters it leaves to the model's own
+    model's (nsa.from_dense.nsa_state_from_dense); `fresh`: name parts of parameters it leaves to the model's own
     initialisation."""
     source = load_model(path, "cpu", torch.float32) if rank() == 0 else None
     state = source.state_dict() if source is not None else {}

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# The Triton kernels (nsa/kernels.py) run in Triton's interpreter in this process, on any machine and whatever the
+# The Triton kernels (nsa/triton_path.py) run in Triton's interpreter in this process, on any machine and whatever the
 # environment says (read when the module is imported); on a GPU, test_triton_kernels_on_gpu runs them for real in a
 # subprocess.
 os.environ["TRITON_INTERPRET"] = "1"

@@ -95,7 +95,7 @@ def test_dense_weights_start_an_nsa_model_close_to_the_dense_one():
 
     from model import Transformer
     from modeling.config import ModelConfig
-    from nsa.convert import FRESH, nsa_state_from_dense
+    from nsa.from_dense import FRESH, nsa_state_from_dense
 
     torch.manual_seed(0)
     dense = Transformer(ModelConfig.from_preset("tiny")).double()

@@ -26,8 +26,8 @@ from npt.convert import (
     set_mode,
     using_mode,
 )
-from npt.layer import NPBlock, modulated_linear
 from npt.memory import layer_memory, llama_like_config, offload_memory
+from npt.modulated import NPBlock, modulated_linear
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -490,7 +490,7 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
     """The selection branch against autograd through a dense masked attention, float64, fixed random indices with
     unused slots, chunks that start inside a block. `_Selection` (own block dense, past blocks in tiles, partial
     results merged by lse, the backward from the merged output and lse) with both tile sizes on the fused CPU and
-    explicit paths; `nsa.kernels.TritonSelection` in Triton's interpreter (one sequence: the interpreter runs each
+    explicit paths; `nsa.triton_path.TritonSelection` in Triton's interpreter (one sequence: the interpreter runs each
     program in Python; the two KV heads still offset every index)."""
     if impl == "triton":
         pytest.importorskip("triton")
@@ -506,7 +506,7 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
         with explicit_attention() if impl == "explicit" else contextlib.nullcontext():
             blocks = [as_blocks(t.detach(), ls) for t in (k, v)]
             if impl == "triton":
-                from nsa.kernels import TritonSelection
+                from nsa.triton_path import TritonSelection
 
                 sel = TritonSelection(q.detach(), *blocks, idx, q_start, D**-0.5)
             else:
@@ -575,7 +575,7 @@ def test_gradcheck_sparse_attention_top_n():
     assert torch.autograd.gradcheck(lambda *x: sparse_attention(*x, config, compute=compute), inputs, fast_mode=True)
 
 
-# ---- the Triton kernels (nsa/kernels.py), in Triton's interpreter without a GPU ---------------------------------
+# ---- the Triton kernels (nsa/triton_path.py), in Triton's interpreter without a GPU ---------------------------------
 
 
 @pytest.mark.slow
@@ -609,11 +609,11 @@ def test_triton_gradcheck():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["window", "compression"])
 def test_triton_range_attention_matches_dense(kind):
-    """`nsa.kernels.RangeAttention` (each query one contiguous key range) against autograd through a dense masked
+    """`nsa.triton_path.RangeAttention` (each query one contiguous key range) against autograd through a dense masked
     attention, float64: window-like ranges (the last 40 keys, shifted by 80) and compression-like ones (a prefix
     growing by 3 keys every 2 queries), G = 3 heads, rows and keys not multiples of the kernels' 64-blocks."""
     pytest.importorskip("triton")
-    from nsa.kernels import RangeAttention
+    from nsa.triton_path import RangeAttention
 
     B, KV, G, Q, D, S = 2, 2, 3, 150, 8, 230
     i = torch.arange(Q)
@@ -639,11 +639,11 @@ def test_triton_range_attention_matches_dense(kind):
 
 @pytest.mark.parametrize("l,d,ls", [(8, 4, 16), (32, 16, 64), (16, 16, 16), (4, 4, 8), (64, 16, 64)])
 def test_triton_importance_matches_pooled_probabilities(l, d, ls):
-    """`nsa.kernels.importance_scores` (probabilities recomputed from the lse, summed over the group, pooled by a
+    """`nsa.triton_path.importance_scores` (probabilities recomputed from the lse, summed over the group, pooled by a
     tile product with Eq. 9's weights) against the explicit probabilities pooled by `pool_to_selection_blocks`,
     float64, queries from before the first complete block (zero rows) to several selection blocks on."""
     pytest.importorskip("triton")
-    from nsa.kernels import importance_scores
+    from nsa.triton_path import importance_scores
 
     B, KV, G, D, q_start, Q = 1, 2, 3, 8, 37, 150
     T = q_start + Q
@@ -668,7 +668,7 @@ def test_triton_selection_half_precision():
     errors within 2e-3, the size of half rounding on O(1) values. float16 stands in for bfloat16, which Triton's
     interpreter cannot compute (numpy has no bfloat16); both take the same code path in the kernels."""
     pytest.importorskip("triton")
-    from nsa.kernels import TritonSelection
+    from nsa.triton_path import TritonSelection
 
     B, KV, G, Q, D, S, ls, n = 1, 2, 4, 40, 64, 256, 64, 4
     q = torch.randn(B, KV, Q, G, D)
@@ -726,7 +726,7 @@ for D in (64, 128):
                        (nt.importance_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, BLOCK_M=64,
                                                     BLOCK_J=16, BLOCK_C=64, BLOCK_D=D, ACC=tl.float32))):
         # bf16 for the H100 (training's dtype); float32 at D = 128, the largest tiles, for the A100 with the
-        # 2 pipeline stages nsa.kernels._precision gives it
+        # 2 pipeline stages nsa.triton_path._precision gives it
         for dtype, arch, stages in (("bf16", 90, 3), ("fp32", 80, 2))[: 2 if D == 128 else 1]:
             builds.append((fn, consts, dtype, arch, stages))
 builds.sort(key=lambda build: build[2] != "fp32")  # float32's builds take the longest: dealt out first

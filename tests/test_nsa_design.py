@@ -54,8 +54,8 @@ def test_the_cost_model_counts_as_its_formulas_say():
 
 
 def test_the_figures_quoted_from_the_cost_model(capsys):
-    """docs/gpu.md and benchmarks/results/nsa.md quote these predictions: block-centric 0.92x / 3.12x / 5.10x flash at 16k / 64k /
-    128k, and today's kernels 0.45x at 64k (4B geometry, H100 at 45%)."""
+    """docs/gpu.md and benchmarks/results/nsa.md quote these predictions: block-centric 0.92x / 3.12x / 5.10x flash
+    at 16k / 64k / 128k, and today's kernels 0.45x at 64k (4B geometry, H100 at 45%)."""
     rows = {row["T"]: row for row in COST["main"]([])}
     ratio = {T: {d: row["flash_ms"] / row[f"{d}_ms"] for d in COST["DESIGNS"]} for T, row in rows.items()}
     assert round(ratio[16384]["block-centric"], 2) == 0.92 and round(ratio[65536]["block-centric"], 2) == 3.12

@@ -117,7 +117,7 @@ def test_nsa_double_replaces_the_layer_seam_only_while_active():
     """The double goes in through NativeSparseAttention.sparse_attention (the layer's one seam) and comes out."""
     from nsa.attention import sparse_attention
     from nsa.layer import NativeSparseAttention
-    from nsa.memory import sparse_attention_stand_in
+    from nsa.memory_stand_in import sparse_attention_stand_in
 
     config = pm.StepConfig.of(model_size="tiny", context_length=64, attention_type="nsa")
     with FakeTensorMode(), sparse_attention_stand_in(NativeSparseAttention, *config.configs(), 1, 64, torch.float32,
@@ -145,7 +145,7 @@ def test_nsa_double_extrapolates_to_a_third_length(triton):
     measurement at T = 8192, on the Triton kernels' path and on the explicit one."""
     from modeling.config import ComputeConfig, ModelConfig
     from nsa.layer import NativeSparseAttention
-    from nsa.memory import calibrated_spec, calibration_lengths
+    from nsa.memory_stand_in import calibrated_spec, calibration_lengths
 
     model = ModelConfig.from_preset("4B", attention_type="nsa")
     compute = ComputeConfig(attention_query_chunk=512, triton_kernels=triton)
@@ -162,7 +162,7 @@ def test_nsa_double_extrapolates_to_a_third_length(triton):
 @pytest.mark.slow
 def test_nsa_estimate_is_the_same_without_triton(monkeypatch):
     """The estimate models the Triton kernels' path (what a CUDA run takes) whether Triton is installed here or
-    not: on fake tensors that path allocates its outputs and launches nothing (nsa/kernels.py). With Triton's import
+    not: on fake tensors that path allocates its outputs and launches nothing (nsa/triton_path.py). With Triton's import
     blocked, every stage equals the estimate with Triton, byte for byte."""
     import nsa.primitive
 

@@ -15,7 +15,7 @@ does not show.
 Stand-ins, named in the output, come from the attention type (`AttentionLayer.memory_stand_in`): full attention
 runs the CPU flash SDPA kernel's fake implementation, which, like the CUDA flash/cuDNN kernels, keeps only the
 output and log-sum-exp for backward (no T x T matrix); NSA's attention, hundreds of operators per query chunk
-(hours at 131k tokens under fake tensors), is a memory double calibrated on the real function (nsa/memory.py).
+(hours at 131k tokens under fake tensors), is a memory double calibrated on the real function (nsa/memory_stand_in.py).
 Under fake tensors RoPE rotates one chunk of positions instead of all (layers._rotate: same peak, far fewer
 operators), which keeps the 4B / 131k / NSA estimate to seconds. Not seen by the tracker: the CUDA context
 (~0.5-1 GiB), NCCL buffers, allocator rounding and fragmentation, workspaces inside single kernels; `--reserve`
@@ -326,7 +326,8 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
     device "cpu" with fake=True is the estimate; fake=False runs the step for real (tiny models only). On "cuda"
     with fake=False the memory comes from torch.cuda statistics (totals only), otherwise from the trackers.
     `stand_in` (fake only): enter the attention type's `memory_stand_in` around the step (NSA: a memory double of
-    its attention calibrated on the real function, nsa/memory.py); without it every operator runs as in training.
+    its attention calibrated on the real function, nsa/memory_stand_in.py); without it every operator runs as in
+    training.
     `progress` is called with the name of each part as it starts.
     """
     with warnings.catch_warnings(), fake_process_group(config.world_size):

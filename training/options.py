@@ -568,7 +568,7 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
         attention = stored.attention_type if cfg.attention_type == "auto" else cfg.attention_type
         if attention != stored.attention_type and (stored.attention_type, attention) != ("full", "nsa"):
             raise ValueError(f"--attention_type {cfg.attention_type}: the --init_from model has "
-                             f"{stored.attention_type!r} attention; only full -> nsa is converted (nsa/convert.py)")
+                             f"{stored.attention_type!r} attention; only full -> nsa is converted (nsa/from_dense.py)")
         model_config = dataclasses.replace(stored, context_length=cfg.context_length, attention_type=attention,
                                            **theta, **model_overrides)
     else:

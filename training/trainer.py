@@ -32,7 +32,7 @@ from evaluation.loss import validation_loss, validation_windows
 from model import Transformer
 from modeling.config import ComputeConfig, GiB, ModelConfig
 from modeling.loss import IGNORE_INDEX, shift_labels
-from nsa.convert import FRESH, nsa_state_from_dense
+from nsa.from_dense import FRESH, nsa_state_from_dense
 from storage.checkpoint import (
     SaveFailed,
     checkpoint_to_resume,
@@ -395,7 +395,7 @@ def load_base(model: Transformer, cfg: TrainConfig, source: Stored | None, froze
               resume_from: Path | None, rt: Runtime) -> None:
     """Fill `model` from --init_from (`source`: what it holds, checked once in `prepare_run`) when the run starts
     from it, and always for a frozen base (checkpoints do not hold it); dense weights into NSA layers through
-    nsa.convert, the one conversion allowed. Warns about a frozen random base."""
+    nsa.from_dense, the one conversion allowed. Warns about a frozen random base."""
     say = print if rt.rank == 0 else (lambda message: None)
     if source is not None and (frozen_base or not resume_from):
         convert = None if source.config.attention_type == model.config.attention_type else (

@@ -7,7 +7,7 @@ backward, fake tensors, memtrack.LiveBytesTracker) at T itself, or at two length
 (`calibration_lengths`) and extrapolates linearly, and swaps `NativeSparseAttention.sparse_attention` (the layer's
 one seam for its attention) for `_SparseAttentionDouble` while the profiled step runs. It calibrates on the path a
 CUDA run takes: the Triton kernels' when `ComputeConfig.triton_kernels` (on fake tensors that path allocates what it
-does on a GPU without Triton installed, nsa/kernels.py, so the estimate is the same on every machine), else the
+does on a GPU without Triton installed, nsa/triton_path.py, so the estimate is the same on every machine), else the
 explicit one. Projections, compression and gates still run for real.
 
 Notation: B batch, T tokens, H query heads, D head dimension, Q query chunk.
