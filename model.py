@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -52,11 +54,14 @@ class Block(nn.Module):
         self.attn = attention_class(config.attention_type)(config, compute)  # an attention.AttentionLayer
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = FeedForward(config.dim, config.ffn_dim, compute.ffn_chunk_size)
-        self.checkpointing = False
+        # Recomputed in backward when on, through this function (transformers' names: its
+        # gradient_checkpointing_enable sets both)
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func: Callable = partial(checkpoint, use_reentrant=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor:
-        if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, start_pos, use_reentrant=False)
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(self._forward, x, cos, sin, start_pos)
         return self._forward(x, cos, sin, start_pos)
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None) -> Tensor:
@@ -170,7 +175,7 @@ class Transformer(nn.Module):
     def gradient_checkpointing_enable(self, enabled: bool = True) -> None:
         """Recompute each block in backward (non-reentrant checkpointing); only the block inputs are kept."""
         for block in self.layers:
-            block.checkpointing = enabled
+            block.gradient_checkpointing = enabled
 
     def setup_kv_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> None:
@@ -185,32 +190,49 @@ class Transformer(nn.Module):
         for block in self.layers:
             block.attn.clear_cache()
 
-    def hidden_states(self, input_ids: Tensor, start_pos: int | None = None) -> Tensor:
-        """Final-norm hidden states (B, T, C) for `input_ids` (B, T) at positions [start_pos or 0, +T)."""
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+    def hidden_states(self, input_ids: Tensor | None, start_pos: int | None = None,
+                      inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None) -> Tensor:
+        """Final-norm hidden states (B, T, C) for `input_ids` (B, T), or for their embeddings `inputs_embeds`
+        (B, T, C) given instead, at positions [start_pos or 0, +T). `layer_outputs`, a list, receives the embeddings
+        and each block's output, the last one after the final norm: n_layers + 1 tensors (B, T, C), as transformers'
+        output_hidden_states."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass input_ids or inputs_embeds, one of them")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.dim:
+                raise ValueError(f"inputs_embeds must be (B, T, {self.config.dim}), got {tuple(inputs_embeds.shape)}")
+        elif input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be an integer tensor of shape (B, T), got {tuple(input_ids.shape)} "
                              f"{input_ids.dtype}")
-        T = input_ids.shape[1]
+        T = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         if T == 0:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no tokens (T = 0)")
-        check_token_range("input_ids", input_ids, self.config.vocab_size)
+            raise ValueError("the input holds no tokens (T = 0)")
+        if input_ids is not None:
+            check_token_range("input_ids", input_ids, self.config.vocab_size)
         offset = start_pos or 0
         if offset + T > self.config.context_length:
             raise ValueError(f"sequence of {offset + T} positions exceeds context_length "
                              f"{self.config.context_length}; raise ModelConfig.context_length")
         if start_pos is not None and torch.is_grad_enabled():
             raise RuntimeError("KV-cache decoding (start_pos given) runs without gradients: use torch.no_grad()")
-        x = self.embed_tokens(input_ids)  # (B, T, C)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
         cos, sin = self.rope(T, offset, x.device)  # (T, D) each
         offload = self.compute.offload_activations and torch.is_grad_enabled()
         with OffloadSavedTensors(resident=(cos, sin)) if offload else contextlib.nullcontext():
             for block in self.layers:
+                if layer_outputs is not None:
+                    layer_outputs.append(x)
                 x = block(x, cos, sin, start_pos)
-        return self.norm(x)
+        x = self.norm(x)
+        if layer_outputs is not None:
+            layer_outputs.append(x)
+        return x
 
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None, start_pos: int | None = None,
-                loss_normalizer: Tensor | float | None = None, aux_weight: float = 1.0) -> ModelOutput:
-        """input_ids (B, T); labels (B, T) unshifted (the model shifts them; -100 is ignored).
+    def forward(self, input_ids: Tensor | None, labels: Tensor | None = None, start_pos: int | None = None,
+                loss_normalizer: Tensor | float | None = None, aux_weight: float = 1.0,
+                inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None) -> ModelOutput:
+        """input_ids (B, T) (or their embeddings inputs_embeds (B, T, C) instead, and `layer_outputs`: as
+        `hidden_states`); labels (B, T) unshifted (the model shifts them; -100 is ignored).
 
         Returns ModelOutput(loss, logits, aux_loss): loss is the summed next-token cross-entropy over non-ignored
         targets divided by `loss_normalizer` (default: their count, i.e. the mean; a trainer passes the global count
@@ -220,12 +242,13 @@ class Transformer(nn.Module):
         labels) are added to loss times `aux_weight`, and returned as aux_loss. A trainer passes 1 / (micro-batches
         x ranks) of the step, so that the step's term is the mean over its equal-sized micro-batches.
         """
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+        shape = (input_ids if input_ids is not None else inputs_embeds[..., 0]).shape
+        if labels is not None and labels.shape != shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of the input {tuple(shape)}")
         if labels is not None:
             check_token_range("labels", labels, self.config.vocab_size, ignore=IGNORE_INDEX)
         with collect_aux_losses() as aux:
-            h = self.hidden_states(input_ids, start_pos)
+            h = self.hidden_states(input_ids, start_pos, inputs_embeds, layer_outputs)
         if labels is None:
             return ModelOutput(None, self.logits(h))
         loss, logits = self.compute_loss(h, labels, loss_normalizer)

@@ -93,7 +93,7 @@ def revert(model: Transformer) -> list[int]:
     reverted = sorted(np_blocks(model))
     for i in reverted:
         block = model.layers[i]
-        block.original.checkpointing = block.checkpointing
+        block.original.gradient_checkpointing = block.gradient_checkpointing
         model.layers[i] = block.original
     return reverted
 

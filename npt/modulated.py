@@ -128,7 +128,8 @@ class NPBlock(Block):
         if residual_mode not in ("modulate", "additive"):
             raise ValueError(f"residual_mode must be 'modulate' or 'additive', got {residual_mode!r}")
         self.attn_norm, self.attn, self.mlp_norm, self.mlp = block.attn_norm, block.attn, block.mlp_norm, block.mlp
-        self.checkpointing = block.checkpointing
+        self.gradient_checkpointing = block.gradient_checkpointing
+        self._gradient_checkpointing_func = block._gradient_checkpointing_func
         # The replaced Block, kept for npt.convert.revert. Not a submodule: its children are ours (no duplicate names).
         object.__setattr__(self, "original", block)
         gate = self.mlp.gate_proj.weight  # (F, C)

@@ -467,13 +467,11 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu", dty
 
 
 def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
-    """The model's tensors under Hugging Face names (detached; no lm_head when tied, as transformers saves it).
-    An export with its own modeling code holds the Transformer under `model.`, a tied output weight as a copy."""
+    """The model's tensors under Hugging Face names (detached; no output weight when tied, as transformers saves
+    it: the embedding is stored once). An export with its own modeling code holds the Transformer under `model.`."""
     state = {stored_name(name, model.config): tensor.detach() for name, tensor in model.state_dict().items()}
-    if model.config.tie_embeddings and model.config.attention_type in REMOTE_TYPES:
-        state["model.lm_head.weight"] = state["model.lm_head.weight"].clone()  # safetensors shares no storage
-    elif model.config.tie_embeddings:
-        del state["lm_head.weight"]
+    if model.config.tie_embeddings:
+        del state["model.lm_head.weight" if model.config.attention_type in REMOTE_TYPES else "lm_head.weight"]
     return state
 
 

@@ -9,16 +9,22 @@ implementation. The weights are the Transformer's own, under `model.`; config.js
     model = AutoModelForCausalLM.from_pretrained("runs/nsa/hf", trust_remote_code=True)
     model.generate(ids, max_new_tokens=20, do_sample=False)
 
-`generate` recomputes the whole sequence for every new token (the project's KV cache is not a transformers Cache);
-eval.py and `Transformer.generate` decode through the cache. The model takes no padding mask: an attention_mask
-with a zero is refused.
+The standard arguments work as in transformers' own classes: `inputs_embeds`, `output_hidden_states` (the
+embeddings and each layer's output, the last after the final norm: n_layers + 1), `return_dict=False`, `labels`
+(the mean next-token loss), gradient checkpointing (`gradient_checkpointing_enable`, its kwargs passed to
+torch.utils.checkpoint), `resize_token_embeddings` (the inner ModelConfig follows). `generate` refuses up front a
+length beyond the context. It recomputes the whole sequence for every new token (the project's KV cache is not a
+transformers Cache); eval.py and `Transformer.generate` decode through the cache. The model takes no padding mask:
+an attention_mask with a zero is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from model import Transformer
@@ -45,6 +51,7 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = LongctxConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
+    supports_gradient_checkpointing = True  # each Block: its gradient_checkpointing flag and function
     _no_split_modules = ["Block"]
     _tied_weights_keys = {"model.lm_head.weight": "model.embed_tokens.weight"}  # when tie_word_embeddings
 
@@ -52,6 +59,17 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = Transformer(ModelConfig.from_dict(config.longctx_model))
         self.post_init()
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args: object,
+                                              **kwargs: object) -> str:
+        """The model runs its own attention (NSA's three branches), which no transformers implementation replaces:
+        None or "eager" (that attention, as it is); any other is refused, naming what runs."""
+        if attn_implementation not in (None, "eager"):
+            kind = self.config.longctx_model.get("attention_type", "nsa")
+            raise ValueError(f"attn_implementation={attn_implementation!r}: this model runs its own attention "
+                             f"(attention_type {kind!r}), which no transformers implementation replaces; leave "
+                             "attn_implementation out (or pass \"eager\")")
+        return "eager"
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """The RoPE tables (not stored: rebuilt on first use). Every weight comes from the checkpoint, whose names
@@ -72,15 +90,46 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: torch.nn.Module) -> None:
         self.model.lm_head = value
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
-                **kwargs: object) -> CausalLMOutputWithPast:
-        """input_ids (B, T) -> logits (B, T, V) float32; with labels (B, T), unshifted as transformers passes them
-        (-100 ignored), the mean next-token loss (and no logits where the model's chunked loss ran)."""
+    def resize_token_embeddings(self, *args: object, **kwargs: object) -> torch.nn.Embedding:
+        """transformers' resize of the embedding (and the untied output layer), with the inner ModelConfig's
+        vocab_size following, so that the new ids are taken."""
+        embedding = super().resize_token_embeddings(*args, **kwargs)
+        vocab = embedding.weight.shape[0]
+        self.model.config = dataclasses.replace(self.model.config, vocab_size=vocab)
+        self.config.longctx_model = {**self.config.longctx_model, "vocab_size": vocab}
+        return embedding
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None, inputs_embeds: Tensor | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                **kwargs: object) -> CausalLMOutputWithPast | tuple:
+        """input_ids (B, T), or their embeddings inputs_embeds (B, T, C) -> logits (B, T, V) float32; with labels
+        (B, T), unshifted as transformers passes them (-100 ignored), the mean next-token loss (and no logits where
+        the model's chunked loss ran); with output_hidden_states, n_layers + 1 hidden states (B, T, C)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("this model takes no padding mask: pass prompts of one length (batch size 1, or no "
                              "padding)")
-        out = self.model(input_ids, labels=labels)
-        return CausalLMOutputWithPast(loss=out.loss, logits=None if out.logits is None else out.logits.float())
+        hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        layers: list[Tensor] | None = [] if hidden else None
+        out = self.model(input_ids, labels=labels, inputs_embeds=inputs_embeds, layer_outputs=layers)
+        result = CausalLMOutputWithPast(loss=out.loss, logits=None if out.logits is None else out.logits.float(),
+                                        hidden_states=None if layers is None else tuple(layers))
+        return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, **kwargs: object) -> dict:
         return {"input_ids": input_ids, "attention_mask": kwargs.get("attention_mask")}
+
+    def generate(self, inputs: Tensor | None = None, generation_config: GenerationConfig | None = None,
+                 **kwargs: object) -> Tensor:
+        """GenerationMixin.generate, refused up front (ValueError naming the lengths) when the prompt and the tokens
+        to generate exceed the model's context."""
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        config = generation_config or self.generation_config
+        new = kwargs.get("max_new_tokens", config.max_new_tokens)
+        total = None if prompt is None else (prompt.shape[-1] + new if new is not None
+                                             else kwargs.get("max_length", config.max_length))
+        context = self.model.config.context_length
+        if total is not None and total > context:
+            raise ValueError(f"the prompt of {prompt.shape[-1]} tokens and the tokens to generate make {total}, past "
+                             f"the model's context of {context}: shorten the prompt or max_new_tokens")
+        return super().generate(inputs, generation_config, **kwargs)

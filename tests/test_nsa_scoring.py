@@ -413,7 +413,7 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
     for checkpointing in (False, True):
         model = nsa_model(0.5)
         for block in model.layers:
-            block.checkpointing = checkpointing
+            block.gradient_checkpointing = checkpointing
         model(ids, ids).loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
@@ -431,7 +431,7 @@ def test_gradient_checkpointing_recomputes_the_loss_once(monkeypatch: pytest.Mon
     for checkpointing in (False, True):
         model = nsa_model(0.5)
         for block in model.layers:
-            block.checkpointing = checkpointing
+            block.gradient_checkpointing = checkpointing
         calls.clear()
         model(ids, ids).loss.backward()
         counts.append(len(calls))

@@ -64,3 +64,81 @@ def test_transformers_runs_the_nsa_export_as_the_project_does(tmp_path: Path, op
         torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
         torch.testing.assert_close(load_hf_checkpoint(tmp_path / "again")(ids).logits, model(ids).logits, rtol=0,
                                    atol=0)
+
+
+@pytest.fixture(scope="module")
+def nsa_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Transformer]:
+    """A tiny NSA model (context 128) and its Hugging Face export."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa", context_length=128)).eval()
+    path = tmp_path_factory.mktemp("nsa") / "hf"
+    export_hf_checkpoint(model, path)
+    return path, model
+
+
+def load(path: Path) -> object:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+
+
+def test_the_standard_forward_arguments(nsa_export):
+    """As transformers' own classes (Qwen3): inputs_embeds gives input_ids' outputs; output_hidden_states the
+    embeddings and every layer's output, the last after the final norm; return_dict=False a tuple; labels the
+    mean next-token loss."""
+    path, model = nsa_export
+    theirs = load(path).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 70))
+    with torch.no_grad():
+        by_ids = theirs(ids, output_hidden_states=True)
+        by_embeds = theirs(inputs_embeds=theirs.get_input_embeddings()(ids))
+        as_tuple = theirs(ids, labels=ids, return_dict=False)
+    torch.testing.assert_close(by_embeds.logits, by_ids.logits, rtol=0, atol=0)
+    states = by_ids.hidden_states
+    assert len(states) == model.config.n_layers + 1 and all(s.shape == (2, 70, model.config.dim) for s in states)
+    torch.testing.assert_close(states[0], model.embed_tokens(ids), rtol=0, atol=0)
+    torch.testing.assert_close(theirs.model.logits(states[-1]).float(), by_ids.logits, rtol=0, atol=0)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 2  # (loss, logits)
+    expected = torch.nn.functional.cross_entropy(by_ids.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(as_tuple[0], expected, rtol=1e-6, atol=0)
+
+
+def test_gradient_checkpointing_through_transformers_gives_the_same_gradients(nsa_export):
+    """gradient_checkpointing_enable (transformers' interface, its kwargs passed to torch's checkpoint) recomputes
+    every block in backward, and the gradients equal those without it."""
+    path, model = nsa_export
+    ids = torch.randint(0, model.config.vocab_size, (1, 100))
+    grads = []
+    for kwargs in (None, {"use_reentrant": False}):
+        theirs = load(path).train()
+        if kwargs is not None:
+            theirs.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            assert theirs.is_gradient_checkpointing and all(b.gradient_checkpointing for b in theirs.model.layers)
+        theirs(ids, labels=ids).loss.backward()
+        grads.append({name: p.grad for name, p in theirs.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_resized_embeddings_take_the_new_ids_and_generation_is_refused_past_the_context(nsa_export):
+    path, model = nsa_export
+    theirs = load(path).eval()
+    theirs.resize_token_embeddings(model.config.vocab_size + 64)
+    assert theirs.model.config.vocab_size == theirs.config.longctx_model["vocab_size"] == model.config.vocab_size + 64
+    with torch.no_grad():
+        new_id = model.config.vocab_size + 10
+        assert theirs(torch.tensor([[new_id, 3]])).logits.shape[-1] == model.config.vocab_size + 64
+    prompt = torch.randint(0, model.config.vocab_size, (1, 100))
+    with pytest.raises(ValueError, match="make 140, past the model's context of 128"):
+        theirs.generate(prompt, max_new_tokens=40, do_sample=False)
+
+
+def test_the_tied_output_weight_is_stored_once_and_an_attention_implementation_is_refused_naming_the_model_s(
+        nsa_export):
+    from safetensors import safe_open
+
+    path, model = nsa_export
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        assert "model.embed_tokens.weight" in f.keys() and "model.lm_head.weight" not in f.keys()  # noqa: SIM118
+    theirs = load(path)
+    assert model.config.tie_embeddings and theirs.model.lm_head.weight is theirs.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="attn_implementation='sdpa': this model runs its own attention"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, attn_implementation="sdpa")
