@@ -190,6 +190,17 @@ class Transformer(nn.Module):
         for block in self.layers:
             block.attn.clear_cache()
 
+    @torch.no_grad()
+    def reorder_kv_cache(self, index: Tensor) -> None:
+        """Rows of every layer's cache taken from rows `index` (B,) of it (beam search keeps the beams it extends).
+        Each attention type keeps its cache as the module `attn.cache`, every buffer of it batch-first."""
+        for block in self.layers:
+            cache = getattr(block.attn, "cache", None)
+            if not isinstance(cache, nn.Module):
+                raise ValueError(f"{type(block.attn).__name__} has no cache set up to reorder (setup_kv_cache first)")
+            for buffer in cache.buffers():
+                buffer.copy_(buffer.index_select(0, index.to(buffer.device)))
+
     def hidden_states(self, input_ids: Tensor | None, start_pos: int | None = None,
                       inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None) -> Tensor:
         """Final-norm hidden states (B, T, C) for `input_ids` (B, T), or for their embeddings `inputs_embeds`

@@ -13,9 +13,9 @@ The standard arguments work as in transformers' own classes: `inputs_embeds`, `o
 embeddings and each layer's output, the last after the final norm: n_layers + 1), `return_dict=False`, `labels`
 (the mean next-token loss), gradient checkpointing (`gradient_checkpointing_enable`, its kwargs passed to
 torch.utils.checkpoint), `resize_token_embeddings` (the inner ModelConfig follows). `generate` refuses up front a
-length beyond the context. It recomputes the whole sequence for every new token (the project's KV cache is not a
-transformers Cache); eval.py and `Transformer.generate` decode through the cache. The model takes no padding mask:
-an attention_mask with a zero is refused.
+length beyond the context, and decodes through the project's own preallocated caches (`LongctxCache`: the
+compressed, selection and window keys of NSA; greedy, sampling and beam search). The model takes no padding mask: an
+attention_mask with a zero is refused.
 """
 
 from __future__ import annotations
@@ -47,6 +47,22 @@ class LongctxConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
+class LongctxCache:
+    """What transformers' generate carries between steps (as `cache`): the model's own preallocated caches
+    (`Transformer.setup_kv_cache`, for `batch_size` rows of up to `max_length` tokens; NSA's hold the compressed,
+    selection and window keys) and how many tokens they hold. Beam search reorders their rows (`reorder_cache`)."""
+
+    def __init__(self, model: Transformer, batch_size: int, max_length: int) -> None:
+        model.setup_kv_cache(batch_size, max_length)
+        self.model, self.length = model, 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.model.reorder_kv_cache(beam_idx)
+
+
 class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = LongctxConfig
     base_model_prefix = "model"
@@ -58,6 +74,7 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: LongctxConfig) -> None:
         super().__init__(config)
         self.model = Transformer(ModelConfig.from_dict(config.longctx_model))
+        self._generation_length: int | None = None  # set by generate: the length its cache is set up for
         self.post_init()
 
     def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args: object,
@@ -102,22 +119,36 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, inputs_embeds: Tensor | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None,
-                **kwargs: object) -> CausalLMOutputWithPast | tuple:
+                cache: LongctxCache | None = None, **kwargs: object) -> CausalLMOutputWithPast | tuple:
         """input_ids (B, T), or their embeddings inputs_embeds (B, T, C) -> logits (B, T, V) float32; with labels
         (B, T), unshifted as transformers passes them (-100 ignored), the mean next-token loss (and no logits where
-        the model's chunked loss ran); with output_hidden_states, n_layers + 1 hidden states (B, T, C)."""
+        the model's chunked loss ran); with output_hidden_states, n_layers + 1 hidden states (B, T, C). With `cache`
+        (generate's, without gradients) the tokens continue the sequence it holds and are appended to it."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("this model takes no padding mask: pass prompts of one length (batch size 1, or no "
                              "padding)")
         hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         layers: list[Tensor] | None = [] if hidden else None
-        out = self.model(input_ids, labels=labels, inputs_embeds=inputs_embeds, layer_outputs=layers)
+        start = None if cache is None else cache.length
+        out = self.model(input_ids, labels=labels, start_pos=start, inputs_embeds=inputs_embeds, layer_outputs=layers)
+        if cache is not None:
+            cache.length += (input_ids if input_ids is not None else inputs_embeds).shape[1]
         result = CausalLMOutputWithPast(loss=out.loss, logits=None if out.logits is None else out.logits.float(),
-                                        hidden_states=None if layers is None else tuple(layers))
+                                        hidden_states=None if layers is None else tuple(layers), cache=cache)
         return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, **kwargs: object) -> dict:
-        return {"input_ids": input_ids, "attention_mask": kwargs.get("attention_mask")}
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate carries a LongctxCache, made by prepare_inputs_for_generation
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, cache: LongctxCache | None = None,
+                                      use_cache: bool | None = None, **kwargs: object) -> dict:
+        """The tokens the model has not read yet: all of them at the first step (the cache then set up for the rows
+        and the length `generate` runs to), the new ones after; everything at every step with use_cache=False."""
+        if use_cache is not False and cache is None:
+            cache = LongctxCache(self.model, input_ids.shape[0], self._generation_length or input_ids.shape[1])
+        new = input_ids if cache is None else input_ids[:, cache.length:]
+        return {"input_ids": new, "attention_mask": kwargs.get("attention_mask"), "cache": cache}
 
     def generate(self, inputs: Tensor | None = None, generation_config: GenerationConfig | None = None,
                  **kwargs: object) -> Tensor:
@@ -132,4 +163,9 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
         if total is not None and total > context:
             raise ValueError(f"the prompt of {prompt.shape[-1]} tokens and the tokens to generate make {total}, past "
                              f"the model's context of {context}: shorten the prompt or max_new_tokens")
-        return super().generate(inputs, generation_config, **kwargs)
+        self._generation_length = min(total or context, context)  # what the cache holds at most
+        try:
+            return super().generate(inputs, generation_config, **kwargs)
+        finally:
+            self._generation_length = None
+            self.model.clear_kv_cache()

@@ -142,3 +142,27 @@ def test_the_tied_output_weight_is_stored_once_and_an_attention_implementation_i
     assert model.config.tie_embeddings and theirs.model.lm_head.weight is theirs.model.embed_tokens.weight
     with pytest.raises(ValueError, match="attn_implementation='sdpa': this model runs its own attention"):
         transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, attn_implementation="sdpa")
+
+
+def test_generate_decodes_through_the_cache_as_without_it(nsa_export):
+    """generate with the cache (the project's preallocated NSA caches) gives the tokens it gives without one: greedy
+    (and equal to the project's own cached generate), sampled from one seed, beam search (rows reordered); the
+    prompt is read once and each new token once."""
+    path, model = nsa_export
+    theirs = load(path).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 60))  # past the window: every branch reads
+    runs = {}
+    for cached in (True, False):
+        greedy = theirs.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=cached)
+        torch.manual_seed(1)
+        sampled = theirs.generate(prompt, max_new_tokens=20, do_sample=True, top_k=50, use_cache=cached)
+        beams = theirs.generate(prompt, max_new_tokens=12, num_beams=3, do_sample=False, use_cache=cached)
+        runs[cached] = (greedy, sampled, beams)
+    for with_cache, without in zip(runs[True], runs[False], strict=True):
+        assert with_cache.tolist() == without.tolist()
+    assert runs[True][0].tolist() == model.generate(prompt, 20, temperature=0.0).tolist()
+    read = []
+    hook = theirs.model.embed_tokens.register_forward_hook(lambda module, args, out: read.append(args[0].shape[1]))
+    theirs.generate(prompt, max_new_tokens=5, do_sample=False)
+    hook.remove()
+    assert read == [60, 1, 1, 1, 1]
