@@ -1,5 +1,5 @@
 """Where NSA's time goes, on CPU: (1) forward and backward seconds of each branch's attention kernel calls
-(`attend` / `attend_backward` of nsa/primitive.py as nsa/attention.py calls them, grouped by the rows per call)
+(`attend` / `attend_backward` of modeling/flash.py as nsa/attention.py calls them, grouped by the rows per call)
 inside one forward+backward of the benchmark layer of bench_nsa.py; (2) the fused CPU flash kernels on selection
 tiles of 64 and 128 rows (R = 16 and 32 queries of 4 heads) at equal total rows, the measurement behind
 `nsa.attention._SMALL_TILE_COST`.

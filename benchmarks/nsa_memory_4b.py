@@ -17,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from modeling import flash  # noqa: E402
 from modeling.config import ComputeConfig, ModelConfig  # noqa: E402
 from modeling.memtrack import LiveBytesTracker  # noqa: E402
 from nsa import primitive  # noqa: E402
@@ -25,7 +26,7 @@ from nsa.layer import NativeSparseAttention  # noqa: E402
 T = 131072
 
 
-PATHS = {"fused": contextlib.nullcontext, "explicit": primitive.explicit_attention,
+PATHS = {"fused": contextlib.nullcontext, "explicit": flash.explicit_attention,
          "triton": primitive.triton_kernels}
 
 

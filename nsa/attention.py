@@ -1,7 +1,7 @@
 """The attention of Native Sparse Attention (nsa/layer.py holds the layer, nsa/blocks.py the block geometry and
 top-n): the three gated branches over given queries, keys and values, chunk by chunk, with a custom backward.
 
-Every branch is one primitive, `attend` (nsa/primitive.py): softmax attention over a key set with an additive mask,
+Every branch is one primitive, `attend` (modeling/flash.py): softmax attention over a key set with an additive mask,
 returning its output and each row's log-sum-exp (lse); on CPU tensors PyTorch's fused flash-attention kernel.
 Branch outputs combine through their lse like flash attention's key blocks, and backward needs no recomputation of
 the forward (`attend_backward`).
@@ -62,6 +62,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from modeling.config import ComputeConfig
+from modeling.flash import additive_mask, attend, attend_backward, attend_explicit, fused
 from nsa.blocks import (
     as_blocks,
     best_token_scores,
@@ -70,15 +71,7 @@ from nsa.blocks import (
     pool_to_selection_blocks,
     select_blocks,
 )
-from nsa.primitive import (
-    additive_mask,
-    attend,
-    attend_backward,
-    attend_explicit,
-    exact_scores_active,
-    fused,
-    triton_ready,
-)
+from nsa.primitive import exact_scores_active, triton_ready
 
 if TYPE_CHECKING:
     from modeling.config import ModelConfig

@@ -23,10 +23,10 @@ import torch
 from torch import Tensor
 
 from modeling.config import ComputeConfig, ModelConfig
+from modeling.flash import explicit_attention
 from modeling.layers import RotaryEmbedding
 from modeling.memtrack import LiveBytesTracker
 from nsa.attention import sparse_attention
-from nsa.primitive import explicit_attention
 from nsa.primitive import triton_kernels as triton_path
 
 Spec = tuple[int, int, int, tuple[bool, ...]]  # kept, forward peak, backward peak (bytes), which inputs are kept

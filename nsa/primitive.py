@@ -1,40 +1,22 @@
-"""Attention with log-sum-exp, the primitive of each of NSA's branches (nsa/attention.py), and the switches that
-choose its path.
-
-`attend`: softmax attention over a key set with an additive mask, returning its output and each row's log-sum-exp
-(lse). On CPU tensors it is PyTorch's fused flash-attention kernel
-(`aten._scaled_dot_product_flash_attention_for_cpu` and its backward); on other devices an explicit computation of
-the same two results (`fused` decides). Outputs over disjoint key sets combine through their lse like flash
-attention's key blocks, and backward needs no recomputation of the forward: `attend_backward` given the output and
-lse of a larger attention yields this key set's share of its gradients (the flash-attention backward identity
-dS = P * (dO V^T - rowsum(dO * O))).
-
-The switches, context managers for tests, estimates and experiments: `explicit_attention` (the explicit path on
-every device), `triton_kernels` (nsa/triton_path.py's branches on every device) and `exact_block_scores` (selection by
-each block's best key instead of the compression branch).
+"""The switches that choose how NSA's branches run, context managers for tests, estimates and experiments:
+`triton_kernels` (nsa/triton_path.py's branches on every device) and `exact_block_scores` (selection by each block's
+best key instead of the compression branch). Their primitive, attention with log-sum-exp, and its own switch
+(`explicit_attention`: the explicit path on every device) are modeling/flash.py's.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from modeling.config import ComputeConfig
 
-# set by `explicit_attention`, `triton_kernels` and `exact_block_scores`
-_forced = {"explicit": False, "triton": False, "exact": False}
-
-
-def fused(t: Tensor) -> bool:
-    """Whether `attend` uses PyTorch's fused CPU flash-attention kernels (CPU tensors, fake ones included) rather
-    than the explicit computation (every other device)."""
-    return t.device.type == "cpu" and not _forced["explicit"]
+# set by `triton_kernels` and `exact_block_scores`
+_forced = {"triton": False, "exact": False}
 
 
 @contextmanager
@@ -44,12 +26,6 @@ def _forcing(name: str) -> Iterator[None]:
         yield
     finally:
         _forced[name] = previous
-
-
-def explicit_attention() -> AbstractContextManager[None]:
-    """Within the block, `attend` computes explicitly on every device, as it does on CUDA: for tests of that path
-    and for profile_memory.py's estimates of GPU runs (the fused CPU kernels keep no chunk-sized logits)."""
-    return _forcing("explicit")
 
 
 def triton_kernels() -> AbstractContextManager[None]:
@@ -88,57 +64,3 @@ def triton_ready(t: Tensor, compute: ComputeConfig) -> bool:
     if _forced["triton"]:
         return is_fake(t) or triton_installed()
     return compute.triton_kernels and t.is_cuda and not is_fake(t) and triton_installed()
-
-
-def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """Boolean mask -> additive mask (0 where allowed, -inf elsewhere) in `dtype`."""
-    zero, minus_inf = (torch.tensor(v, dtype=dtype, device=allowed.device) for v in (0.0, -math.inf))
-    return torch.where(allowed, zero, minus_inf)
-
-
-def _logits(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """Scaled, masked logits (..., L, S) in at least float32, built in one new buffer."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    logits = (q.to(acc) * scale) @ k.to(acc).transpose(-1, -2)
-    return logits if mask is None else logits.add_(mask)
-
-
-def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, lse: Tensor, scale: float) -> Tensor:
-    """Attention probabilities exp(logits - lse) (..., L, S) given each row's log-sum-exp lse (..., L)."""
-    return _logits(q, k, mask, scale).sub_(lse[..., None]).exp_()
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    """Softmax attention of q (N, M, L, D) over k, v (N, M, S, D) under an additive mask broadcastable to
-    (N, M, L, S) (q's dtype; None: every key). Every row must see at least one key.
-
-    Returns (out (N, M, L, D) in q's dtype, lse (N, M, L) in at least float32)."""
-    if fused(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                          scale=scale)
-    out, lse, _ = attend_explicit(q, k, v, mask, scale)
-    return out, lse
-
-
-def attend_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
-                    ) -> tuple[Tensor, Tensor, Tensor]:
-    """`attend` computed explicitly on any device, also returning the probabilities: (out, lse, p (N, M, L, S) in at
-    least float32, zero where the mask is -inf)."""
-    logits = _logits(q, k, mask, scale)  # (N, M, L, S)
-    lse = logits.logsumexp(-1)
-    p = logits.sub_(lse[..., None]).exp_()
-    return p.to(v.dtype) @ v, lse, p
-
-
-def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of `attend`. With `out` and `lse` those of a larger attention that also covers other
-    keys (and grad_out its gradient), the result is this key set's share of the larger attention's gradients."""
-    if fused(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-    p = _probabilities(q, k, mask, lse, scale)  # (N, M, L, S)
-    dv = p.to(v.dtype).transpose(-1, -2) @ grad_out
-    delta = (grad_out * out).sum(-1, keepdim=True).to(p.dtype)  # (N, M, L, 1)
-    ds = p.mul_((grad_out @ v.transpose(-1, -2)).to(p.dtype).sub_(delta)).mul_(scale).to(q.dtype)  # dS = P(dP - delta)
-    return ds @ k, ds.transpose(-1, -2) @ q, dv

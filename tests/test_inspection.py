@@ -10,10 +10,11 @@ import torch
 
 from model import ModelConfig, Transformer
 from modeling.config import ComputeConfig
+from modeling.flash import explicit_attention
 from nsa import attention as nsa_attention
 from nsa.blocks import as_blocks
 from nsa.inspection import inspect, report, score_loss_target, selected_blocks
-from nsa.primitive import exact_block_scores, explicit_attention
+from nsa.primitive import exact_block_scores
 
 
 @pytest.mark.parametrize("exact", [False, True])

@@ -21,13 +21,14 @@ from torch import Tensor, nn
 from model import ModelConfig, Transformer
 from modeling.attention import FullAttention
 from modeling.config import ComputeConfig
+from modeling.flash import additive_mask, attend, attend_backward, explicit_attention
 from modeling.layers import RotaryEmbedding, apply_rope
 from modeling.memtrack import LiveBytesTracker
 from nsa import attention as nsa_attention
 from nsa.attention import sparse_attention, tile_plan
 from nsa.blocks import as_blocks, num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights
 from nsa.layer import NativeSparseAttention
-from nsa.primitive import additive_mask, attend, attend_backward, exact_block_scores, explicit_attention, triton_kernels
+from nsa.primitive import exact_block_scores, triton_kernels
 from nsa.reference import naive_nsa
 
 F64 = dict(rtol=0, atol=1e-12)
