@@ -59,13 +59,15 @@ class Block(nn.Module):
         self.gradient_checkpointing = False
         self._gradient_checkpointing_func: Callable = partial(checkpoint, use_reentrant=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
+                doc_start: Tensor | None = None) -> Tensor:
         if self.gradient_checkpointing and torch.is_grad_enabled():
-            return self._gradient_checkpointing_func(self._forward, x, cos, sin, start_pos)
-        return self._forward(x, cos, sin, start_pos)
+            return self._gradient_checkpointing_func(self._forward, x, cos, sin, start_pos, doc_start)
+        return self._forward(x, cos, sin, start_pos, doc_start)
 
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, start_pos)
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None,
+                 doc_start: Tensor | None = None) -> Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, start_pos, doc_start)
         return h + self.mlp(self.mlp_norm(h))
 
     def init_weights(self, config: ModelConfig) -> None:
@@ -202,11 +204,13 @@ class Transformer(nn.Module):
                 buffer.copy_(buffer.index_select(0, index.to(buffer.device)))
 
     def hidden_states(self, input_ids: Tensor | None, start_pos: int | None = None,
-                      inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None) -> Tensor:
+                      inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None,
+                      doc_start: Tensor | None = None) -> Tensor:
         """Final-norm hidden states (B, T, C) for `input_ids` (B, T), or for their embeddings `inputs_embeds`
         (B, T, C) given instead, at positions [start_pos or 0, +T). `layer_outputs`, a list, receives the embeddings
         and each block's output, the last one after the final norm: n_layers + 1 tensors (B, T, C), as transformers'
-        output_hidden_states."""
+        output_hidden_states. `doc_start` (B, T) long: the first position each token may attend to (its packed
+        document's start: `modeling.documents.document_starts`); None: every earlier one."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass input_ids or inputs_embeds, one of them")
         if inputs_embeds is not None:
@@ -233,7 +237,7 @@ class Transformer(nn.Module):
             for block in self.layers:
                 if layer_outputs is not None:
                     layer_outputs.append(x)
-                x = block(x, cos, sin, start_pos)
+                x = block(x, cos, sin, start_pos, doc_start)
         x = self.norm(x)
         if layer_outputs is not None:
             layer_outputs.append(x)
@@ -241,8 +245,9 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor | None, labels: Tensor | None = None, start_pos: int | None = None,
                 loss_normalizer: Tensor | float | None = None, aux_weight: float = 1.0,
-                inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None) -> ModelOutput:
-        """input_ids (B, T) (or their embeddings inputs_embeds (B, T, C) instead, and `layer_outputs`: as
+                inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None,
+                doc_start: Tensor | None = None) -> ModelOutput:
+        """input_ids (B, T) (or their embeddings inputs_embeds (B, T, C) instead; `layer_outputs`, `doc_start`: as
         `hidden_states`); labels (B, T) unshifted (the model shifts them; -100 is ignored).
 
         Returns ModelOutput(loss, logits, aux_loss): loss is the summed next-token cross-entropy over non-ignored
@@ -259,7 +264,7 @@ class Transformer(nn.Module):
         if labels is not None:
             check_token_range("labels", labels, self.config.vocab_size, ignore=IGNORE_INDEX)
         with collect_aux_losses() as aux:
-            h = self.hidden_states(input_ids, start_pos, inputs_embeds, layer_outputs)
+            h = self.hidden_states(input_ids, start_pos, inputs_embeds, layer_outputs, doc_start)
         if labels is None:
             return ModelOutput(None, self.logits(h))
         loss, logits = self.compute_loss(h, labels, loss_normalizer)

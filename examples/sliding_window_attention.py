@@ -49,7 +49,8 @@ class SlidingWindowAttention(nn.Module):
         self.o_proj = nn.Linear(h * d, c, bias=False)
         self.cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
+                doc_start: Tensor | None = None) -> Tensor:
         cfg = self.config
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2), cos, sin)  # (B,H,T,D)
@@ -63,6 +64,8 @@ class SlidingWindowAttention(nn.Module):
         q_pos = torch.arange(offset, offset + T, device=x.device)[:, None]  # (T, 1)
         k_pos = torch.arange(k.shape[2], device=x.device)[None, :]  # (1, S)
         band = (k_pos <= q_pos) & (k_pos > q_pos - self.window)  # (T, S)
+        if doc_start is not None:
+            band = band & (k_pos >= doc_start[:, :, None])[:, None]  # (B, 1, T, S): from each query's document start
         with _no_cudnn() if x.is_cuda else nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=cfg.n_rep > 1)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))  # (B, T, C)

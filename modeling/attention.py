@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modeling.config import ComputeConfig, ModelConfig
+from modeling.flash import document_attention
 from modeling.layers import RMSNorm, apply_rope
 
 
@@ -34,9 +35,12 @@ class AttentionLayer(Protocol):
     """What a decoder block needs from its attention (an nn.Module constructed as `cls(config, compute)`).
 
     Instance methods:
-        forward(x, cos, sin, start_pos=None) -> (B, T, C): x (B, T, C); cos, sin (T, D) float32 RoPE rows for
-            positions [start_pos or 0, +T). start_pos None: causal attention over x alone (training, scoring);
-            an int: the tokens continue the sequence in the cache set up by `setup_cache`, and are appended to it.
+        forward(x, cos, sin, start_pos=None, doc_start=None) -> (B, T, C): x (B, T, C); cos, sin (T, D) float32
+            RoPE rows for positions [start_pos or 0, +T). start_pos None: causal attention over x alone (training,
+            scoring); an int: the tokens continue the sequence in the cache set up by `setup_cache`, and are
+            appended to it. doc_start (B, T) long: the first position each query may see (its packed document's
+            first token, a left-padded row's first real one; at most the query's own position); None: every
+            earlier one. A type that cannot honour it raises ValueError.
         setup_cache(batch_size, max_seq_len, dtype, device): preallocate the decoding state (never in state_dict).
         clear_cache(): drop it.
         init_weights(): (re)initialise every parameter from the torch RNG (used after building on the meta device).
@@ -50,7 +54,8 @@ class AttentionLayer(Protocol):
             slow to run under fake tensors at full size).
     """
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor: ...
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
+                doc_start: Tensor | None = None) -> Tensor: ...
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                     device: torch.device | str | None) -> None: ...
@@ -147,7 +152,8 @@ class FullAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else nn.Identity()
         self.cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
+                doc_start: Tensor | None = None) -> Tensor:
         cfg = self.config
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -164,9 +170,11 @@ class FullAttention(nn.Module):
                 # Continuing a cache with several tokens: query i sees keys <= start_pos + i. (T, S), small T.
                 pos_q = torch.arange(start_pos, start_pos + T, device=x.device)
                 mask = pos_q[:, None] >= torch.arange(start_pos + T, device=x.device)[None, :]  # (T, S)
-        is_causal = mask is None and T > 1
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                           enable_gqa=cfg.n_rep > 1)  # (B, H, T, D)
+        if doc_start is not None:  # each query from its document's start on: no (T, S) mask (modeling/flash.py)
+            y = document_attention(q, k, v, doc_start, start_pos or 0, cfg.head_dim**-0.5)  # (B, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                               enable_gqa=cfg.n_rep > 1)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
 

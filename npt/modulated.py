@@ -140,17 +140,19 @@ class NPBlock(Block):
         self.offload = False
         self.offload_stats = OffloadStats()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
+                doc_start: Tensor | None = None) -> Tensor:
         offload = self.offload and torch.is_grad_enabled()
         with OffloadSavedTensors(self.offload_stats) if offload else nullcontext():
-            return super().forward(x, cos, sin, start_pos)
+            return super().forward(x, cos, sin, start_pos, doc_start)
 
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None) -> Tensor:
+    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None,
+                 doc_start: Tensor | None = None) -> Tensor:
         if self.mode == "original":
-            return super()._forward(x, cos, sin, start_pos)
+            return super()._forward(x, cos, sin, start_pos, doc_start)
         if self.mode not in ("plastic", "static"):
             raise ValueError(f"NPBlock.mode must be 'plastic', 'static' or 'original', got {self.mode!r}")
-        a = self.attn(self.attn_norm(x), cos, sin, start_pos)  # (B, T, C)
+        a = self.attn(self.attn_norm(x), cos, sin, start_pos, doc_start)  # (B, T, C)
         h = x + a if self.residual_mode == "additive" else x
         m = self.np(a) if self.mode == "plastic" else None  # (B, T, P, r)
         u = self.mlp_norm(h)

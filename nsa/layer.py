@@ -162,9 +162,14 @@ class NativeSparseAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_compress(blocks_k)), cos[rows], sin[rows])
         return k, self.v_compress(blocks_v)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
+                doc_start: Tensor | None = None) -> Tensor:
         """x (B, T, C); cos, sin (T, D) for positions [start_pos or 0, +T). start_pos None: full causal forward
-        without cache; an int: decode/prefill against the cache (`setup_cache`). Returns (B, T, C)."""
+        without cache; an int: decode/prefill against the cache (`setup_cache`). Returns (B, T, C). doc_start: not
+        yet (ValueError)."""
+        if doc_start is not None:
+            raise ValueError("NSA does not take document starts yet (a document mask, a left-padded row): its "
+                             "branches read every earlier position; run full attention for those")
         cfg = self.config
         B, T, _ = x.shape
         H, KV, D, l, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.nsa_block_size, cfg.nsa_stride

@@ -1,0 +1,129 @@
+"""Packed documents: each token attends only within its own document (`doc_start`, modeling/documents.py). A packed
+sequence gives, for every document, the logits, loss and gradients of that document run alone (float64; RoPE's
+scores depend on relative positions only, so the one difference is the rounding of its float32 tables at other
+absolute positions: relative 2^-24 per entry, 1e-6 of the values' scale allowed); a future token never changes a
+past output; no (T, T) tensor exists on the path (fake tensors at 32k)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from model import ModelConfig, Transformer
+from modeling.documents import document_starts
+from modeling.flash import document_attention, explicit_attention
+from modeling.memtrack import LiveBytesTracker
+
+EOD = 1
+
+
+def test_a_document_starts_at_the_end_of_document_id_before_it():
+    ids = torch.tensor([[5, 6, EOD, 7, 8, 9, EOD, EOD, 4], [EOD, 3, 3, 3, 3, 3, 3, 3, 3]])
+    assert document_starts(ids, EOD).tolist() == [[0, 0, 2, 2, 2, 2, 6, 7, 7], [0] * 9]
+
+
+def naive_document_attention(q, k, v, starts):
+    """Softmax over the allowed keys of an explicit (T, T) mask, float64: the oracle."""
+    G, T = q.shape[1] // k.shape[1], q.shape[2]
+    pos = torch.arange(T)
+    allowed = (pos >= starts[:, :, None]) & (pos <= pos[:, None])  # (B, T, T)
+    logits = q @ k.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return logits.masked_fill(~allowed[:, None], -math.inf).softmax(-1) @ v.repeat_interleave(G, 1)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["fused CPU kernels", "explicit (as on CUDA)"])
+@pytest.mark.parametrize("mask_bytes", [2**26, 600], ids=["one chunk", "many chunks"])
+def test_document_attention_matches_an_explicit_mask(explicit, mask_bytes, monkeypatch):
+    import modeling.flash
+
+    monkeypatch.setattr(modeling.flash, "_DOCUMENT_MASK_BYTES", mask_bytes)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 37, 8, dtype=torch.float64, generator=g, requires_grad=True) for h in (4, 2, 2))
+    starts = torch.tensor([[0] * 10 + [10] * 15 + [25] * 12, [0] * 3 + [3] * 30 + [33] * 4])
+    with explicit_attention() if explicit else torch.enable_grad():
+        out = document_attention(q, k, v, starts, 0, 8**-0.5)
+    expected = naive_document_attention(q, k, v, starts)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def packed(lengths: list[int], vocab: int, seed: int = 0) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """A row of documents end to end, each but the first (a window that begins inside one) opened by the
+    end-of-document id; and each document's (first, end) positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids, spans = [], []
+    for i, n in enumerate(lengths):
+        body = torch.randint(2, vocab, (n,), generator=g).tolist()
+        doc = body if i == 0 else [EOD, *body]
+        spans.append((len(ids), len(ids) + len(doc)))
+        ids += doc
+    return torch.tensor([ids]), spans
+
+
+def test_a_packed_row_gives_each_document_what_it_gives_alone():
+    """Full attention, float64, documents not aligned to anything: logits, summed loss and gradients of the packed
+    row equal those of each document alone (its own row, positions from 0)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", context_length=128)).double()
+    ids, spans = packed([11, 6, 23, 9, 17], model.config.vocab_size)
+    starts = document_starts(ids, EOD)
+    labels = ids.clone()
+    labels[0, [first for first, _ in spans[1:]]] = -100  # no document predicts the next one's opening id
+    out = model(ids, labels, loss_normalizer=1.0, doc_start=starts)
+    out.loss.backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    total, scale = 0.0, out.logits.abs().max().item()
+    for first, end in spans:
+        alone = model(ids[:, first:end], labels[:, first:end], loss_normalizer=1.0)
+        total = total + alone.loss
+        torch.testing.assert_close(out.logits[:, first:end], alone.logits, rtol=0, atol=1e-6 * scale)
+    total.backward()
+    torch.testing.assert_close(out.loss, total, rtol=1e-6, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=0, atol=1e-6 * p.grad.abs().max().item(), msg=name)
+    unmasked = model(ids).logits  # without the mask a document reads the ones before it: the test can tell
+    assert (unmasked[:, spans[2][0]:] - out.logits[:, spans[2][0]:]).abs().max() > 1e-3 * scale
+
+
+def test_a_future_token_never_changes_a_past_output():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", context_length=128)).double().eval()
+    ids, _ = packed([20, 15, 30], model.config.vocab_size)
+    changed = ids.clone()
+    changed[0, 40:] = (changed[0, 40:] + 5) % model.config.vocab_size
+    with torch.no_grad():
+        a = model(ids, doc_start=document_starts(ids, EOD)).logits
+        b = model(changed, doc_start=document_starts(changed, EOD)).logits
+    torch.testing.assert_close(a[:, :40], b[:, :40], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_no_square_tensor():
+    """One layer's document attention at T = 32768 under fake tensors, forward and backward: no storage exceeds one
+    chunk's mask (`_DOCUMENT_MASK_BYTES`), and the peak stays below a quarter of a (T, T) bool mask."""
+    import modeling.flash
+
+    T = 32768
+    with FakeTensorMode():
+        q = torch.empty(1, 4, T, 16, requires_grad=True)
+        k, v = (torch.empty(1, 2, T, 16, requires_grad=True) for _ in range(2))
+        starts = torch.zeros(1, T, dtype=torch.long)
+        with LiveBytesTracker() as tracker:
+            out = document_attention(q, k, v, starts, 0, 0.25)
+            out.sum().backward()
+    assert tracker.largest <= modeling.flash._DOCUMENT_MASK_BYTES, tracker.largest
+    assert tracker.peak < T * T / 4, tracker.peak
+
+
+def test_nsa_refuses_document_starts_for_now():
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa"))
+    ids = torch.randint(0, 64, (1, 40))
+    with pytest.raises(ValueError, match="NSA does not take document starts yet"):
+        model(ids, doc_start=document_starts(ids, EOD))
