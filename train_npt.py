@@ -85,6 +85,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig,
     values = {"finetune": "npt", **given}
     if values["finetune"] != "npt":
         parser.error(f"equivalence training trains NPT layers: --finetune must be npt, got {values['finetune']!r}")
+    if values.get("document_mask"):
+        parser.error("--document_mask: equivalence training matches the dense model on whole rows, its objective "
+                     "reads no document starts; leave it out")
     npt_names = {f.name for f in dataclasses.fields(NPTConfig)}
     try:
         npt_cfg = NPTConfig(**{k: v for k, v in values.items() if k in npt_names})

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from evaluation.registry import EvalTask, Setting
 from model import Transformer
+from modeling.documents import document_starts
 from modeling.loss import IGNORE_INDEX, shift_labels
 from text.shards import TokenLoader, check_tokenizer, load_index, validation_dir
 
@@ -25,17 +26,19 @@ LOSS_CHUNK = 512  # positions whose logits exist at a time when scoring windows
 
 
 def loss_by_position(model: Transformer, windows: torch.Tensor, batch_size: int = 4,
-                     progress: Callable[[int], None] | None = None) -> dict:
+                     progress: Callable[[int], None] | None = None, eod_id: int | None = None) -> dict:
     """Next-token loss of `windows` (N, T) by position: {"loss", "perplexity", "tokens", "positions" (T - 1 per-
     position means), "buckets" [{"start", "end", "loss"}] (log-spaced: [1, 2), [2, 4), ...)}. Position p is the
-    prediction of token p + 1 from tokens 0..p; logits exist for LOSS_CHUNK positions at a time."""
+    prediction of token p + 1 from tokens 0..p (with `eod_id`, those of its own document only: --document_mask);
+    logits exist for LOSS_CHUNK positions at a time."""
     N, T = windows.shape
     device = model.embed_tokens.weight.device
     sums = torch.zeros(T - 1, dtype=torch.float64)
     with torch.no_grad():
         for b0 in range(0, N, batch_size):
             ids = windows[b0:b0 + batch_size].to(device)  # (B, T)
-            hidden = model.hidden_states(ids)  # (B, T, C)
+            starts = None if eod_id is None else document_starts(ids, eod_id)  # (B, T): within each document
+            hidden = model.hidden_states(ids, doc_start=starts)  # (B, T, C)
             for p0 in range(0, T - 1, LOSS_CHUNK):
                 p1 = min(p0 + LOSS_CHUNK, T - 1)
                 logits = model.logits(hidden[:, p0:p1])  # (B, P, V)
@@ -71,15 +74,17 @@ def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int, seed
 
 
 def validation_loss(model: Transformer, windows: tuple[torch.Tensor, torch.Tensor],
-                    autocast: AbstractContextManager) -> float:
+                    autocast: AbstractContextManager, eod_id: int | None = None) -> float:
     """Mean next-token loss over the predicted tokens of every rank's validation windows (input ids, labels), each
-    (N, T), through the model's own loss path (chunked at long T). Reads neither the torch RNG nor a training
-    loader, so evaluating during training changes nothing."""
+    (N, T), through the model's own loss path (chunked at long T); with `eod_id`, each token attends within its
+    document only (train.py --document_mask). Reads neither the torch RNG nor a training loader, so evaluating
+    during training changes nothing."""
     device = model.embed_tokens.weight.device
     stats = torch.zeros(2, device=device)  # summed token loss, predicted tokens
     with torch.no_grad(), autocast:
         for row, labels in zip(*(w.to(device) for w in windows), strict=True):
-            stats[0] += model(row[None], labels[None], loss_normalizer=1.0).loss.float()
+            starts = None if eod_id is None else document_starts(row[None], eod_id)  # (1, T)
+            stats[0] += model(row[None], labels[None], loss_normalizer=1.0, doc_start=starts).loss.float()
             stats[1] += (shift_labels(labels[None]) != IGNORE_INDEX).sum()
     if dist.is_initialized():
         dist.all_reduce(stats)
@@ -96,7 +101,7 @@ def format_loss(result: dict) -> str:
 class LossTask(EvalTask):
     """loss: validation loss by token position on held-out windows (needs --data_dir or the run's data)."""
 
-    reads = ("data_dir", "eval_tokens", "batch_size", "seed")
+    reads = ("data_dir", "eval_tokens", "batch_size", "seed", "document_mask")
     default = True
     unit = "window"
     plot_file = "loss_by_position.png"
@@ -114,7 +119,8 @@ class LossTask(EvalTask):
         return len(self.windows)
 
     def run(self, model: Transformer, progress: Callable[[int], None]) -> dict:
-        return loss_by_position(model, self.windows, self.setting.options.batch_size, progress)  # prompts too
+        eod = self.setting.tokenizer.eod_id if self.setting.options.document_mask else None
+        return loss_by_position(model, self.windows, self.setting.options.batch_size, progress, eod)  # prompts too
 
     def table(self, result: dict) -> str:
         return format_loss(result)

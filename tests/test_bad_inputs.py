@@ -670,6 +670,7 @@ OPTION_CANNOT_ACT = {
     "export_dtype": ["--finetune", "lora", "--export_dtype", "float32"],
     "attention_query_chunk": ["--attention_type", "full", "--attention_query_chunk", "64"],
     "resume": ["--resume"],  # into a directory that holds no run
+    "document_mask": ["--attention_type", "nsa", "--document_mask"],
     "nsa_score_loss_coef": ["--attention_type", "full", "--nsa_score_loss_coef", "0.1"],
     **{name: ["--attention_type", "nsa", f"--{name}", value] for name, value in (
         ("nsa_score_loss_stride", "2"), ("nsa_score_loss_top", "4"), ("nsa_score_loss_target", "selection"))},
@@ -787,14 +788,14 @@ def test_every_option_of_the_other_entries_that_cannot_act_is_refused(four_check
         return {action.dest for action in parser._actions if action.dest != "command"}
 
     values = {"documents": "x.jsonl", "pairs": "4", "depths": "0.5", "data_dir": str(data_dir), "eval_tokens": "64",
-              "lengths": "64", "samples": "2", "batch_size": "2", "seed": "1"}
+              "lengths": "64", "samples": "2", "batch_size": "2", "seed": "1", "document_mask": None}  # None: a flag
     assert dests(eval_cli.build_parser()) == {*eval_cli.readers(), "data_dir", *EVAL_ACT_ALONE}, "classify it"
     documents = str(tmp_path / "docs.jsonl")
     (tmp_path / "docs.jsonl").write_text('{"text": "def f(): pass"}\n')
     for name in eval_cli.readers():
         tasks = ["--tasks", "loss"] if name == "documents" else ["--tasks", "documents", "--documents", documents]
-        err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), *tasks, f"--{name}",
-                                                     values[name]], capsys)
+        option = [f"--{name}"] + ([values[name]] if values[name] is not None else [])
+        err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), *tasks, *option], capsys)
         assert f"--{name} is read only by the task(s)" in err, err
     err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "documents",
                                                  "--documents", documents, "--data_dir", str(data_dir)], capsys)

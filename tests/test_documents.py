@@ -127,3 +127,39 @@ def test_nsa_refuses_document_starts_for_now():
     ids = torch.randint(0, 64, (1, 40))
     with pytest.raises(ValueError, match="NSA does not take document starts yet"):
         model(ids, doc_start=document_starts(ids, EOD))
+
+
+def test_train_and_eval_take_the_document_mask(data_dir, tmp_path):
+    """train.py --document_mask: the first step's loss is the model's loss on the same batch with each row's document
+    starts (and differs from the loss without them, the batch holding several documents); eval.py's loss task takes
+    the same option; NSA refuses it up front."""
+    import json
+
+    import eval as eval_cli
+    import train
+    from text.shards import TokenLoader, prepare
+    from text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(data_dir / "tokenizer.model")
+    documents = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 3) for i in range(400)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    short = tmp_path / "short"
+    prepare([tmp_path / "docs.jsonl"], tokenizer, short, progress=False, validation_fraction=0.1)
+    args = ["--model_size", "tiny", "--context_length", "512", "--batch_size", "2", "--max_steps", "1",
+            "--sample_tokens", "0", "--data_dir", str(short)]
+    first = train.main([*args, "--document_mask", "--out_dir", str(tmp_path / "run")])
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_dict(record["model"]))
+    ids, labels = next(TokenLoader(short, 512, 2, 0, 1, 0))
+    eod = tokenizer.eod_id
+    assert (ids == eod).sum() >= 2  # documents to keep apart
+    with torch.no_grad():
+        masked = model(ids, labels, doc_start=document_starts(ids, eod)).loss.item()
+        unmasked = model(ids, labels).loss.item()
+    assert first["loss"] == pytest.approx(masked, rel=1e-5) and abs(masked - unmasked) > 1e-4
+    results = eval_cli.main([str(tmp_path / "run" / "model"), "--tasks", "loss", "--document_mask", "--eval_tokens",
+                             "1024", "--out_dir", str(tmp_path / "eval")])
+    assert results["loss"]["tokens"] > 0
+    with pytest.raises(ValueError, match="--document_mask: NSA does not take document starts yet"):
+        train.main([*args, "--attention_type", "nsa", "--document_mask", "--out_dir", str(tmp_path / "nsa")])

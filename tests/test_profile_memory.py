@@ -374,3 +374,14 @@ def test_measured_on_gpu_matches_estimate():
     estimated, measured = pm.estimate(config), pm.measure(config)
     # The GPU adds what the tracker cannot see (cuBLAS workspaces, 512-byte rounding): allow 5%.
     assert_stages_close(estimated["stages"], measured["stages"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_the_document_mask_adds_only_its_boundaries_to_the_estimate():
+    """--document_mask at 16k tokens (full attention, one sequence): every stage's estimate within O(T) bytes of the
+    unmasked one (the document starts; the attention's chunk masks live inside its call and stay below the peak)."""
+    T = 16384
+    stages = [pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=T, attention_type="full", batch_size=1,
+                                           document_mask=mask))["stages"] for mask in (False, True)]
+    for name, plain in stages[0].items():
+        assert 0 <= stages[1][name]["total"] - plain["total"] <= 16 * T, name

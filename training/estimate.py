@@ -272,10 +272,11 @@ def _warm_up(model: Transformer, optimizer: torch.optim.Optimizer, seq_len: int,
 
 
 def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_ids: Tensor, labels: Tensor,
-                   autocast: AbstractContextManager, probe: Probe, progress: Callable[[str], None] = _quiet
-                   ) -> tuple[dict[str, dict[str, int]], str]:
+                   autocast: AbstractContextManager, probe: Probe, progress: Callable[[str], None] = _quiet,
+                   doc_start: Tensor | None = None) -> tuple[dict[str, dict[str, int]], str]:
     """One training step as train.py runs it (forward + loss under `autocast`, backward, gradient clipping, AdamW
     step, zero_grad) with `probe` read at each stage; `progress` is called with each phase's name as it starts.
+    `doc_start` (B, T): the document starts of --document_mask (their values change no allocation).
 
     Returns ({stage: {"total": bytes, category: bytes, ...}} in time order with the peak of each phase, the loss
     path taken: "standard" or "chunked").
@@ -294,7 +295,7 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
         progress("forward")
         probe.start_phase("forward")
         with autocast:
-            output = model(input_ids, labels=labels)
+            output = model(input_ids, labels=labels, doc_start=doc_start)
         loss, loss_path = output.loss, "standard" if output.logits is not None else "chunked"
         del output  # the logits of the standard path are not kept
         stages["after loss"] = probe.current()
@@ -354,8 +355,9 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
             else:
                 probe = _Tracked(model, optimizer, (input_ids, labels))
             with probe:
+                starts = torch.zeros(B, T, dtype=torch.long, device=device) if config.train.document_mask else None
                 stages, loss_path = _training_step(model, optimizer, input_ids, labels, _autocast(config, device),
-                                                   probe, progress)
+                                                   probe, progress, starts)
             return {"stages": stages, "loss_path": loss_path, "num_parameters": model.num_parameters(),
                     "stand_in": description}
 

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from evaluation.loss import validation_loss, validation_windows
 from model import Transformer
 from modeling.config import ComputeConfig, GiB, ModelConfig
+from modeling.documents import document_starts
 from modeling.loss import IGNORE_INDEX, shift_labels
 from nsa.from_dense import FRESH, nsa_state_from_dense
 from storage.checkpoint import (
@@ -152,17 +153,17 @@ def build_optimizer(model: Transformer, cfg: TrainConfig) -> tuple[torch.optim.A
 
 # ---- the run: everything the loop needs, prepared in one order -------------------------------------------------
 
-Loss = Callable[[Transformer, Tensor, Tensor, Tensor, int], tuple[Tensor, dict[str, Tensor]]]
+Loss = Callable[..., tuple[Tensor, dict[str, Tensor]]]  # (model, input_ids, labels, n_tokens, n_micro[, doc_start])
 
 
-def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Tensor, n_micro: int
-            ) -> tuple[Tensor, dict[str, Tensor]]:
+def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Tensor, n_micro: int,
+            doc_start: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Language modelling: the micro-batch's summed next-token loss divided by `n_tokens`, the predicted tokens of
     the whole step (all micro-batches on all ranks), plus the attention's training-only terms (as `aux_loss`, the
     one extra metric, when there are any: e.g. --nsa_score_loss_coef 0.1), each a mean over
     its own rows, weighted 1 / (the step's micro-batches on all ranks) whatever the labels."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    out = model(input_ids, labels, loss_normalizer=n_tokens, aux_weight=1 / (n_micro * ranks))
+    out = model(input_ids, labels, loss_normalizer=n_tokens, aux_weight=1 / (n_micro * ranks), doc_start=doc_start)
     return out.loss, {} if out.aux_loss is None else {"aux_loss": out.aux_loss}
 
 
@@ -433,17 +434,18 @@ def resume(run: Run) -> dict:
 def forward_backward(model: Transformer, batches: list[list[Tensor]], autocast: contextlib.AbstractContextManager,
                      loss_fn: Loss = lm_loss) -> tuple[Tensor, dict[str, Tensor]]:
     """Accumulate into `.grad` the gradient of the step's loss from this rank's micro-batches `batches`
-    (A x [input_ids, labels], each (B, T)); return this rank's part of the loss and of the extra metrics (0-dim
+    (A x [input_ids, labels] each (B, T), and each row's document starts (B, T) with --document_mask: handed to
+    `loss_fn`); return this rank's part of the loss and of the extra metrics (0-dim
     tensors; their sums over ranks are the step's values). The predicted-token count of the whole global batch is
     one all-reduce; FSDP sums the gradients over ranks (apply_fsdp(sum_gradients=True))."""
-    n_tokens = sum((shift_labels(labels) != IGNORE_INDEX).sum() for _, labels in batches)
+    n_tokens = sum((shift_labels(labels) != IGNORE_INDEX).sum() for _, labels, *_ in batches)
     if dist.is_initialized():
         dist.all_reduce(n_tokens)
     n_tokens = n_tokens.clamp(min=1).float()
     loss_sum, extras = torch.zeros((), device=n_tokens.device), {}
-    for input_ids, labels in batches:
+    for input_ids, labels, *doc_start in batches:
         with autocast:
-            loss, metrics = loss_fn(model, input_ids, labels, n_tokens, len(batches))
+            loss, metrics = loss_fn(model, input_ids, labels, n_tokens, len(batches), *doc_start)
         loss.backward()
         loss_sum += loss.detach()
         for name, value in metrics.items():
@@ -529,7 +531,8 @@ def observe(run: Run, step_metrics: dict, dt: float, previous: dict, leaks: Leak
         flops = flops_per_token(run.model.config, cfg.context_length)
         metrics["mfu"] = flops * run.step_tokens / dt / run.rt.world_size / peak
     if run.val_windows is not None and (run.step % cfg.eval_interval == 0 or run.step == cfg.max_steps):
-        metrics["val_loss"] = validation_loss(run.model, run.val_windows, run.autocast)
+        metrics["val_loss"] = validation_loss(run.model, run.val_windows, run.autocast,
+                                              run.tokenizer.eod_id if cfg.document_mask else None)
         metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 700))
     return metrics
 
@@ -610,6 +613,8 @@ def loop(run: Run) -> dict:
                 heartbeat.begin(run.step + 1)
             batches = [[t.to(rt.device, non_blocking=True) for t in next(run.loader)]  # A x [ids, labels] (B, T)
                        for _ in range(A)]
+            if cfg.document_mask:  # each row's document starts (B, T), from its end-of-document ids
+                batches = [[ids, labels, document_starts(ids, run.tokenizer.eod_id)] for ids, labels in batches]
             step_metrics, (stop, save_due) = train_step(run, batches, requests)
             if (change := threads.update()) and main_rank:
                 tqdm.write(change)
