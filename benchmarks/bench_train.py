@@ -15,7 +15,8 @@ row ("sparse_labels") or on the target rows only ("answer_loss": what train.py -
 step with NSA's selection-scoring loss at weight 0.1 ("score_loss", nsa/scoring.py; for NSA only, with full
 attention it is the answer_loss step), with that loss on every 8th query ("score_loss_stride8"), over each query's
 24 blocks of highest importance and 8 random others ("score_loss_top24_random8") and both
-("score_loss_top24_random8_stride8"). Random token
+("score_loss_top24_random8_stride8"); --document_mask with one document a row ("document_mask": the mask's cost
+over plain causal attention) and with documents of 256 tokens ("document_mask_256"). Random token
 ids (the data pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load changes on
 the machine hit all of them alike; the table reports the median step time per variant, tokens/s, the time ratio to
 the first variant, and the first step's time (for compile: the compilation). With --memory, each variant also runs
@@ -47,8 +48,10 @@ from training import (
 from training.cli import json_object  # noqa: E402
 
 
-def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, sparse_labels: bool = False):
-    """A closure running one optimizer step of `cfg` on random tokens (with `sparse_labels`, one target in 6)."""
+def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, sparse_labels: bool = False,
+              document: int | None = None):
+    """A closure running one optimizer step of `cfg` on random tokens (with `sparse_labels`, one target in 6; with
+    --document_mask, documents of `document` tokens, or one a row)."""
     model = trainer.build_model(*train_config.build_model_config(cfg, vocab), cfg, rt)
     optimizer, _ = trainer.build_optimizer(model, cfg)
     A, B, T = cfg.gradient_accumulation_steps, cfg.batch_size, cfg.context_length
@@ -56,6 +59,9 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, s
     ids = torch.randint(0, vocab, (A, B, T), generator=gen)  # (A, B, T)
     labels = ids.masked_fill(torch.arange(T) % 6 != 0, IGNORE_INDEX) if sparse_labels else ids  # (A, B, T)
     batches = [list(pair) for pair in zip(ids, labels, strict=True)]  # A x 2 x (B, T)
+    if cfg.document_mask:  # each row's document starts (B, T)
+        starts = torch.arange(T) // (document or T) * (document or T)
+        batches = [[*batch, starts.expand(B, T)] for batch in batches]
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
 
     def step() -> None:
@@ -72,7 +78,9 @@ SCORE_LOSS = {"score_loss": {}, "score_loss_stride8": {"nsa_score_loss_stride": 
               "score_loss_top24_random8": {"nsa_score_loss_top": 24, "nsa_score_loss_random": 8},
               "score_loss_top24_random8_stride8": {"nsa_score_loss_top": 24, "nsa_score_loss_random": 8,
                                                    "nsa_score_loss_stride": 8}}
-VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss", *SCORE_LOSS)
+DOCUMENTS = {"document_mask": None, "document_mask_256": 256}  # --document_mask: tokens per document (None: a row)
+VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss", *SCORE_LOSS,
+            *DOCUMENTS)
 SPARSE = ("sparse_labels", "answer_loss", *SCORE_LOSS)  # labels keep one target in 6
 
 
@@ -83,7 +91,7 @@ def variant_config(base: train_config.TrainConfig, variant: str) -> train_config
     changes = {"default": {}, "checkpointing": {"gradient_checkpointing": True},
                "microsteps": {"batch_size": base.batch_size // 2, "gradient_accumulation_steps": 2},
                "bf16": {"dtype": "bfloat16"}, "compile": {"compile": True}, "sparse_labels": {},
-               "answer_loss": {"answer_loss": True}}[variant]
+               "answer_loss": {"answer_loss": True}, **dict.fromkeys(DOCUMENTS, {"document_mask": True})}[variant]
     return dataclasses.replace(base, **changes)
 
 
@@ -129,14 +137,15 @@ def main() -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak RSS (VmHWM) restarts from the current RSS: imports do not count
         rss_before = _status_bytes("VmRSS")
-        step = make_step(config(*args.child), rt, args.vocab, args.child[1] in SPARSE)
+        step = make_step(config(*args.child), rt, args.vocab, args.child[1] in SPARSE, DOCUMENTS.get(args.child[1]))
         step()
         step()
         growth = _status_bytes("VmHWM") - rss_before
         print(json.dumps({"peak_growth": growth}))
         return
     names = {(a, v): f"{a}: {v}" for a in args.attention_type for v in args.variants}
-    steps = {name: make_step(config(*key), rt, args.vocab, key[1] in SPARSE) for key, name in names.items()}
+    steps = {name: make_step(config(*key), rt, args.vocab, key[1] in SPARSE, DOCUMENTS.get(key[1]))
+             for key, name in names.items()}
     first: dict[str, float] = {}
     for name, step in steps.items():  # warm-up: allocator, optimizer state, compilation
         t0 = time.perf_counter()

@@ -57,16 +57,26 @@ def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, lse: Tensor, scale
     return _logits(q, k, mask, scale).sub_(lse[..., None]).exp_()
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool = False
+           ) -> tuple[Tensor, Tensor]:
     """Softmax attention of q (N, M, L, D) over k, v (N, M, S, D) under an additive mask broadcastable to
-    (N, M, L, S) (q's dtype; None: every key). Every row must see at least one key.
+    (N, M, L, S) (q's dtype; None: every key), or with `causal` (and no mask; L == S) row i over keys 0..i. Every
+    row must see at least one key.
 
     Returns (out (N, M, L, D) in q's dtype, lse (N, M, L) in at least float32)."""
     if fused(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                           scale=scale)
-    out, lse, _ = attend_explicit(q, k, v, mask, scale)
+    out, lse, _ = attend_explicit(q, k, v, _causal_mask(q, mask) if causal else mask, scale)
     return out, lse
+
+
+def _causal_mask(q: Tensor, mask: Tensor | None) -> Tensor:
+    """The additive causal mask (L, L) of q (..., L, D); `attend` takes it or a mask, not both."""
+    if mask is not None:
+        raise ValueError("attend: a causal call takes no mask")
+    rows = torch.arange(q.shape[-2], device=q.device)
+    return additive_mask(rows <= rows[:, None], q.dtype)
 
 
 def attend_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
@@ -80,13 +90,13 @@ def attend_explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
 
 
 def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    mask: Tensor | None, scale: float, causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of `attend`. With `out` and `lse` those of a larger attention that also covers other
     keys (and grad_out its gradient), the result is this key set's share of the larger attention's gradients."""
     if fused(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-    p = _probabilities(q, k, mask, lse, scale)  # (N, M, L, S)
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    p = _probabilities(q, k, _causal_mask(q, mask) if causal else mask, lse, scale)  # (N, M, L, S)
     dv = p.to(v.dtype).transpose(-1, -2) @ grad_out
     delta = (grad_out * out).sum(-1, keepdim=True).to(p.dtype)  # (N, M, L, 1)
     ds = p.mul_((grad_out @ v.transpose(-1, -2)).to(p.dtype).sub_(delta)).mul_(scale).to(q.dtype)  # dS = P(dP - delta)
@@ -94,6 +104,7 @@ def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 
 
 _DOCUMENT_MASK_BYTES = 64 * 2**20  # bytes of one query chunk's mask (or explicit logits) in `document_attention`
+_DOCUMENT_CHUNK = 256  # queries per chunk at most: a chunk reads keys up to its last query, so causal work is kept
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, q_offset: int, scale: float) -> Tensor:
@@ -102,24 +113,33 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, q_offset
     or a left-padded row's first real token). q (B, H, T, D), k, v (B, KV, S, D) with S = q_offset + T (GQA: H a
     multiple of KV), starts (B, T) long, each at most its query's position. Returns (B, H, T, D).
 
-    Queries run in chunks whose mask (or explicit logits) takes about _DOCUMENT_MASK_BYTES, each chunk over the keys
-    from its queries' earliest start on (on CPU; from 0 elsewhere, where finding it would wait for the device, and on
-    fake tensors); the masks are rebuilt from `starts` in backward, so no (T, S) tensor exists and backward keeps
-    q, k, v, the output and its log-sum-exp only."""
+    Queries run in chunks of at most _DOCUMENT_CHUNK whose mask (or explicit logits) takes at most
+    _DOCUMENT_MASK_BYTES, each chunk over the keys up to its last query (so the work stays about causal attention's)
+    and from its queries' earliest start on (on CPU; from 0 elsewhere, where finding it would wait for the device,
+    and on fake tensors); a chunk inside one document needs no mask at all. Masks are rebuilt from `starts` in
+    backward, so no (T, S) tensor exists and backward keeps q, k, v, the output and its log-sum-exp only."""
     return _DocumentAttention.apply(q, k, v, starts, q_offset, scale)
 
 
-def _document_chunks(q: Tensor, k: Tensor, starts: Tensor, q_offset: int) -> Iterator[tuple[int, int, int, Tensor]]:
-    """(first query, end query, first key, allowed (B, 1, G*Q, S') bool, rows t-major: row t*G + g) of each chunk."""
+def _document_chunks(q: Tensor, k: Tensor, starts: Tensor, q_offset: int
+                     ) -> Iterator[tuple[int, int, int, Tensor | None]]:
+    """(first query, end query, first key, allowed) of each chunk: allowed (B, 1, Q*G, S') bool, rows t-major (row
+    t*G + g), or None when every query of the chunk starts at its first key (one document over the chunk: it then
+    runs as unmasked past keys and a causal square, `_DocumentAttention._parts`)."""
     B, H, T, _ = q.shape
     G, S = H // k.shape[1], k.shape[2]
-    step = max(1, min(T, _DOCUMENT_MASK_BYTES // max(1, 4 * G * S * B)))
+    step = max(1, min(T, _DOCUMENT_CHUNK, _DOCUMENT_MASK_BYTES // max(1, 4 * G * S * B)))
+    host = starts.device.type == "cpu" and not is_fake(starts)
     for c0 in range(0, T, step):
         c1 = min(c0 + step, T)
-        low = int(starts[:, c0:c1].min()) if starts.device.type == "cpu" and not is_fake(starts) else 0
+        chunk = starts[:, c0:c1]  # (B, Q)
+        low = int(chunk.min()) if host else 0
+        if host and bool((chunk == low).all()):
+            yield c0, c1, low, None
+            continue
         keys = torch.arange(low, q_offset + c1, device=q.device)  # (S',)
         queries = torch.arange(q_offset + c0, q_offset + c1, device=q.device)  # (Q,)
-        allowed = (keys >= starts[:, c0:c1, None]) & (keys <= queries[:, None])  # (B, Q, S')
+        allowed = (keys >= chunk[:, :, None]) & (keys <= queries[:, None])  # (B, Q, S')
         yield c0, c1, low, allowed.repeat_interleave(G, dim=1)[:, None]  # (B, 1, Q*G, S')
 
 
@@ -136,16 +156,38 @@ def _heads(x: Tensor, G: int) -> Tensor:
 
 
 class _DocumentAttention(torch.autograd.Function):
+    """`document_attention`. A masked chunk attends its key range under its mask, heads folded into rows; a chunk
+    inside one document attends the keys before it without a mask (rows) and itself causally (heads, the square's
+    K/V repeated per head), the two merged through their log-sum-exp as flash attention's key blocks."""
+
+    @staticmethod
+    def _parts(q: Tensor, k: Tensor, v: Tensor, c0: int, c1: int, low: int, allowed: Tensor | None, q_offset: int
+               ) -> list[tuple[Tensor, Tensor, Tensor, Tensor | None, bool, int, int]]:
+        """(q, k, v, mask, causal, first key, end key) of each attention of a chunk; q, k, v as `attend` takes them:
+        heads folded into rows (t-major) unless causal."""
+        G, first, hi = q.shape[1] // k.shape[1], q_offset + c0, q_offset + c1
+        if allowed is not None:
+            return [(_rows(q[:, :, c0:c1], G), k[:, :, low:hi], v[:, :, low:hi], additive_mask(allowed, q.dtype),
+                     False, low, hi)]
+        square = [(q[:, :, c0:c1], k[:, :, first:hi].repeat_interleave(G, 1), v[:, :, first:hi].repeat_interleave(G, 1),
+                   None, True, first, hi)]
+        past = [(_rows(q[:, :, c0:c1], G), k[:, :, low:first], v[:, :, low:first], None, False, low, first)]
+        return (past if low < first else []) + square
+
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, starts: Tensor, q_offset: int, scale: float) -> Tensor:
         G = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)  # (B, H, T, D)
         lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))  # (B, H, T)
         for c0, c1, low, allowed in _document_chunks(q, k, starts, q_offset):
-            hi = q_offset + c1
-            o, l = attend(_rows(q[:, :, c0:c1], G), k[:, :, low:hi], v[:, :, low:hi], additive_mask(allowed, q.dtype),
-                          scale)
-            out[:, :, c0:c1], lse[:, :, c0:c1] = _heads(o, G), _heads(l, G)
+            results = []
+            for qp, kp, vp, mask, causal, _, _ in _DocumentAttention._parts(q, k, v, c0, c1, low, allowed, q_offset):
+                o, l = attend(qp, kp, vp, mask, scale, causal)
+                results.append((o, l) if causal else (_heads(o, G), _heads(l, G)))  # (B, H, Q, D), (B, H, Q)
+            total = torch.logaddexp(results[0][1], results[1][1]) if len(results) == 2 else results[0][1]
+            lse[:, :, c0:c1] = total
+            out[:, :, c0:c1] = sum((o * (l - total).exp()[..., None].to(o.dtype) for o, l in results)
+                                   ) if len(results) == 2 else results[0][0]
         ctx.save_for_backward(q, k, v, starts, out, lse)
         ctx.q_offset, ctx.scale = q_offset, scale
         return out
@@ -153,15 +195,22 @@ class _DocumentAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, starts, out, lse = ctx.saved_tensors
-        G = q.shape[1] // k.shape[1]
+        G, KV = q.shape[1] // k.shape[1], k.shape[1]
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for c0, c1, low, allowed in _document_chunks(q, k, starts, ctx.q_offset):
-            hi = ctx.q_offset + c1
-            rows = [_rows(t[:, :, c0:c1].contiguous(), G) for t in (grad_out, q, out)]
-            dq_c, dk_c, dv_c = attend_backward(rows[0], rows[1], k[:, :, low:hi], v[:, :, low:hi], rows[2],
-                                               _rows(lse[:, :, c0:c1, None], G)[..., 0],
-                                               additive_mask(allowed, q.dtype), ctx.scale)
-            dq[:, :, c0:c1] = _heads(dq_c, G)
-            dk[:, :, low:hi] += dk_c
-            dv[:, :, low:hi] += dv_c
+            for qp, kp, vp, mask, causal, k0, k1 in _DocumentAttention._parts(q, k, v, c0, c1, low, allowed,
+                                                                               ctx.q_offset):
+                g, o, l = (t[:, :, c0:c1] for t in (grad_out, out, lse))
+                if not causal:
+                    g, o, l = _rows(g, G), _rows(o, G), _rows(l[..., None], G)[..., 0]
+                dq_p, dk_p, dv_p = attend_backward(g.contiguous(), qp, kp, vp, o.contiguous(), l.contiguous(), mask,
+                                                   ctx.scale, causal)
+                if causal:  # (B, H, Q, D): the square's keys were repeated per head
+                    dq[:, :, c0:c1] += dq_p
+                    dk[:, :, k0:k1] += dk_p.unflatten(1, (KV, G)).sum(2)
+                    dv[:, :, k0:k1] += dv_p.unflatten(1, (KV, G)).sum(2)
+                else:
+                    dq[:, :, c0:c1] += _heads(dq_p, G)
+                    dk[:, :, k0:k1] += dk_p
+                    dv[:, :, k0:k1] += dv_p
         return dq, dk, dv, None, None, None
