@@ -333,14 +333,16 @@ class Transformer(nn.Module):
                  generator: torch.Generator | None = None) -> Tensor:
         """Prefill `input_ids` (B, T) into a preallocated KV cache, then decode `max_new_tokens` tokens one at a
         time. temperature 0 is greedy. Rows that emit `eos_id` keep emitting it; decoding stops early once every row
-        has. Returns (B, T + generated) token ids. All rows must share one prompt length (a tensor guarantees it;
-        left-padding is not supported because the model takes no attention mask)."""
+        has. Returns (B, T + generated) token ids. Prompts of different lengths (a list of lists) are padded on the
+        left to the longest with id 0, and each row attends from its first real token on (`doc_start`: attention
+        types that take it, full attention); each row then generates what it generates alone."""
+        pads = None
         if not isinstance(input_ids, Tensor):
-            lengths = {len(row) for row in input_ids}
-            if len(lengths) > 1:
-                raise ValueError(f"prompts of different lengths {sorted(lengths)} are not supported in one batch: "
-                                 "generate them separately (the model takes no padding mask)")
-            input_ids = torch.tensor(input_ids, device=self.embed_tokens.weight.device)
+            longest = max(len(row) for row in input_ids)
+            pads = torch.tensor([longest - len(row) for row in input_ids], device=self.embed_tokens.weight.device)
+            input_ids = torch.tensor([[0] * (longest - len(row)) + list(row) for row in input_ids],
+                                     device=self.embed_tokens.weight.device)  # (B, T), padded on the left
+            pads = pads if bool(pads.any()) else None
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         check_sampling(temperature, top_k, top_p)
@@ -356,7 +358,9 @@ class Transformer(nn.Module):
         try:
             out = [input_ids]
             finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-            logits = self.logits(self.hidden_states(input_ids, start_pos=0)[:, -1])  # (B, V)
+            positions = torch.arange(T, device=input_ids.device)
+            starts = None if pads is None else torch.minimum(positions, pads[:, None])  # (B, T): a pad sees itself
+            logits = self.logits(self.hidden_states(input_ids, start_pos=0, doc_start=starts)[:, -1])  # (B, V)
             for i in range(max_new_tokens):
                 token = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B,)
                 if eos_id is not None:
@@ -365,7 +369,8 @@ class Transformer(nn.Module):
                 out.append(token[:, None])
                 if i == max_new_tokens - 1 or (eos_id is not None and bool(finished.all())):
                     break
-                logits = self.logits(self.hidden_states(token[:, None], start_pos=T + i)[:, -1])  # (B, V)
+                starts = None if pads is None else pads[:, None]  # (B, 1)
+                logits = self.logits(self.hidden_states(token[:, None], start_pos=T + i, doc_start=starts)[:, -1])
         finally:
             self.clear_kv_cache()
         return torch.cat(out, dim=1)

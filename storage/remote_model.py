@@ -14,8 +14,9 @@ embeddings and each layer's output, the last after the final norm: n_layers + 1)
 (the mean next-token loss), gradient checkpointing (`gradient_checkpointing_enable`, its kwargs passed to
 torch.utils.checkpoint), `resize_token_embeddings` (the inner ModelConfig follows). `generate` refuses up front a
 length beyond the context, and decodes through the project's own preallocated caches (`LongctxCache`: the
-compressed, selection and window keys of NSA; greedy, sampling and beam search). The model takes no padding mask: an
-attention_mask with a zero is refused.
+compressed, selection and window keys of NSA; greedy, sampling and beam search). Padding on the right (training,
+scoring) needs nothing: a real token never reads a later one. Padding on the left becomes each row's first
+position (`padding_starts`, the model's `doc_start`), which NSA does not take yet: it is refused, naming it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,23 @@ class LongctxConfig(PretrainedConfig):
     def __init__(self, longctx_model: dict | None = None, **kwargs: object) -> None:
         self.longctx_model = longctx_model or {}
         super().__init__(**kwargs)
+
+
+def padding_starts(attention_mask: Tensor | None, start: int, n_new: int) -> Tensor | None:
+    """The first position each of the `n_new` tokens from position `start` may attend to, from transformers'
+    attention_mask (B, S >= start + n_new; 1: a real token): None without padding, or with padding on the right only
+    (a real token never reads a later one); with padding on the left, each row's first real token (B, n_new) (a pad
+    sees itself), which the model's attention takes as `doc_start`. ValueError for zeros between real tokens."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    mask = attention_mask.bool()
+    if bool((mask[:, 1:] <= mask[:, :-1]).all()):  # ones, then zeros: padded on the right
+        return None
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise ValueError("attention_mask has zeros between real tokens: pad on the left or the right only")
+    first = (~mask).sum(1, keepdim=True)  # (B, 1): leading pads
+    positions = torch.arange(start, start + n_new, device=mask.device)  # (n_new,)
+    return torch.minimum(positions, first)  # (B, n_new)
 
 
 class LongctxCache:
@@ -124,13 +142,13 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
         (B, T), unshifted as transformers passes them (-100 ignored), the mean next-token loss (and no logits where
         the model's chunked loss ran); with output_hidden_states, n_layers + 1 hidden states (B, T, C). With `cache`
         (generate's, without gradients) the tokens continue the sequence it holds and are appended to it."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("this model takes no padding mask: pass prompts of one length (batch size 1, or no "
-                             "padding)")
+        start = None if cache is None else cache.length
+        n_new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        doc_start = padding_starts(attention_mask, start or 0, n_new)
         hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         layers: list[Tensor] | None = [] if hidden else None
-        start = None if cache is None else cache.length
-        out = self.model(input_ids, labels=labels, start_pos=start, inputs_embeds=inputs_embeds, layer_outputs=layers)
+        out = self.model(input_ids, labels=labels, start_pos=start, inputs_embeds=inputs_embeds, layer_outputs=layers,
+                         doc_start=doc_start)
         if cache is not None:
             cache.length += (input_ids if input_ids is not None else inputs_embeds).shape[1]
         result = CausalLMOutputWithPast(loss=out.loss, logits=None if out.logits is None else out.logits.float(),

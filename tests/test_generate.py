@@ -45,9 +45,19 @@ def test_generation_stops_at_eos_and_pads_finished_rows(model):
     assert out[0, 6] == eos and (out[0, 6:] == eos).all()
 
 
-def test_prompts_of_different_lengths_are_refused_clearly(model):
-    with pytest.raises(ValueError, match="different lengths"):
-        model.generate([[1, 2, 3], [4, 5]], max_new_tokens=2)
+def test_prompts_of_different_lengths_generate_what_each_generates_alone(model):
+    """Left-padded in one batch, each row attending from its first real token: greedy tokens equal each prompt's
+    alone (full attention); NSA refuses the padding, naming it."""
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (9, 4, 13)]
+    out = model.generate(prompts, max_new_tokens=8, temperature=0)
+    assert out.shape == (3, 13 + 8)
+    for row, prompt in zip(out, prompts, strict=True):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=8, temperature=0)[0]
+        assert row[13 - len(prompt):].tolist() == alone.tolist()
+    nsa = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa"))
+    with pytest.raises(ValueError, match="a left-padded row"):
+        nsa.generate([[1, 2, 3], [4, 5]], max_new_tokens=2)
 
 
 def test_generation_past_context_length_is_refused(model):

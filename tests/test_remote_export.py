@@ -55,7 +55,7 @@ def test_transformers_runs_the_nsa_export_as_the_project_does(tmp_path: Path, op
     prompt = ids[:1, :40]
     greedy = theirs.generate(prompt, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompt))
     assert greedy.tolist() == model.generate(prompt, 12, temperature=0.0).tolist()
-    with pytest.raises(ValueError, match="takes no padding mask"):
+    with pytest.raises(ValueError, match="NSA does not take document starts yet .* a left-padded row"):
         theirs(ids, attention_mask=torch.tensor([[0] + [1] * 69, [1] * 70]))
     assert (theirs.model.lm_head.weight is theirs.model.embed_tokens.weight) == model.config.tie_embeddings
     theirs.save_pretrained(tmp_path / "again")  # transformers' own save (a tied output weight left out) reads back
@@ -166,3 +166,26 @@ def test_generate_decodes_through_the_cache_as_without_it(nsa_export):
     theirs.generate(prompt, max_new_tokens=5, do_sample=False)
     hook.remove()
     assert read == [60, 1, 1, 1, 1]
+
+
+def test_right_padded_rows_give_their_real_tokens_what_they_give_alone(nsa_export):
+    """Padding on the right (training batches, scoring) is taken: each row's real tokens get the logits and loss of
+    the row alone; zeros between real tokens are refused."""
+    path, model = nsa_export
+    theirs = load(path).eval()
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (70, 45)]
+    ids = torch.zeros(2, 70, dtype=torch.long)
+    mask = torch.zeros(2, 70, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        batch = theirs(ids, attention_mask=mask, labels=labels)
+        for i, row in enumerate(rows):
+            alone = theirs(row[None])
+            scale = alone.logits.abs().max().item()  # float32: batched kernels may sum in another order
+            torch.testing.assert_close(batch.logits[i, :len(row)], alone.logits[0], rtol=0, atol=1e-5 * scale)
+        with pytest.raises(ValueError, match="zeros between real tokens"):
+            theirs(ids, attention_mask=torch.tensor([[1, 0] + [1] * 68, [1] * 70]))
+    assert batch.loss.isfinite()
