@@ -161,22 +161,28 @@ class FullAttention(nn.Module):
         v = self.v_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, KV, T, D)
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
-        mask = None
         if start_pos is not None:
             if self.cache is None:
                 raise RuntimeError("start_pos was given but no KV cache is set up; call model.setup_kv_cache()")
             k, v = self.cache.update(start_pos, k, v)  # (B, KV, S, D), S = start_pos + T
-            if start_pos > 0 and T > 1:
-                # Continuing a cache with several tokens: query i sees keys <= start_pos + i. (T, S), small T.
-                pos_q = torch.arange(start_pos, start_pos + T, device=x.device)
-                mask = pos_q[:, None] >= torch.arange(start_pos + T, device=x.device)[None, :]  # (T, S)
-        if doc_start is not None:  # each query from its document's start on: no (T, S) mask (modeling/flash.py)
-            y = document_attention(q, k, v, doc_start, start_pos or 0, cfg.head_dim**-0.5)  # (B, H, T, D)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                               enable_gqa=cfg.n_rep > 1)  # (B, H, T, D)
+        y = self.attend(q, k, v, start_pos or 0, doc_start)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, offset: int, doc_start: Tensor | None) -> Tensor:
+        """The attention of rotated queries q (B, H, T, D) at positions [offset, offset + T) over the keys and values
+        k, v (B, KV, S, D) at positions [0, S), S = offset + T: causal, from each query's `doc_start` on when given.
+        Returns (B, H, T, D). A variant that changes which keys a query sees overrides this alone
+        (examples/sliding_window_attention.py)."""
+        T = q.shape[2]
+        if doc_start is not None:  # each query from its document's start on: no (T, S) mask (modeling/flash.py)
+            return document_attention(q, k, v, doc_start, offset, self.config.head_dim**-0.5)
+        mask = None
+        if offset > 0 and T > 1:  # continuing a cache with several tokens: query i sees keys <= offset + i
+            pos_q = torch.arange(offset, offset + T, device=q.device)
+            mask = pos_q[:, None] >= torch.arange(offset + T, device=q.device)[None, :]  # (T, S), small T
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                              enable_gqa=self.config.n_rep > 1)
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                     device: torch.device | str | None) -> None:
