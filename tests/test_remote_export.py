@@ -189,3 +189,31 @@ def test_right_padded_rows_give_their_real_tokens_what_they_give_alone(nsa_expor
         with pytest.raises(ValueError, match="zeros between real tokens"):
             theirs(ids, attention_mask=torch.tensor([[1, 0] + [1] * 68, [1] * 70]))
     assert batch.loss.isfinite()
+
+
+def test_a_trainer_fine_tunes_the_export_with_checkpointing_and_right_padded_batches(nsa_export, tmp_path):
+    """transformers' Trainer, gradient checkpointing on, batches of rows of different lengths padded on the right:
+    a few steps run, the loss is finite and the weights move."""
+    from transformers import Trainer, TrainingArguments
+
+    path, model = nsa_export
+    theirs = load(path)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(2, model.config.vocab_size, (n,), generator=g) for n in (70, 41, 90, 55)]
+
+    def collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        longest = max(len(row) for row in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(batch):
+            ids[i, :len(row)], mask[i, :len(row)] = row, 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    before = theirs.model.layers[0].mlp.up_proj.weight.detach().clone()
+    args = TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, max_steps=3,
+                             learning_rate=1e-3, gradient_checkpointing=True, use_cpu=True, report_to="none",
+                             save_strategy="no", logging_steps=1, remove_unused_columns=False)
+    result = Trainer(model=theirs, args=args, train_dataset=rows, data_collator=collate).train()
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    assert all(block.gradient_checkpointing for block in theirs.model.layers)
+    assert not torch.equal(theirs.model.layers[0].mlp.up_proj.weight, before)
