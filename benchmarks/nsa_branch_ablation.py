@@ -37,7 +37,7 @@ from nsa.primitive import exact_block_scores  # noqa: E402
 from storage.weights import load_model  # noqa: E402
 from text.synthetic import TOKEN_TASKS, PromptBuilder, SyntheticDocuments  # noqa: E402
 
-BRANCHES = ("compression", "selection", "window")  # the order of gate_proj's 3 outputs per head
+BRANCHES = ("compression", "selection", "window")  # the order of branch_gate's 3 outputs per head
 
 
 @contextmanager
@@ -48,7 +48,7 @@ def branch_off(model: nn.Module, branch: int) -> Iterator[None]:
         logits[..., branch] = -torch.inf
         return logits.flatten(-2)
 
-    handles = [m.gate_proj.register_forward_hook(hook) for m in model.modules()
+    handles = [m.branch_gate.register_forward_hook(hook) for m in model.modules()
                if isinstance(m, NativeSparseAttention)]
     try:
         yield

@@ -32,8 +32,8 @@ def nsa_state_from_dense(state: dict[str, Tensor], config: ModelConfig) -> dict[
             dense = state[prefix + kind + ".weight"]  # (KV*D, C)
             out[prefix + kind + ".weight"] = torch.cat([dense] * n_sets, dim=0)  # (sets*KV*D, C), set-major
         template = state[prefix + "q_proj.weight"]
-        out[prefix + "gate_proj.weight"] = template.new_zeros(3 * config.n_heads, config.dim)
+        out[prefix + "branch_gate.weight"] = template.new_zeros(3 * config.n_heads, config.dim)
         bias = template.new_full((config.n_heads, 3), -GATE_BIAS)  # (H, 3): compression, selection, window
         bias[:, 2] = GATE_BIAS
-        out[prefix + "gate_proj.bias"] = bias.reshape(-1)
+        out[prefix + "branch_gate.bias"] = bias.reshape(-1)
     return out

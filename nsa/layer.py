@@ -116,7 +116,8 @@ class NativeSparseAttention(nn.Module):
     """NSA layer, the "nsa" attention type (an `attention.AttentionLayer`; see the module docstring).
 
     Parameters: q_proj, k_proj/v_proj (C -> nb*KV*D: compression, selection, window sets when separate), o_proj,
-    gate_proj (C -> 3*H, with bias), k_compress/v_compress (`BlockCompressor`, "mlp" compressor only),
+    branch_gate (C -> 3*H, with bias: the branches' gates; named apart from the MLP's gate_proj, so that an
+    adapter aimed at one never adapts the other), k_compress/v_compress (`BlockCompressor`, "mlp" compressor only),
     q_norm/k_norm (RMSNorm over D, when qk_norm; k_norm applies to every key a query meets, always before RoPE:
     "mlp" compressed keys after compression, "mean" ones before).
     The attention itself is the class attribute `sparse_attention` (nsa.attention.sparse_attention): the one seam
@@ -135,7 +136,7 @@ class NativeSparseAttention(nn.Module):
         self.k_proj = nn.Linear(c, self.n_sets * kv * d, bias=False)
         self.v_proj = nn.Linear(c, self.n_sets * kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, c, bias=False)
-        self.gate_proj = nn.Linear(c, 3 * h)
+        self.branch_gate = nn.Linear(c, 3 * h)
         if config.nsa_compressor == "mlp":
             self.k_compress = BlockCompressor(config.nsa_block_size, d, kv)
             self.v_compress = BlockCompressor(config.nsa_block_size, d, kv)
@@ -180,7 +181,7 @@ class NativeSparseAttention(nn.Module):
         # nb sets of (B, KV, T, D); unbind, not indexing: its backward stacks the sets' gradients once
         k = self.k_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
         v = self.v_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
-        gates = torch.sigmoid(self.gate_proj(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
+        gates = torch.sigmoid(self.branch_gate(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
         def rotated(keys: Tensor) -> Tensor:  # normed, then rotated at each token's position
             return apply_rope(self.k_norm(keys), cos, sin)
 
@@ -241,9 +242,9 @@ class NativeSparseAttention(nn.Module):
         """Projections ~ N(0, init_std) (o_proj scaled by 1/sqrt(2 n_layers) like full attention); gate weights
         ~ N(0, init_std) with zero bias, so every branch starts with gate ~0.5."""
         cfg = self.config
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.gate_proj):
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.branch_gate):
             nn.init.normal_(proj.weight, std=cfg.init_std)
-        nn.init.zeros_(self.gate_proj.bias)
+        nn.init.zeros_(self.branch_gate.bias)
         nn.init.normal_(self.o_proj.weight, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         if cfg.nsa_compressor == "mlp":
             self.k_compress.init_weights(cfg.init_std)

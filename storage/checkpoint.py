@@ -380,14 +380,18 @@ def _read(path: Path, state: dict, alone: bool = False) -> None:
     """dcp.load of the entries of `state` from checkpoint `path`, in place, through `SafeReader` and
     `SafeLoadPlanner` (no code in the checkpoint runs), with a clear error when unreadable or unsafe. `alone`: this
     process reads by itself (no collective), also under a process group."""
-    reader = SafeReader(path)
+    reader, stored = SafeReader(path), {}
     try:
-        reader.read_metadata()  # refused here, with its own error, before DCP would wrap it per rank
+        stored = reader.read_metadata().state_dict_metadata  # refused here, before DCP would wrap it per rank
     except UnsafeCheckpoint as e:
         raise UnsafeCheckpoint(f"checkpoint {path} is not safe to load: {e}; nothing was run. Do not resume from "
                                "it") from None
     except Exception:
         pass  # unreadable: dcp.load below reports it like any other damage
+    if any(".attn.gate_proj." in name for name in stored):
+        raise ValueError(f"checkpoint {path} names NSA's branch gate attn.gate_proj, as versions before its rename to "
+                         "attn.branch_gate wrote it: its run's model/ export loads here (pass it as --init_from), or "
+                         "resume it with the version that wrote it")
     try:
         with _single_process_quiet():
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),

@@ -72,8 +72,19 @@ def stored_name(name: str, config: ModelConfig) -> str:
 
 def our_name(name: str) -> str:
     """Inverse of `hf_name` and `stored_name` (for names that passed the key check)."""
-    name = name.removeprefix("model.")
+    name = current_name(name).removeprefix("model.")
     return ".".join(_HF_TO_OURS.get(part, part) for part in name.split("."))
+
+
+# Names older versions stored, read as today's: NSA's branch gate was `attn.gate_proj`, a name the MLP's gate shares.
+LEGACY_NAMES = ((".attn.gate_proj.", ".attn.branch_gate."),)
+
+
+def current_name(name: str) -> str:
+    """A stored tensor name as this version names it (`LEGACY_NAMES`)."""
+    for old, new in LEGACY_NAMES:
+        name = name.replace(old, new)
+    return name
 
 
 # ---- config --------------------------------------------------------------------------------------------------------
@@ -406,6 +417,7 @@ def _check_keys(found: dict[str, tuple[Path, tuple[int, ...]]], model: Transform
     """ValueError counting the missing, unexpected and wrongly shaped tensors and naming (HF names) the first ten
     of each, before any tensor data is read."""
     expected = {stored_name(name, model.config): tuple(t.shape) for name, t in model.state_dict().items()}
+    found = {current_name(name): entry for name, entry in found.items()}
     if model.config.tie_embeddings:  # the output weight may be absent; checked against the embedding if present
         head = stored_name("lm_head.weight", model.config)
         expected.pop(head)

@@ -38,6 +38,7 @@ from storage.hf import (
     WEIGHTS_ONLY,
     ExportInfo,
     check_hf_checkpoint,
+    current_name,
     export_hf_checkpoint,
     export_refusal,
     json_object,
@@ -206,7 +207,7 @@ def load_model(path: str | Path | Stored, device: torch.device | str = "cpu", dt
         load_model_weights(found.weights, model)  # every weight is read from the checkpoint
         return model if dtype is None else model.to(dtype)
     with safe_open(found.weights, framework="pt", device=str(device)) as f:
-        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        state = {current_name(name): f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
     if dtype is not None:
         state = {name: t.to(dtype) for name, t in state.items()}
     return Transformer.from_weights(found.config, state, compute)
@@ -230,7 +231,7 @@ def _check_export_shapes(weights: Path, config: ModelConfig) -> None:
     if config.tie_embeddings:
         del expected["lm_head.weight"]
     with safe_open(weights, framework="pt") as f:
-        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+        found = {current_name(name): tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     if found != expected:
         wrong = sorted(set(found) ^ set(expected)) + [n for n in sorted(set(found) & set(expected))
                                                       if found[n] != expected[n]]

@@ -202,3 +202,20 @@ def test_run_directory_errors_are_one_line(data_dir: Path, tmp_path: Path, capsy
     with pytest.raises(SystemExit):
         train.main(["--config", str(tmp_path / "bad.json")])
     assert f"{tmp_path / 'bad.json'} is not valid JSON" in capsys.readouterr().err
+
+
+def test_a_checkpoint_naming_nsa_s_gate_as_before_its_rename_is_refused_saying_what_loads(tmp_path):
+    """A step-N written while NSA's branch gate was `attn.gate_proj` (DCP reads by name): one line naming the rename,
+    that the run's export loads, and the version that resumes it."""
+    from model import ModelConfig, Transformer
+    from storage.checkpoint import load_model_weights, save_checkpoint
+
+    config = ModelConfig.from_preset("tiny", attention_type="nsa")
+    old = Transformer(config)
+    for block in old.layers:
+        block.attn.gate_proj = block.attn.branch_gate
+        del block.attn.branch_gate
+    optimizer = torch.optim.AdamW(old.parameters())
+    path = save_checkpoint(tmp_path, 1, old, optimizer, {"step": 1, "model_config": config.to_dict()})
+    with pytest.raises(ValueError, match="names NSA's branch gate attn.gate_proj, as versions before its rename"):
+        load_model_weights(path, Transformer(config))

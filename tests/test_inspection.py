@@ -52,7 +52,7 @@ def test_inspect_reports_every_layer_and_the_gates():
     assert len(found) == model.config.n_layers
     layer = model.layers[0].attn
     x = model.layers[0].attn_norm(model.embed_tokens(ids))
-    want = torch.sigmoid(layer.gate_proj(x)).view(1, 70, -1, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
+    want = torch.sigmoid(layer.branch_gate(x)).view(1, 70, -1, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
     torch.testing.assert_close(found[0]["gates"], want)
     assert "sparse_attention" not in vars(layer)  # the seam is restored
     text = report(found, [-1, 5], 16, needle_blocks={1})

@@ -50,7 +50,7 @@ def make_layer(config: ModelConfig, dtype=torch.float64, compute: ComputeConfig 
                 p.normal_()
         for norm in (layer.q_norm, layer.k_norm):
             norm.weight.uniform_(0.5, 1.5)
-        layer.gate_proj.weight.normal_()
+        layer.branch_gate.weight.normal_()
     return layer, RotaryEmbedding(config.head_dim, config.rope_theta, 64)
 
 
@@ -131,9 +131,9 @@ def _module_vs_full_attention(config: ModelConfig, branch: int, T: int, compress
     if compressor is not None:
         layer.k_compress, layer.v_compress = compressor, compressor
     with torch.no_grad():
-        layer.gate_proj.weight.zero_()
-        layer.gate_proj.bias.fill_(-200.0)
-        layer.gate_proj.bias.view(-1, 3)[:, branch] = 200.0  # sigmoid(+-200) is 1 / ~1e-87 in float64
+        layer.branch_gate.weight.zero_()
+        layer.branch_gate.bias.fill_(-200.0)
+        layer.branch_gate.bias.view(-1, 3)[:, branch] = 200.0  # sigmoid(+-200) is 1 / ~1e-87 in float64
     full = FullAttention(config).to(torch.float64)
     KV, D = config.n_kv_heads, config.head_dim
     s = branch if config.nsa_separate_kv else 0
@@ -186,7 +186,7 @@ def test_mean_compressor_matches_naive(separate):
         k_cmp = torch.stack([k[0, :, :, i:i + l].mean(2) for i in starts], dim=2)  # (B, KV, Nc, D)
         v_cmp = torch.stack([v[0, :, :, i:i + l].mean(2) for i in starts], dim=2)  # (B, KV, Nc, D)
         s, w = n_sets // 2, n_sets - 1
-        gates = torch.sigmoid(layer.gate_proj(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
+        gates = torch.sigmoid(layer.branch_gate(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
         ref = naive_nsa(q, k_cmp, v_cmp, k[s], v[s], k[w], v[w], gates, config)  # (B, H, T, D)
         ref = layer.o_proj(ref.transpose(1, 2).reshape(B, T, H * D))
         torch.testing.assert_close(run_layer(layer, rope, x), ref, **F64)
@@ -287,8 +287,8 @@ def test_no_compressed_block_gives_zero_and_finite_gradients():
     config = nsa_config()
     layer, rope = make_layer(config)
     with torch.no_grad():
-        layer.gate_proj.weight.zero_()
-        layer.gate_proj.bias.view(-1, 3).copy_(torch.tensor([200.0, -200.0, -200.0]))  # compression branch only
+        layer.branch_gate.weight.zero_()
+        layer.branch_gate.bias.view(-1, 3).copy_(torch.tensor([200.0, -200.0, -200.0]))  # compression branch only
     T = config.nsa_block_size + 3  # queries 0 .. l-2 see no complete block
     x = torch.randn(1, T, config.dim, dtype=torch.float64, requires_grad=True)
     out = run_layer(layer, rope, x)
@@ -424,10 +424,10 @@ def test_gradcheck_layer_all_blocks_selected():
     cos, sin = rope(T, 0, torch.device("cpu"))
     x = torch.randn(1, T, config.dim, dtype=torch.float64, requires_grad=True)
     pos = torch.randn_like(layer.k_compress.pos, requires_grad=True)
-    bias = torch.randn_like(layer.gate_proj.bias, requires_grad=True)
+    bias = torch.randn_like(layer.branch_gate.bias, requires_grad=True)
 
     def f(x, pos, bias):
-        params = {"k_compress.pos": pos, "gate_proj.bias": bias}
+        params = {"k_compress.pos": pos, "branch_gate.bias": bias}
         return torch.func.functional_call(layer, params, (x, cos, sin))
 
     assert torch.autograd.gradcheck(f, (x, pos, bias), fast_mode=True)

@@ -217,3 +217,40 @@ def test_a_trainer_fine_tunes_the_export_with_checkpointing_and_right_padded_bat
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
     assert all(block.gradient_checkpointing for block in theirs.model.layers)
     assert not torch.equal(theirs.model.layers[0].mlp.up_proj.weight, before)
+
+
+def _as_written_before_the_rename(directory: Path, weights: str) -> None:
+    """Rewrite `directory`'s `weights` file (and its manifest) with NSA's branch gate under its old name."""
+    from safetensors.torch import load_file, save_file
+
+    from storage.manifest import MANIFEST_NAME, file_records
+
+    state = {name.replace(".attn.branch_gate.", ".attn.gate_proj."): t
+             for name, t in load_file(directory / weights).items()}
+    assert any(".attn.gate_proj." in name for name in state)
+    save_file(state, directory / weights, metadata={"format": "pt"})
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest["files"][weights] = file_records([directory / weights])[weights]
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_nsa_branch_gate_is_named_apart_from_the_mlp_gate_and_old_exports_still_load(nsa_export, tmp_path):
+    """A LoRA aimed at the MLP's gate_proj adapts no NSA gate (the branch gate is `branch_gate`); exports written
+    under the old name (attn.gate_proj) load with the same logits, the project's and the Hugging Face layout."""
+    import peft
+
+    from storage.weights import export_model, load_model
+
+    path, model = nsa_export
+    adapted = peft.get_peft_model(load(path), peft.LoraConfig(r=2, target_modules=["gate_proj"]))
+    names = [name for name, module in adapted.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)]
+    assert names and all(".mlp.gate_proj" in name for name in names)
+    export_model(model, tmp_path)
+    _as_written_before_the_rename(tmp_path / "model", "model.safetensors")
+    old_hf = tmp_path / "old-hf"
+    export_hf_checkpoint(model, old_hf)
+    _as_written_before_the_rename(old_hf, "model.safetensors")
+    ids = torch.randint(0, model.config.vocab_size, (1, 60))
+    with torch.no_grad():
+        for loaded in (load_model(tmp_path / "model"), load_hf_checkpoint(old_hf)):
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
