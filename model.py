@@ -67,7 +67,8 @@ class Block(nn.Module):
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None,
                  doc_start: Tensor | None = None) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, start_pos, doc_start)
+        extra = () if doc_start is None else (doc_start,)  # an attention type of the older protocol takes none
+        h = x + self.attn(self.attn_norm(x), cos, sin, start_pos, *extra)
         return h + self.mlp(self.mlp_norm(h))
 
     def init_weights(self, config: ModelConfig) -> None:
@@ -338,6 +339,8 @@ class Transformer(nn.Module):
         types that take it, full attention); each row then generates what it generates alone."""
         pads = None
         if not isinstance(input_ids, Tensor):
+            if not input_ids or min(len(row) for row in input_ids) == 0:
+                raise ValueError("every prompt needs at least one token")
             longest = max(len(row) for row in input_ids)
             pads = torch.tensor([longest - len(row) for row in input_ids], device=self.embed_tokens.weight.device)
             input_ids = torch.tensor([[0] * (longest - len(row)) + list(row) for row in input_ids],

@@ -14,7 +14,7 @@ The three request types, as lm-eval's own `hf` model computes them:
 - generate_until (context, {"until", "max_gen_toks", ...}): greedy decoding through the model's KV cache, cut at the
   first stop string or the end-of-document id: max_gen_toks tokens, the prompt keeping its last max_length -
   max_gen_toks tokens (counted in one line when some are cut). Prompts of one token length decode as one batch
-  (the model takes no padding mask).
+  (unpadded: NSA takes no left padding yet).
 
 eval.py runs it as the task "harness" (`HarnessTask`), chosen by --harness TASK... rather than --tasks.
 

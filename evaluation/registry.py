@@ -64,7 +64,8 @@ def task_class(name: str) -> type[EvalTask]:
 class Setting:
     """What every task is given, checked before any model is loaded.
 
-    options: eval.py's parsed options, defaults filled in (an option no running task reads is None).
+    options: eval.py's parsed options, defaults filled in (eval.DEFAULTS; an option without one that no running task
+        reads is None).
     tokenizer: the model's; builder: passkey and needle prompts from it.
     context: tokens per loss window and the longest prompt (the run's, at most the model's).
     data_dir: prepared data with a validation split, or None.

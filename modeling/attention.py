@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import Protocol, runtime_checkable
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modeling.config import ComputeConfig, ModelConfig
-from modeling.flash import document_attention
+from modeling.flash import document_attention, explicit_attention
 from modeling.layers import RMSNorm, apply_rope
 
 
@@ -76,6 +76,13 @@ class AttentionLayer(Protocol):
 
 
 _aux_losses: ContextVar[list[Tensor] | None] = ContextVar("aux_losses", default=None)
+
+
+@contextmanager
+def _described(inner: AbstractContextManager, description: str) -> Iterator[str]:
+    """`inner` entered, yielding `description` (a memory stand-in's line)."""
+    with inner:
+        yield description
 
 
 @contextmanager
@@ -212,5 +219,6 @@ class FullAttention(nn.Module):
     @classmethod
     def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
                         dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
-        return nullcontext("full attention, through the CPU's flash SDPA kernel in place of CUDA's flash/cuDNN "
-                           "kernels; both keep only the output and log-sum-exp for backward (no T x T matrix)")
+        return _described(explicit_attention(), "full attention, through the CPU's flash SDPA kernel in place of "
+                          "CUDA's flash/cuDNN kernels; both keep only the output and log-sum-exp for backward (no "
+                          "T x T matrix); with document starts, the explicit chunks CUDA runs")

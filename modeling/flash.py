@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
@@ -46,9 +46,12 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _logits(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """Scaled, masked logits (..., L, S) in at least float32, built in one new buffer."""
+    """Scaled, masked logits (..., L, S) in at least float32, built in one new buffer; autocast is off for the
+    product (a bf16 autocast would round it, and backward, outside autocast, rebuilds it in float32 against its
+    log-sum-exp)."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    logits = (q.to(acc) * scale) @ k.to(acc).transpose(-1, -2)
+    with torch.autocast(q.device.type, enabled=False) if q.device.type in ("cpu", "cuda") else nullcontext():
+        logits = (q.to(acc) * scale) @ k.to(acc).transpose(-1, -2)
     return logits if mask is None else logits.add_(mask)
 
 
@@ -64,6 +67,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, c
     row must see at least one key.
 
     Returns (out (N, M, L, D) in q's dtype, lse (N, M, L) in at least float32)."""
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"attend: a causal call needs as many keys as queries, got {k.shape[-2]} and {q.shape[-2]}")
     if fused(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                           scale=scale)
@@ -75,7 +80,7 @@ def _causal_mask(q: Tensor, mask: Tensor | None) -> Tensor:
     """The additive causal mask (L, L) of q (..., L, D); `attend` takes it or a mask, not both."""
     if mask is not None:
         raise ValueError("attend: a causal call takes no mask")
-    rows = torch.arange(q.shape[-2], device=q.device)
+    rows = torch.arange(q.shape[-2], device=q.device)  # the caller's keys are as many as its queries (L == S)
     return additive_mask(rows <= rows[:, None], q.dtype)
 
 
@@ -103,7 +108,7 @@ def attend_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     return ds @ k, ds.transpose(-1, -2) @ q, dv
 
 
-_DOCUMENT_MASK_BYTES = 64 * 2**20  # bytes of one query chunk's mask (or explicit logits) in `document_attention`
+_DOCUMENT_MASK_BYTES = 64 * 2**20  # bytes of one query chunk's float32 (Q*H, S) mask or explicit logits
 _DOCUMENT_CHUNK = 256  # queries per chunk at most: a chunk reads keys up to its last query, so causal work is kept
 
 
@@ -128,7 +133,7 @@ def _document_chunks(q: Tensor, k: Tensor, starts: Tensor, q_offset: int
     runs as unmasked past keys and a causal square, `_DocumentAttention._parts`)."""
     B, H, T, _ = q.shape
     G, S = H // k.shape[1], k.shape[2]
-    step = max(1, min(T, _DOCUMENT_CHUNK, _DOCUMENT_MASK_BYTES // max(1, 4 * G * S * B)))
+    step = max(1, min(T, _DOCUMENT_CHUNK, _DOCUMENT_MASK_BYTES // max(1, 4 * H * S * B)))  # float32 (Q*H, S)
     host = starts.device.type == "cpu" and not is_fake(starts)
     for c0 in range(0, T, step):
         c1 = min(c0 + step, T)
@@ -196,7 +201,8 @@ class _DocumentAttention(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, starts, out, lse = ctx.saved_tensors
         G, KV = q.shape[1] // k.shape[1], k.shape[1]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        acc = torch.promote_types(q.dtype, torch.float32)  # a key's gradient sums one part per later chunk
+        dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
         for c0, c1, low, allowed in _document_chunks(q, k, starts, ctx.q_offset):
             for qp, kp, vp, mask, causal, k0, k1 in _DocumentAttention._parts(q, k, v, c0, c1, low, allowed,
                                                                                ctx.q_offset):
@@ -213,4 +219,4 @@ class _DocumentAttention(torch.autograd.Function):
                     dq[:, :, c0:c1] += _heads(dq_p, G)
                     dk[:, :, k0:k1] += dk_p
                     dv[:, :, k0:k1] += dv_p
-        return dq, dk, dv, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None

@@ -152,7 +152,7 @@ class NPBlock(Block):
             return super()._forward(x, cos, sin, start_pos, doc_start)
         if self.mode not in ("plastic", "static"):
             raise ValueError(f"NPBlock.mode must be 'plastic', 'static' or 'original', got {self.mode!r}")
-        a = self.attn(self.attn_norm(x), cos, sin, start_pos, doc_start)  # (B, T, C)
+        a = self.attn(self.attn_norm(x), cos, sin, start_pos, *(() if doc_start is None else (doc_start,)))  # (B,T,C)
         h = x + a if self.residual_mode == "additive" else x
         m = self.np(a) if self.mode == "plastic" else None  # (B, T, P, r)
         u = self.mlp_norm(h)

@@ -163,3 +163,22 @@ def test_train_and_eval_take_the_document_mask(data_dir, tmp_path):
     assert results["loss"]["tokens"] > 0
     with pytest.raises(ValueError, match="--document_mask: NSA does not take document starts yet"):
         train.main([*args, "--attention_type", "nsa", "--document_mask", "--out_dir", str(tmp_path / "nsa")])
+
+
+def test_bf16_under_autocast_keeps_forward_and_backward_consistent():
+    """The explicit path (CUDA's) under a bf16 autocast, bf16 inputs, starts differing inside chunks: output and
+    gradients within two bf16 roundings (2 x 2^-8, relative norm) of the float64 oracle, as without autocast (its
+    logits stay float32, so backward rebuilds the probabilities forward used; bf16 logits in forward and float32
+    ones in backward measured 0.9-1.1% here)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 512, 32, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2))
+    starts = torch.tensor([[0] * 100 + [100] * 212 + [312] * 200])
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = naive_document_attention(*exact, starts)
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, exact, grad)
+    with explicit_attention(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = document_attention(q, k, v, starts, 0, 32**-0.5)
+    grads = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    for got, expected in zip((out, *grads), (want, *want_grads), strict=True):
+        assert (got.double() - expected).norm() <= 2 * 2**-8 * expected.norm()

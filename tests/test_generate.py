@@ -55,6 +55,8 @@ def test_prompts_of_different_lengths_generate_what_each_generates_alone(model):
     for row, prompt in zip(out, prompts, strict=True):
         alone = model.generate(torch.tensor([prompt]), max_new_tokens=8, temperature=0)[0]
         assert row[13 - len(prompt):].tolist() == alone.tolist()
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        model.generate([[1, 2, 3], []], max_new_tokens=2)
     nsa = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa"))
     with pytest.raises(ValueError, match="a left-padded row"):
         nsa.generate([[1, 2, 3], [4, 5]], max_new_tokens=2)

@@ -276,7 +276,8 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
                    doc_start: Tensor | None = None) -> tuple[dict[str, dict[str, int]], str]:
     """One training step as train.py runs it (forward + loss under `autocast`, backward, gradient clipping, AdamW
     step, zero_grad) with `probe` read at each stage; `progress` is called with each phase's name as it starts.
-    `doc_start` (B, T): the document starts of --document_mask (their values change no allocation).
+    `doc_start` (B, T): the document starts of --document_mask (under fake tensors their values change no
+    allocation; a real CPU run attends chunks inside one document without a mask).
 
     Returns ({stage: {"total": bytes, category: bytes, ...}} in time order with the peak of each phase, the loss
     path taken: "standard" or "chunked").
