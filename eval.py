@@ -174,12 +174,13 @@ def readers() -> dict[str, list[str]]:
     return found
 
 
-def check_options(args: argparse.Namespace) -> None:
+def check_options(args: argparse.Namespace) -> tuple[str, ...]:
     """The options on their own, before any file is read: the device, the options only some tasks read (each read
-    by one that runs: `readers`), numbers in range; fills in the defaults of --tasks and DEFAULTS."""
+    by one that runs: `readers`), numbers in range; fills in the defaults of --tasks and DEFAULTS. Returns the names
+    of the tasks this call runs (--harness's included)."""
     args.tasks = args.tasks if args.tasks is not None else [] if args.harness else [
         name for name in EVAL_TASKS if task_class(name).default]
-    running = [*args.tasks, *(["harness"] if args.harness else [])]
+    running = (*args.tasks, *(["harness"] if args.harness else []))
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -199,6 +200,7 @@ def check_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
     if any(n < 2 for n in args.lengths or []):
         raise ValueError(f"--lengths must be >= 2, got {args.lengths}")
+    return running
 
 
 def check_inputs(args: argparse.Namespace) -> tuple[Stored, Setting]:
@@ -206,7 +208,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[Stored, Setting]:
     the arguments, each checked before anything large is read (ValueError / FileNotFoundError naming the argument):
     the options first (`check_options`), then what they name (the output directory's writability once the tasks
     have checked theirs)."""
-    check_options(args)
+    running = check_options(args)
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
         raise FileNotFoundError(f"{checkpoint} does not exist")
@@ -217,7 +219,6 @@ def check_inputs(args: argparse.Namespace) -> tuple[Stored, Setting]:
     data_dir = args.data_dir or run.get("data_dir")
     tokenizer = model_tokenizer(checkpoint, args.tokenizer, (run.get("tokenizer"),
                                                              data_dir and Path(data_dir) / "tokenizer.model"))
-    running = (*args.tasks, *(["harness"] if args.harness else []))
     if args.data_dir and not any("data_dir" in task_class(task).reads for task in running) and Path(
             tokenizer.path).parent.resolve() != Path(args.data_dir).resolve():
         reading = [name for name in EVAL_TASKS if "data_dir" in task_class(name).reads]

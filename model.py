@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from modeling.attention import collect_aux_losses
 from modeling.config import PRESETS, ComputeConfig, ModelConfig, attention_class
+from modeling.documents import padding_starts
 from modeling.layers import FeedForward, RMSNorm, RotaryEmbedding
 from modeling.loss import (
     IGNORE_INDEX,
@@ -361,8 +362,7 @@ class Transformer(nn.Module):
         try:
             out = [input_ids]
             finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-            positions = torch.arange(T, device=input_ids.device)
-            starts = None if pads is None else torch.minimum(positions, pads[:, None])  # (B, T): a pad sees itself
+            starts = None if pads is None else padding_starts(pads, 0, T)  # (B, T)
             logits = self.logits(self.hidden_states(input_ids, start_pos=0, doc_start=starts)[:, -1])  # (B, V)
             for i in range(max_new_tokens):
                 token = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B,)
@@ -372,7 +372,7 @@ class Transformer(nn.Module):
                 out.append(token[:, None])
                 if i == max_new_tokens - 1 or (eos_id is not None and bool(finished.all())):
                     break
-                starts = None if pads is None else pads[:, None]  # (B, 1)
+                starts = None if pads is None else padding_starts(pads, T + i, 1)  # (B, 1)
                 logits = self.logits(self.hidden_states(token[:, None], start_pos=T + i, doc_start=starts)[:, -1])
         finally:
             self.clear_kv_cache()

@@ -20,12 +20,12 @@ What eval.py does with a task, in this order:
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from model import Transformer
+from modeling.config import registered
 from text.synthetic import PromptBuilder
 from text.tokenizer import HFTokenizer, Tokenizer
 
@@ -53,11 +53,7 @@ def task_class(name: str) -> type[EvalTask]:
     if name not in EVAL_TASKS:
         raise ValueError(f"unknown evaluation task {name!r}; registered: {sorted(EVAL_TASKS)} (add one with "
                          "evaluation.registry.register_task)")
-    entry = EVAL_TASKS[name]
-    if isinstance(entry, str):
-        module, _, cls = entry.partition(":")
-        entry = EVAL_TASKS[name] = getattr(importlib.import_module(module), cls)
-    return entry
+    return registered(EVAL_TASKS, name)
 
 
 @dataclass(frozen=True)

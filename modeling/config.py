@@ -41,10 +41,16 @@ def attention_class(name: str) -> type:
     if name not in ATTENTION_TYPES:
         raise ValueError(f"unknown attention_type {name!r}; registered: {sorted(ATTENTION_TYPES)} (add one with "
                          "config.register_attention)")
-    entry = ATTENTION_TYPES[name]
+    return registered(ATTENTION_TYPES, name)
+
+
+def registered(registry: dict[str, str | type], name: str) -> type:
+    """`registry[name]`, a class or its "module:Class" path, imported on first use and kept (the attention types
+    here, training's fine-tuning modes, evaluation's tasks)."""
+    entry = registry[name]
     if isinstance(entry, str):
         module, _, cls = entry.partition(":")
-        entry = ATTENTION_TYPES[name] = getattr(importlib.import_module(module), cls)
+        entry = registry[name] = getattr(importlib.import_module(module), cls)
     return entry
 
 

@@ -16,7 +16,7 @@ torch.utils.checkpoint), `resize_token_embeddings` (the inner ModelConfig follow
 length beyond the context, and decodes through the project's own preallocated caches (`LongctxCache`: the
 compressed, selection and window keys of NSA; greedy, sampling and beam search). Padding on the right (training,
 scoring) needs nothing: a real token never reads a later one. Padding on the left becomes each row's first
-position (`padding_starts`, the model's `doc_start`), which NSA does not take yet: it is refused, naming it.
+position (`mask_starts`, the model's `doc_start`), which NSA does not take yet: it is refused, naming it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from model import Transformer
 from modeling.attention import FullAttention
 from modeling.config import ModelConfig, register_attention
+from modeling.documents import padding_starts
 from modeling.layers import RotaryEmbedding
 from nsa.layer import NativeSparseAttention
 
@@ -48,7 +49,7 @@ class LongctxConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
-def padding_starts(attention_mask: Tensor | None, start: int, n_new: int) -> Tensor | None:
+def mask_starts(attention_mask: Tensor | None, start: int, n_new: int) -> Tensor | None:
     """The first position each of the `n_new` tokens from position `start` may attend to, from transformers'
     attention_mask (B, S >= start + n_new; 1: a real token): None without padding, or with padding on the right only
     (a real token never reads a later one); with padding on the left, each row's first real token (B, n_new) (a pad
@@ -60,9 +61,7 @@ def padding_starts(attention_mask: Tensor | None, start: int, n_new: int) -> Ten
         return None
     if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
         raise ValueError("attention_mask has zeros between real tokens: pad on the left or the right only")
-    first = (~mask).sum(1, keepdim=True)  # (B, 1): leading pads
-    positions = torch.arange(start, start + n_new, device=mask.device)  # (n_new,)
-    return torch.minimum(positions, first)  # (B, n_new)
+    return padding_starts((~mask).sum(1), start, n_new)  # (B, n_new), from each row's leading pads
 
 
 class LongctxCache:
@@ -144,7 +143,7 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
         (generate's, without gradients) the tokens continue the sequence it holds and are appended to it."""
         start = None if cache is None else cache.length
         n_new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        doc_start = padding_starts(attention_mask, start or 0, n_new)
+        doc_start = mask_starts(attention_mask, start or 0, n_new)
         hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         layers: list[Tensor] | None = [] if hidden else None
         out = self.model(input_ids, labels=labels, start_pos=start, inputs_embeds=inputs_embeds, layer_outputs=layers,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import typing
@@ -16,7 +15,15 @@ from pathlib import Path
 
 import torch
 
-from modeling.config import ATTENTION_TYPES, PRESETS, ComputeConfig, ModelConfig, check_effective, split_overrides
+from modeling.config import (
+    ATTENTION_TYPES,
+    PRESETS,
+    ComputeConfig,
+    ModelConfig,
+    check_effective,
+    registered,
+    split_overrides,
+)
 from modeling.objective import FIELDS as OBJECTIVE_FIELDS
 from modeling.objective import SCORE_LOSS_OPTIONS, Objective
 from text.synthetic import RECALL_TASKS, SYNTHETIC_TASKS
@@ -59,11 +66,7 @@ def finetune_class(name: str) -> type:
     if name not in FINETUNE_MODES:
         raise ValueError(f"--finetune must be one of {sorted(FINETUNE_MODES)} (add one with "
                          f"training.options.register_finetune), got {name!r}")
-    entry = FINETUNE_MODES[name]
-    if isinstance(entry, str):
-        module, _, cls = entry.partition(":")
-        entry = FINETUNE_MODES[name] = getattr(importlib.import_module(module), cls)
-    return entry
+    return registered(FINETUNE_MODES, name)
 
 
 @dataclass
