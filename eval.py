@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_tokens", type=int, help="validation tokens scored by the loss task (default: 65536)")
     p.add_argument("--document_mask", action="store_true", default=None,
                    help="loss: each token attends only within its own document of the packed windows (as train.py "
-                        "--document_mask trains; full attention)")
+                        "--document_mask trains)")
     p.add_argument("--lengths", type=int, nargs="+", help="prompt / document lengths in tokens (default: what each "
                                                           "task needs, up to the context)")
     p.add_argument("--depths", type=float, nargs="+", help="passkey, needle: where the answer hides, 0 (start) to 1 "
@@ -226,8 +226,6 @@ def check_inputs(args: argparse.Namespace) -> tuple[Stored, Setting]:
                          "when the checkpoint holds no tokenizer), which this call does not need: leave it out")
     found = stored(checkpoint)
     check_vocab(tokenizer, found.config.vocab_size)
-    if args.document_mask and found.config.attention_type == "nsa":
-        raise ValueError(f"--document_mask: {checkpoint} has NSA attention, which does not take document starts yet")
     if args.context_length and args.context_length > found.config.context_length:
         raise ValueError(f"--context_length {args.context_length} exceeds the model's context_length "
                          f"{found.config.context_length}")

@@ -336,8 +336,8 @@ class Transformer(nn.Module):
         """Prefill `input_ids` (B, T) into a preallocated KV cache, then decode `max_new_tokens` tokens one at a
         time. temperature 0 is greedy. Rows that emit `eos_id` keep emitting it; decoding stops early once every row
         has. Returns (B, T + generated) token ids. Prompts of different lengths (a list of lists) are padded on the
-        left to the longest with id 0, and each row attends from its first real token on (`doc_start`: attention
-        types that take it, full attention); each row then generates what it generates alone."""
+        left to the longest with id 0, and each row attends from its first real token on (`doc_start`); each row then
+        generates what it generates alone."""
         pads = None
         if not isinstance(input_ids, Tensor):
             if not input_ids or min(len(row) for row in input_ids) == 0:

@@ -16,7 +16,8 @@ step with NSA's selection-scoring loss at weight 0.1 ("score_loss", nsa/scoring.
 attention it is the answer_loss step), with that loss on every 8th query ("score_loss_stride8"), over each query's
 24 blocks of highest importance and 8 random others ("score_loss_top24_random8") and both
 ("score_loss_top24_random8_stride8"); --document_mask with one document a row ("document_mask": the mask's cost
-over plain causal attention) and with documents of 256 tokens ("document_mask_256"). Random token
+over plain causal attention), with documents of 256 tokens ("document_mask_256") and with documents of lengths
+drawn uniformly from [1, 512) per row ("document_mask_mixed"; rows split differently). Random token
 ids (the data pipeline is measured in data.py's benchmark). Rounds interleave the variants so that load changes on
 the machine hit all of them alike; the table reports the median step time per variant, tokens/s, the time ratio to
 the first variant, and the first step's time (for compile: the compilation). With --memory, each variant also runs
@@ -49,9 +50,9 @@ from training.cli import json_object  # noqa: E402
 
 
 def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, sparse_labels: bool = False,
-              document: int | None = None):
+              document: int | str | None = None):
     """A closure running one optimizer step of `cfg` on random tokens (with `sparse_labels`, one target in 6; with
-    --document_mask, documents of `document` tokens, or one a row)."""
+    --document_mask, documents of `document` tokens, "mixed" lengths (`mixed_starts`), or one a row)."""
     model = trainer.build_model(*train_config.build_model_config(cfg, vocab), cfg, rt)
     optimizer, _ = trainer.build_optimizer(model, cfg)
     A, B, T = cfg.gradient_accumulation_steps, cfg.batch_size, cfg.context_length
@@ -60,8 +61,11 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, s
     labels = ids.masked_fill(torch.arange(T) % 6 != 0, IGNORE_INDEX) if sparse_labels else ids  # (A, B, T)
     batches = [list(pair) for pair in zip(ids, labels, strict=True)]  # A x 2 x (B, T)
     if cfg.document_mask:  # each row's document starts (B, T)
-        starts = torch.arange(T) // (document or T) * (document or T)
-        batches = [[*batch, starts.expand(B, T)] for batch in batches]
+        if document == "mixed":  # lengths uniform in [1, 512), drawn per row: rows split differently
+            starts = torch.stack([mixed_starts(T, gen) for _ in range(B)])
+        else:
+            starts = (torch.arange(T) // (document or T) * (document or T)).expand(B, T)
+        batches = [[*batch, starts] for batch in batches]
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
 
     def step() -> None:
@@ -73,12 +77,21 @@ def make_step(cfg: train_config.TrainConfig, rt: parallel.Runtime, vocab: int, s
     return step
 
 
+def mixed_starts(T: int, generator: torch.Generator) -> torch.Tensor:
+    """(T,) document starts of a row packed with documents of lengths drawn uniformly from [1, 512) (mean 256)."""
+    lengths = torch.randint(1, 512, (T,), generator=generator)
+    firsts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # (T + 1,) document starts
+    firsts = firsts[firsts < T]
+    return torch.repeat_interleave(firsts, torch.diff(firsts, append=torch.tensor([T])))
+
+
 # NSA's selection-scoring loss at weight 0.1 (nsa/scoring.py) on the answer-loss step, in its forms
 SCORE_LOSS = {"score_loss": {}, "score_loss_stride8": {"nsa_score_loss_stride": 8},
               "score_loss_top24_random8": {"nsa_score_loss_top": 24, "nsa_score_loss_random": 8},
               "score_loss_top24_random8_stride8": {"nsa_score_loss_top": 24, "nsa_score_loss_random": 8,
                                                    "nsa_score_loss_stride": 8}}
-DOCUMENTS = {"document_mask": None, "document_mask_256": 256}  # --document_mask: tokens per document (None: a row)
+DOCUMENTS = {"document_mask": None, "document_mask_256": 256,  # --document_mask: tokens per document (None: a row)
+             "document_mask_mixed": "mixed"}  # lengths drawn per row (`mixed_starts`)
 VARIANTS = ("default", "checkpointing", "microsteps", "bf16", "compile", "sparse_labels", "answer_loss", *SCORE_LOSS,
             *DOCUMENTS)
 SPARSE = ("sparse_labels", "answer_loss", *SCORE_LOSS)  # labels keep one target in 6

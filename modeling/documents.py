@@ -2,13 +2,15 @@
 closes the one before (as eval.py's documents task reads one: the id, then its text); the id therefore opens the
 next document. `document_starts` gives each position the first position of its document, the `doc_start` the model's
 attention takes to keep every token inside its own document; `padding_starts` does the same for rows padded on the
-left, whose one document begins at their first real token.
+left, whose one document begins at their first real token; `document_spans` reads the documents back as position
+ranges (for attention that runs each document on its own, NSA).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 
 def document_starts(input_ids: Tensor, eod_id: int) -> Tensor:
@@ -24,3 +26,27 @@ def padding_starts(pads: Tensor, start: int, n_new: int) -> Tensor:
     the first position each may attend to: its row's first real token (a pad sees itself)."""
     positions = torch.arange(start, start + n_new, device=pads.device)  # (n_new,)
     return torch.minimum(positions, pads[:, None])
+
+
+def document_spans(doc_start: Tensor) -> list[list[tuple[int, int]]]:
+    """Each row's documents as (first, end) position pairs, in order, from doc_start (B, T) at positions [0, T): a
+    document opens where a position's start is itself and runs while the start stays the same. One host sync. Fake
+    and meta tensors, whose values are unknown, give one document a row (the costliest case, for memory estimates).
+    ValueError when doc_start is not such a partition (a start that is neither the position itself nor the start
+    before it)."""
+    B, T = doc_start.shape
+    if doc_start.device.type == "meta" or is_fake(doc_start):
+        return [[(0, T)] for _ in range(B)]
+    starts = doc_start.cpu()
+    positions = torch.arange(T)
+    opens = starts == positions  # (B, T)
+    before = torch.cat([starts[:, :1], starts[:, :-1]], dim=1)  # (B, T): each position's predecessor's start
+    if not bool((opens | (starts == before)).all()) or not bool(opens[:, 0].all()):
+        raise ValueError("doc_start must split each row into documents: every position's start is its own position "
+                         "(a document opens) or the start of the position before (modeling.documents.document_starts"
+                         " gives such starts)")
+    spans = []
+    for row in opens:
+        firsts = row.nonzero().flatten().tolist()
+        spans.append(list(zip(firsts, [*firsts[1:], T], strict=True)))
+    return spans

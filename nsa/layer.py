@@ -37,8 +37,10 @@ l' (`nsa_select_block_size`), w (`nsa_window`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import AbstractContextManager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +48,11 @@ from torch import Tensor, nn
 
 from modeling.attention import add_aux_loss, attention_flops, projection_flops
 from modeling.config import ComputeConfig, ModelConfig
+from modeling.documents import document_spans
 from modeling.layers import RMSNorm, apply_rope
 from modeling.objective import Objective
 from nsa.attention import sparse_attention
-from nsa.blocks import num_compressed_blocks
+from nsa.blocks import first_choosing_position, num_compressed_blocks
 from nsa.scoring import selection_score_loss
 
 
@@ -111,6 +114,46 @@ class NSACache(nn.Module):
                 buf = torch.zeros(batch_size, KV, length, D, dtype=dtype, device=device)
                 self.register_buffer(f"{name}_{kind}", buf, persistent=False)
 
+    def rows(self, rows: slice) -> CacheRows:
+        """Views of the rows `rows` of every buffer."""
+        buffers = {name: getattr(self, name, None) for name in CacheRows._fields}  # win_k/win_v: separate K/V only
+        return CacheRows(**{name: None if buf is None else buf[rows] for name, buf in buffers.items()})
+
+
+class CacheRows(NamedTuple):
+    """Views of some rows of an `NSACache`'s buffers (writing to them writes the cache)."""
+
+    raw_k: Tensor
+    raw_v: Tensor
+    cmp_k: Tensor
+    cmp_v: Tensor
+    slc_k: Tensor
+    slc_v: Tensor
+    win_k: Tensor | None
+    win_v: Tensor | None
+
+
+class _Branches(NamedTuple):
+    """What NSA's attention reads, before compression: queries q (B, H, T, D), the compression inputs k_cmp_raw,
+    v_cmp_raw, the selection and window keys/values (B, KV, T, D) each, gates (B, H, T, 3)."""
+
+    q: Tensor
+    k_cmp_raw: Tensor
+    v_cmp_raw: Tensor
+    k_slc: Tensor
+    v_slc: Tensor
+    k_win: Tensor
+    v_win: Tensor
+    gates: Tensor
+
+    def positions(self, first: int, end: int) -> _Branches:
+        """Positions [first, end) of every tensor (a view)."""
+        return _Branches(*(x[:, :, first:end] for x in self))
+
+    def rows(self, pick: slice | Tensor) -> _Branches:
+        """The rows `pick` (a slice, or indices) of every tensor."""
+        return _Branches(*(x[pick] if isinstance(pick, slice) else x.index_select(0, pick) for x in self))
+
 
 class NativeSparseAttention(nn.Module):
     """NSA layer, the "nsa" attention type (an `attention.AttentionLayer`; see the module docstring).
@@ -147,7 +190,7 @@ class NativeSparseAttention(nn.Module):
     def _compress(self, k_raw: Tensor, v_raw: Tensor, first_pos: int, cos: Tensor, sin: Tensor,
                   cos_start: int) -> tuple[Tensor, Tensor]:
         """Compressed keys/values (B, KV, N, D) of the complete blocks in raw k, v (B, KV, L, D) at positions
-        [first_pos, first_pos + L) (first_pos a multiple of d). "mlp": keys are normed and rotated at each block's
+        [first_pos, first_pos + L), blocks counted from first_pos. "mlp": keys are normed and rotated at each block's
         last position, read from cos/sin rows for positions [cos_start, ...). "mean": k is already normed and
         rotated token by token, and each block is averaged."""
         l, d = self.config.nsa_block_size, self.config.nsa_stride
@@ -166,14 +209,12 @@ class NativeSparseAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
                 doc_start: Tensor | None = None) -> Tensor:
         """x (B, T, C); cos, sin (T, D) for positions [start_pos or 0, +T). start_pos None: full causal forward
-        without cache; an int: decode/prefill against the cache (`setup_cache`). Returns (B, T, C). doc_start: not
-        yet (ValueError)."""
-        if doc_start is not None:
-            raise ValueError("NSA does not take document starts yet (a document mask, a left-padded row): its "
-                             "branches read every earlier position; run full attention for those")
+        without cache; an int: decode/prefill against the cache (`setup_cache`). doc_start (B, T) long, without the
+        cache: the first position each query may see, splitting each row into documents (`_attend_documents`).
+        Returns (B, T, C)."""
         cfg = self.config
         B, T, _ = x.shape
-        H, KV, D, l, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.nsa_block_size, cfg.nsa_stride
+        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if cos.shape != (T, D) or sin.shape != (T, D):
             raise ValueError(f"cos/sin must be ({T}, {D}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
@@ -191,35 +232,143 @@ class NativeSparseAttention(nn.Module):
             k_cmp_raw = k_slc if self.n_sets == 1 else rotated(k[0])
         k_win, v_win = (rotated(k[2]), v[2]) if self.n_sets == 3 else (k_slc, v_slc)
 
+        branches = _Branches(q, k_cmp_raw, v_cmp_raw, k_slc, v_slc, k_win, v_win, gates)
         if start_pos is None:
-            k_cmp, v_cmp = self._compress(k_cmp_raw, v_cmp_raw, 0, cos, sin, 0)
-            out = self.sparse_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, cfg, compute=self.compute)
-            coef = self.objective.nsa_score_loss_coef
-            if coef and torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad):
-                add_aux_loss(coef * selection_score_loss(q, k_cmp, k_slc, cfg, self.compute, self.objective))
+            if doc_start is None:
+                out, score_loss, _ = self._attend(branches, 0, cos, sin)
+            else:
+                out, score_loss = self._attend_documents(branches, document_spans(doc_start), cos, sin)
+            if score_loss is not None:
+                add_aux_loss(self.objective.nsa_score_loss_coef * score_loss)
         else:
             cache = self._check_cache(B, start_pos, T)
-            end = start_pos + T
-            first_new = num_compressed_blocks(start_pos, l, d)  # compressed blocks already in the cache
-            n_cmp = num_compressed_blocks(end, l, d)
-            raw_k = _ring_extend(cache.raw_k, start_pos, k_cmp_raw, first_new * d)  # (B, KV, end - first_new*d, D)
-            raw_v = _ring_extend(cache.raw_v, start_pos, v_cmp_raw, first_new * d)
-            new_k, new_v = self._compress(raw_k, raw_v, first_new * d, cos, sin, start_pos)
-            cache.cmp_k[:, :, first_new:n_cmp] = new_k  # emitted before any query of this call attends
-            cache.cmp_v[:, :, first_new:n_cmp] = new_v
-            win_start = max(0, start_pos - cfg.nsa_window + 1)
-            _ring_extend(cache.slc_k, start_pos, k_slc, 0)  # never wraps (capacity >= max_seq_len)
-            _ring_extend(cache.slc_v, start_pos, v_slc, 0)
-            k_slc, v_slc = cache.slc_k, cache.slc_v  # (B, KV, S_cap, D): whole buffer, read as blocks without a copy
-            if cfg.nsa_separate_kv:
-                k_win = _ring_extend(cache.win_k, start_pos, k_win, win_start)  # (B, KV, end - win_start, D)
-                v_win = _ring_extend(cache.win_v, start_pos, v_win, win_start)
+            if doc_start is None:
+                out = self._attend_cached(cache.rows(slice(None)), branches, start_pos, cos, sin, start_pos)
             else:
-                k_win, v_win = k_slc[:, :, win_start:end], v_slc[:, :, win_start:end]
-            out = self.sparse_attention(q, cache.cmp_k[:, :, :n_cmp], cache.cmp_v[:, :, :n_cmp], k_slc, v_slc, k_win,
-                                   v_win, gates, cfg, q_start=start_pos, win_start=win_start, compute=self.compute)
+                out = self._attend_padded(cache, branches, start_pos, cos, sin, doc_start)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)
+
+    def _attend(self, branches: _Branches, first: int, cos: Tensor, sin: Tensor
+                ) -> tuple[Tensor, Tensor | None, int]:
+        """The attention of one sequence without cache: `branches` (`_Branches`) for positions [first, first + T),
+        whose RoPE tables cos, sin start at position 0; block geometry counted from `first`. Returns (out
+        (B, H, T, D), the selection-scoring loss when the objective asks for it in a training forward (a mean over
+        its rows) else None, the number of those rows)."""
+        cfg, b = self.config, branches
+        k_cmp, v_cmp = self._compress(b.k_cmp_raw, b.v_cmp_raw, first, cos, sin, 0)
+        out = self.sparse_attention(b.q, k_cmp, v_cmp, b.k_slc, b.v_slc, b.k_win, b.v_win, b.gates, cfg,
+                                    compute=self.compute)
+        if not (self.objective.nsa_score_loss_coef and torch.is_grad_enabled()
+                and (b.q.requires_grad or k_cmp.requires_grad)):
+            return out, None, 0
+        B, _, T, _ = b.q.shape
+        first_choosing = first_choosing_position(cfg.nsa_select_block_size, cfg.nsa_num_selected)
+        rows = B * cfg.n_kv_heads * max(0, T - (T if first_choosing is None else first_choosing))
+        return out, selection_score_loss(b.q, k_cmp, b.k_slc, cfg, self.compute, self.objective), rows
+
+    def _attend_documents(self, branches: _Branches, spans: list[list[tuple[int, int]]], cos: Tensor, sin: Tensor
+                          ) -> tuple[Tensor, Tensor | None]:
+        """Each document of each row attended on its own, as if it were the whole sequence: its compressed and
+        selection blocks counted from its first token (block 0 of the document is the one always selected), its
+        window starting there; exactly what the document gives alone (RoPE depends on relative positions only).
+        `spans`: each row's documents (`modeling.documents.document_spans`); rows with the same documents run
+        together. One-token documents need no kernel (`_one_token_documents`). Returns (out (B, H, T, D), the
+        selection-scoring loss: the documents' losses weighted by their rows, so the mean over all the rows that
+        choose, or None)."""
+        B, T = branches.q.shape[0], branches.q.shape[2]
+        groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        for row, row_spans in enumerate(spans):
+            groups.setdefault(tuple(row_spans), []).append(row)
+        outs, order, losses, total_rows = [], [], [], 0
+        for row_spans, rows in groups.items():
+            part = branches
+            if len(rows) < B:
+                part = branches.rows(slice(rows[0], rows[0] + 1) if len(rows) == 1
+                                     else torch.tensor(rows, device=branches.q.device))
+            pieces, single = [], None  # single: the first of a run of one-token documents
+            for first, end in (*row_spans, (T, T)):
+                if end - first == 1:
+                    single = first if single is None else single
+                    continue
+                if single is not None:
+                    pieces.append(self._one_token_documents(part.positions(single, first)))
+                    single = None
+                if first == T:
+                    break
+                out, loss, n_rows = self._attend(part.positions(first, end), first, cos, sin)
+                pieces.append(out.transpose(1, 2))  # (rows, t, H, D)
+                if loss is not None and n_rows:
+                    losses.append(loss * n_rows)
+                    total_rows += n_rows
+            outs.append(torch.cat(pieces, dim=1))  # (rows, T, H, D)
+            order += rows
+        out = outs[0] if len(outs) == 1 else torch.cat(outs).index_select(
+            0, torch.tensor(order, device=branches.q.device).argsort())  # (B, T, H, D) in row order
+        return out.transpose(1, 2), (torch.stack(losses).sum() / total_rows if losses else None)
+
+    @staticmethod
+    def _one_token_documents(branches: _Branches) -> Tensor:
+        """The output (B, t, H, D) of t one-token documents: each query sees no compressed block and only itself in
+        the selection and window branches, so it is g_slc v_slc + g_win v_win (softmax over one key: weight 1)."""
+        G = branches.q.shape[1] // branches.v_slc.shape[1]
+        gates = branches.gates.transpose(1, 2)  # (B, t, H, 3)
+        v_slc, v_win = (v.transpose(1, 2).repeat_interleave(G, 2) for v in (branches.v_slc, branches.v_win))
+        return gates[..., 1:2] * v_slc + gates[..., 2:3] * v_win  # (B, t, H, D)
+
+    def _attend_cached(self, cache: CacheRows, branches: _Branches, start: int, cos: Tensor, sin: Tensor,
+                       cos_start: int) -> Tensor:
+        """The attention of the tokens `branches` at positions [start, start + T) against `cache` (`CacheRows`),
+        which holds the positions before them and receives theirs: new compressed blocks are emitted before any
+        query attends. cos, sin: RoPE rows from position cos_start (in the same positions as start). Returns
+        (B, H, T, D)."""
+        cfg, b = self.config, branches
+        l, d = cfg.nsa_block_size, cfg.nsa_stride
+        end = start + b.q.shape[2]
+        first_new = num_compressed_blocks(start, l, d)  # compressed blocks already in the cache
+        n_cmp = num_compressed_blocks(end, l, d)
+        raw_k = _ring_extend(cache.raw_k, start, b.k_cmp_raw, first_new * d)  # (B, KV, end - first_new*d, D)
+        raw_v = _ring_extend(cache.raw_v, start, b.v_cmp_raw, first_new * d)
+        new_k, new_v = self._compress(raw_k, raw_v, first_new * d, cos, sin, cos_start)
+        cache.cmp_k[:, :, first_new:n_cmp] = new_k
+        cache.cmp_v[:, :, first_new:n_cmp] = new_v
+        win_start = max(0, start - cfg.nsa_window + 1)
+        _ring_extend(cache.slc_k, start, b.k_slc, 0)  # never wraps (capacity >= max_seq_len)
+        _ring_extend(cache.slc_v, start, b.v_slc, 0)
+        k_slc, v_slc = cache.slc_k, cache.slc_v  # (B, KV, S_cap, D): whole buffer, read as blocks without a copy
+        if cfg.nsa_separate_kv:
+            k_win = _ring_extend(cache.win_k, start, b.k_win, win_start)  # (B, KV, end - win_start, D)
+            v_win = _ring_extend(cache.win_v, start, b.v_win, win_start)
+        else:
+            k_win, v_win = k_slc[:, :, win_start:end], v_slc[:, :, win_start:end]
+        return self.sparse_attention(b.q, cache.cmp_k[:, :, :n_cmp], cache.cmp_v[:, :, :n_cmp], k_slc, v_slc, k_win,
+                                     v_win, b.gates, cfg, q_start=start, win_start=win_start, compute=self.compute)
+
+    def _attend_padded(self, cache: NSACache, branches: _Branches, start_pos: int, cos: Tensor, sin: Tensor,
+                       doc_start: Tensor) -> Tensor:
+        """The cached attention of a batch padded on the left, whose doc_start (B, T) gives each pad itself and every
+        later token its row's first real position r (`modeling.documents.padding_starts`): each row keeps its
+        own block grid, from r, in its rows of the cache (position p of the row at slot p - r; the pads are never
+        cached), so it generates what it generates alone. Pads are one-token documents (`_one_token_documents`).
+        Rows with the same r next to each other run together. One host read of doc_start. Returns (B, H, T, D)."""
+        T = branches.q.shape[2]
+        starts = doc_start.cpu()
+        first_real = starts[:, -1]  # (B,): a row's last token is real
+        positions = torch.arange(start_pos, start_pos + T)  # (T,)
+        if not torch.equal(starts, torch.where(positions < first_real[:, None], positions, first_real[:, None])):
+            raise ValueError("with NSA's KV cache, doc_start must be that of a batch padded on the left: each pad its "
+                             "own position, every later token its row's first real one "
+                             "(modeling.documents.padding_starts)")
+        outs, row = [], 0
+        for r, n_rows in ((r, len(list(run))) for r, run in itertools.groupby(first_real.tolist())):
+            rows = slice(row, row + n_rows)
+            row += n_rows
+            part, pads = branches.rows(rows), max(0, r - start_pos)  # the call's pads in these rows
+            pieces = [self._one_token_documents(part.positions(0, pads))] if pads else []
+            local = start_pos + pads - r  # the first real token's position within its row
+            out = self._attend_cached(cache.rows(rows), part.positions(pads, T), local, cos[pads:], sin[pads:], local)
+            outs.append(torch.cat([*pieces, out.transpose(1, 2)], dim=1))  # (rows, T, H, D)
+        return torch.cat(outs).transpose(1, 2)  # (B, H, T, D)
 
     def _check_cache(self, batch_size: int, start_pos: int, T: int) -> NSACache:
         if self.cache is None:

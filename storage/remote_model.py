@@ -16,7 +16,8 @@ torch.utils.checkpoint), `resize_token_embeddings` (the inner ModelConfig follow
 length beyond the context, and decodes through the project's own preallocated caches (`LongctxCache`: the
 compressed, selection and window keys of NSA; greedy, sampling and beam search). Padding on the right (training,
 scoring) needs nothing: a real token never reads a later one. Padding on the left becomes each row's first
-position (`mask_starts`, the model's `doc_start`), which NSA does not take yet: it is refused, naming it.
+position (`mask_starts`, the model's `doc_start`): each row gives, and generates, what it gives alone (NSA counts
+the row's blocks from its first real token).
 """
 
 from __future__ import annotations

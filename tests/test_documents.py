@@ -66,12 +66,19 @@ def packed(lengths: list[int], vocab: int, seed: int = 0) -> tuple[torch.Tensor,
     return torch.tensor([ids]), spans
 
 
-def test_a_packed_row_gives_each_document_what_it_gives_alone():
-    """Full attention, float64, documents not aligned to anything: logits, summed loss and gradients of the packed
-    row equal those of each document alone (its own row, positions from 0)."""
+BODIES = {"full": [11, 6, 23, 9, 17],  # tokens after each opening id
+          # NSA (l = 8, d = 4, l' = 16, n = 4, w = 32): one-token documents (the id alone), documents shorter than
+          # a compressed block, and two past n l' = 64 tokens, where top-n chooses and the window slides
+          "nsa": [11, 0, 70, 5, 0, 0, 90, 3]}
+
+
+@pytest.mark.parametrize("attention", ["full", "nsa"])
+def test_a_packed_row_gives_each_document_what_it_gives_alone(attention):
+    """Float64, documents not aligned to any block: logits, summed loss and gradients of the packed row equal those
+    of each document alone (its own row, positions from 0)."""
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_preset("tiny", context_length=128)).double()
-    ids, spans = packed([11, 6, 23, 9, 17], model.config.vocab_size)
+    model = Transformer(ModelConfig.from_preset("tiny", context_length=256, attention_type=attention)).double()
+    ids, spans = packed(BODIES[attention], model.config.vocab_size)
     starts = document_starts(ids, EOD)
     labels = ids.clone()
     labels[0, [first for first, _ in spans[1:]]] = -100  # no document predicts the next one's opening id
@@ -92,9 +99,10 @@ def test_a_packed_row_gives_each_document_what_it_gives_alone():
     assert (unmasked[:, spans[2][0]:] - out.logits[:, spans[2][0]:]).abs().max() > 1e-3 * scale
 
 
-def test_a_future_token_never_changes_a_past_output():
+@pytest.mark.parametrize("attention", ["full", "nsa"])
+def test_a_future_token_never_changes_a_past_output(attention):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_preset("tiny", context_length=128)).double().eval()
+    model = Transformer(ModelConfig.from_preset("tiny", context_length=128, attention_type=attention)).double().eval()
     ids, _ = packed([20, 15, 30], model.config.vocab_size)
     changed = ids.clone()
     changed[0, 40:] = (changed[0, 40:] + 5) % model.config.vocab_size
@@ -122,11 +130,41 @@ def test_no_square_tensor():
     assert tracker.peak < T * T / 4, tracker.peak
 
 
-def test_nsa_refuses_document_starts_for_now():
+def test_nsa_rows_of_different_documents_and_the_score_loss():
+    """NSA, two rows packed differently (and one alike, run together with the first): each row's logits are those of
+    the row alone; the selection-scoring loss of the batch is the mean over every choosing row of every document,
+    the documents' own losses weighted by their rows."""
+    from modeling.objective import Objective
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", context_length=256, attention_type="nsa")).double()
+    model.objective = Objective(nsa_score_loss_coef=1.0)
+    a, spans_a = packed([80, 0, 30, 75], model.config.vocab_size, seed=1)
+    b, spans_b = packed([100, 88], model.config.vocab_size, seed=2)
+    b = b[:, : a.shape[1]]
+    spans_b[-1] = (spans_b[-1][0], a.shape[1])
+    ids = torch.cat([a, b, a])
+    out = model(ids, ids, doc_start=document_starts(ids, EOD))
+    scale = out.logits.abs().max().item()
+    for row in range(3):
+        alone = model(ids[row:row + 1], doc_start=document_starts(ids[row:row + 1], EOD))
+        torch.testing.assert_close(out.logits[row:row + 1], alone.logits, rtol=0, atol=1e-6 * scale)
+    first = 4 * 16  # n l': where top-n starts to choose
+    weighted, rows = 0.0, 0
+    for row_ids, spans in ((a, spans_a), (b, spans_b), (a, spans_a)):
+        for s, e in spans:
+            if e - s > first:
+                weighted += model(row_ids[:, s:e], row_ids[:, s:e]).aux_loss * (e - s - first)
+                rows += e - s - first
+    torch.testing.assert_close(out.aux_loss, weighted / rows, rtol=1e-6, atol=0)  # RoPE tables: module docstring
+
+
+def test_nsa_refuses_starts_that_do_not_split_documents():
     model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa"))
-    ids = torch.randint(0, 64, (1, 40))
-    with pytest.raises(ValueError, match="NSA does not take document starts yet"):
-        model(ids, doc_start=document_starts(ids, EOD))
+    ids = torch.randint(2, 64, (1, 40))
+    sliding = (torch.arange(40) - 7).clamp(min=0)[None]  # a window, not documents
+    with pytest.raises(ValueError, match="doc_start must split each row into documents"):
+        model(ids, doc_start=sliding)
 
 
 def test_train_and_eval_take_the_document_mask(data_dir, tmp_path):
@@ -161,8 +199,11 @@ def test_train_and_eval_take_the_document_mask(data_dir, tmp_path):
     results = eval_cli.main([str(tmp_path / "run" / "model"), "--tasks", "loss", "--document_mask", "--eval_tokens",
                              "1024", "--out_dir", str(tmp_path / "eval")])
     assert results["loss"]["tokens"] > 0
-    with pytest.raises(ValueError, match="--document_mask: NSA does not take document starts yet"):
-        train.main([*args, "--attention_type", "nsa", "--document_mask", "--out_dir", str(tmp_path / "nsa")])
+    nsa = train.main([*args, "--attention_type", "nsa", "--document_mask", "--out_dir", str(tmp_path / "nsa")])
+    assert math.isfinite(nsa["loss"])
+    results = eval_cli.main([str(tmp_path / "nsa" / "model"), "--tasks", "loss", "--document_mask", "--eval_tokens",
+                             "1024", "--out_dir", str(tmp_path / "nsa_eval")])
+    assert results["loss"]["tokens"] > 0
 
 
 def test_bf16_under_autocast_keeps_forward_and_backward_consistent():

@@ -45,21 +45,48 @@ def test_generation_stops_at_eos_and_pads_finished_rows(model):
     assert out[0, 6] == eos and (out[0, 6:] == eos).all()
 
 
-def test_prompts_of_different_lengths_generate_what_each_generates_alone(model):
-    """Left-padded in one batch, each row attending from its first real token: greedy tokens equal each prompt's
-    alone (full attention); NSA refuses the padding, naming it."""
+@pytest.mark.parametrize("attention, lengths", [("full", (9, 4, 13)),
+                                                # NSA (l = 8, l' = 16, n = 4, w = 32): prompts past the window and
+                                                # past n l' = 64, where top-n chooses; two rows padded alike
+                                                ("nsa", (70, 23, 23, 90))])
+def test_prompts_of_different_lengths_generate_what_each_generates_alone(attention, lengths):
+    """Left-padded in one batch, each row attending from its first real token (NSA: each row's blocks counted from
+    it): greedy tokens equal each prompt's alone (float64, so that no near-tie flips between the two)."""
     torch.manual_seed(3)
-    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (9, 4, 13)]
-    out = model.generate(prompts, max_new_tokens=8, temperature=0)
-    assert out.shape == (3, 13 + 8)
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type=attention)).double().eval()
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in lengths]
+    longest = max(lengths)
+    out = model.generate(prompts, max_new_tokens=12, temperature=0)
+    assert out.shape == (len(prompts), longest + 12)
     for row, prompt in zip(out, prompts, strict=True):
-        alone = model.generate(torch.tensor([prompt]), max_new_tokens=8, temperature=0)[0]
-        assert row[13 - len(prompt):].tolist() == alone.tolist()
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=12, temperature=0)[0]
+        assert row[longest - len(prompt):].tolist() == alone.tolist()
     with pytest.raises(ValueError, match="every prompt needs at least one token"):
         model.generate([[1, 2, 3], []], max_new_tokens=2)
-    nsa = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa"))
-    with pytest.raises(ValueError, match="a left-padded row"):
-        nsa.generate([[1, 2, 3], [4, 5]], max_new_tokens=2)
+
+
+@torch.no_grad()
+def test_nsa_left_padded_decoding_equals_each_row_alone():
+    """The logits of a left-padded NSA batch, prefill then decode through the cache, equal each row's alone (float64;
+    RoPE's float32 tables at other absolute positions round differently, relative 2^-24 per entry: 1e-6 of the
+    scale allowed, as tests/test_documents.py), and a doc_start that is not a left padding's is refused."""
+    from modeling.documents import padding_starts
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa")).double().eval()
+    ids = torch.randint(0, 512, (3, 100))
+    pads = torch.tensor([0, 37, 81])
+    model.setup_kv_cache(3, 100)
+    prefill = model(ids[:, :90], start_pos=0, doc_start=padding_starts(pads, 0, 90)).logits
+    steps = [model(ids[:, t:t + 1], start_pos=t, doc_start=padding_starts(pads, t, 1)).logits for t in range(90, 100)]
+    model.clear_kv_cache()
+    batch = torch.cat([prefill, *steps], dim=1)  # (3, 100, V)
+    for row, pad in enumerate(pads.tolist()):
+        alone = model(ids[row:row + 1, pad:]).logits
+        torch.testing.assert_close(batch[row:row + 1, pad:], alone, rtol=0, atol=1e-6 * alone.abs().max().item())
+    model.setup_kv_cache(3, 100)
+    with pytest.raises(ValueError, match="doc_start must be that of a batch padded on the left"):
+        model(ids[:, :10], start_pos=0, doc_start=torch.zeros(3, 10, dtype=torch.long).fill_(2))
 
 
 def test_generation_past_context_length_is_refused(model):

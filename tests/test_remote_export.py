@@ -55,8 +55,14 @@ def test_transformers_runs_the_nsa_export_as_the_project_does(tmp_path: Path, op
     prompt = ids[:1, :40]
     greedy = theirs.generate(prompt, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompt))
     assert greedy.tolist() == model.generate(prompt, 12, temperature=0.0).tolist()
-    with pytest.raises(ValueError, match="NSA does not take document starts yet .* a left-padded row"):
-        theirs(ids, attention_mask=torch.tensor([[0] + [1] * 69, [1] * 70]))
+    with torch.no_grad():  # a row padded on the left reads from its first real token: what it gives alone
+        padded = theirs(ids, attention_mask=torch.tensor([[0] * 3 + [1] * 67, [1] * 70])).logits
+        alone = model(ids[:1, 3:]).logits
+    torch.testing.assert_close(padded[:1, 3:], alone, rtol=0, atol=1e-5 * alone.abs().max().item())  # RoPE rounding
+    left = theirs.generate(ids[:, :40], max_new_tokens=12, do_sample=False,  # a batch padded on the left
+                           attention_mask=torch.tensor([[0] * 3 + [1] * 37, [1] * 40]))
+    for row, first in enumerate((3, 0)):  # each row generates what it generates alone
+        assert left[row, first:].tolist() == model.generate(ids[row:row + 1, first:40], 12, temperature=0.0)[0].tolist()
     assert (theirs.model.lm_head.weight is theirs.model.embed_tokens.weight) == model.config.tie_embeddings
     theirs.save_pretrained(tmp_path / "again")  # transformers' own save (a tied output weight left out) reads back
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", trust_remote_code=True)

@@ -169,7 +169,7 @@ class TrainConfig:
     answer_loss: bool = option(False, "synthetic rows: loss on their answers only (labels -100 elsewhere)")
     document_mask: bool = option(False, "each token attends only within its own document of the packed rows (a "
                                         "document opens with the end-of-document id that closes the one before); "
-                                        "full attention (NSA does not take it yet)")
+                                        "full attention and NSA")
     tracker: str | None = option(None, "also send the metrics to 'tensorboard' (OUT_DIR/tensorboard) or 'wandb' "
                                        "(WANDB_MODE=offline works without an account)")
     export_dtype: str = option("auto", "dtype of the exported weights: 'float32', 'bfloat16', or 'auto' = --dtype's "
@@ -590,9 +590,6 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     chunk = cfg.attention_query_chunk not in (None, ComputeConfig.attention_query_chunk)  # runs recorded 512 as such
     options = {"attention_query_chunk": "--attention_query_chunk"} if chunk else {}
     check_effective(model_config, compute_config, frozenset(cfg.model_overrides) | set(options), options)
-    if cfg.document_mask and model_config.attention_type == "nsa":
-        raise ValueError("--document_mask: NSA does not take document starts yet (its branches read every earlier "
-                         "position); train full attention with it, or leave it out")
     objective = cfg.objective()
     check_objective(model_config, objective, {name for name in OBJECTIVE_FIELDS  # those set: not their default
                                               if getattr(objective, name) != getattr(Objective(), name)})
