@@ -223,3 +223,27 @@ def test_bf16_under_autocast_keeps_forward_and_backward_consistent():
     grads = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
     for got, expected in zip((out, *grads), (want, *want_grads), strict=True):
         assert (got.double() - expected).norm() <= 2 * 2**-8 * expected.norm()
+
+
+def test_nsa_documents_take_no_more_memory_than_the_whole_row():
+    """One NSA layer, forward and backward on real tensors, a row of 1024 tokens split into documents of every kind
+    (one token, shorter than a block, past n l'): the peak of live bytes stays at or below the unmasked row's plus
+    O(T) (the starts and the spans' bookkeeping)."""
+    from modeling.config import ComputeConfig
+    from nsa.layer import NativeSparseAttention
+
+    config = ModelConfig.from_preset("tiny", context_length=1024, attention_type="nsa")
+    torch.manual_seed(0)
+    layer = NativeSparseAttention(config, ComputeConfig(attention_query_chunk=128))
+    model = Transformer(config)
+    ids, _ = packed([300, 0, 0, 5, 200, 7, 400, 200], config.vocab_size)
+    ids = ids[:, :1024]
+    starts = document_starts(ids, EOD)
+    cos, sin = model.rope(1024, 0, ids.device)
+    x = torch.randn(1, 1024, config.dim, requires_grad=True)
+    peaks = []
+    for doc_start in (None, starts):
+        with LiveBytesTracker() as tracker:  # under a dispatch mode the chunks run on one worker
+            layer(x, cos, sin, doc_start=doc_start).sum().backward()
+        peaks.append(tracker.peak)
+    assert peaks[1] <= peaks[0] + 64 * 1024, peaks

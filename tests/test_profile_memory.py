@@ -377,11 +377,13 @@ def test_measured_on_gpu_matches_estimate():
 
 
 @pytest.mark.slow
-def test_the_document_mask_adds_only_its_boundaries_to_the_estimate():
-    """--document_mask at 16k tokens (full attention, one sequence): every stage's estimate within O(T) bytes of the
-    unmasked one (the document starts; the attention's chunk masks live inside its call and stay below the peak)."""
+@pytest.mark.parametrize("attention", ["full", "nsa"])
+def test_the_document_mask_adds_only_its_boundaries_to_the_estimate(attention):
+    """--document_mask at 16k tokens (one sequence): every stage's estimate within O(T) bytes of the unmasked one
+    (the document starts; full attention's chunk masks live inside its call and stay below the peak; NSA runs each
+    document as a sequence of its own, under fake tensors one document a row, the costliest split)."""
     T = 16384
-    stages = [pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=T, attention_type="full", batch_size=1,
-                                           document_mask=mask))["stages"] for mask in (False, True)]
+    stages = [pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=T, attention_type=attention,
+                                           batch_size=1, document_mask=mask))["stages"] for mask in (False, True)]
     for name, plain in stages[0].items():
         assert 0 <= stages[1][name]["total"] - plain["total"] <= 16 * T, name
