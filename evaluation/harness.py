@@ -13,8 +13,8 @@ The three request types, as lm-eval's own `hf` model computes them:
   conditioned on the end-of-document id (lm_eval.utils.get_rolling_token_windows).
 - generate_until (context, {"until", "max_gen_toks", ...}): greedy decoding through the model's KV cache, cut at the
   first stop string or the end-of-document id: max_gen_toks tokens, the prompt keeping its last max_length -
-  max_gen_toks tokens (counted in one line when some are cut). Prompts of one token length decode as one batch
-  (unpadded: NSA takes no left padding yet).
+  max_gen_toks tokens (counted in one line when some are cut). Prompts are batched longest first and padded on
+  the left (`Transformer.generate`), each row generating what it generates alone.
 
 eval.py runs it as the task "harness" (`HarnessTask`), chosen by --harness TASK... rather than --tasks.
 
@@ -162,15 +162,15 @@ class ModelLM:
                   "generated tokens and keep only their last tokens")
         prompts = [prompt[-keep:] for prompt, keep in zip(prompts, room, strict=True)]
         results: list[str] = [""] * len(requests)
-        groups: dict[tuple[int, int], list[int]] = {}  # one prompt length and one max_gen_toks: one batch
-        for i, (prompt, option) in enumerate(zip(prompts, options, strict=True)):
-            groups.setdefault((len(prompt), option["max_gen_toks"]), []).append(i)
-        for (_, new), group in groups.items():
+        groups: dict[int, list[int]] = {}  # one max_gen_toks: batches of it, longest prompts first
+        for i in sorted(range(len(requests)), key=lambda i: -len(prompts[i])):
+            groups.setdefault(options[i]["max_gen_toks"], []).append(i)
+        for new, group in groups.items():
             for b0 in range(0, len(group), self.batch_size):
                 batch = group[b0:b0 + self.batch_size]
-                ids = torch.tensor([prompts[i] for i in batch], device=self.model_device)  # (B, T)
-                out = self.model.generate(ids, new, temperature=0.0, eos_id=self.tokenizer.eod_id)
-                for i, row in zip(batch, out[:, ids.shape[1]:].tolist(), strict=True):
+                out = self.model.generate([prompts[i] for i in batch], new, temperature=0.0,
+                                          eos_id=self.tokenizer.eod_id)  # padded on the left to the longest
+                for i, row in zip(batch, out[:, len(prompts[batch[0]]):].tolist(), strict=True):
                     if self.tokenizer.eod_id in row:
                         row = row[:row.index(self.tokenizer.eod_id)]
                     results[i] = cut_at(self.tokenizer.decode(row), handle_stop_sequences(options[i]["until"], None))

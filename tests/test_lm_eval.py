@@ -162,18 +162,54 @@ def test_lm_eval_scores_the_export_as_the_project_does(request, tasks, kind, mon
     assert all(resps[0][0] for resps in samples(mine, "longctx_generate"))  # something was generated
 
 
-def test_ruler_runs_offline_through_eval_py(data_dir, tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def ruler_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny NSA run at 512 tokens (one step), with model/ and hf/."""
+    out = tmp_path_factory.mktemp("ruler") / "run"
+    train.main(["--model_size", "tiny", "--attention_type", "nsa", "--context_length", "512", "--batch_size", "1",
+                "--max_steps", "1", "--sample_tokens", "0", "--data_dir", str(data_dir), "--out_dir", str(out)])
+    return out
+
+
+def test_ruler_runs_offline_through_eval_py(ruler_run, monkeypatch, capsys):
     """RULER's niah_single_1 builds its prompts from the run's tokenizer and scores an NSA tiny model at a short
     length, with the network off; its score lands in eval.json and the table."""
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)
-    train.main(["--model_size", "tiny", "--attention_type", "nsa", "--context_length", "512", "--batch_size", "1",
-                "--max_steps", "1", "--sample_tokens", "0", "--data_dir", str(data_dir),
-                "--out_dir", str(tmp_path / "run")])
-    results = eval_cli.main([str(tmp_path / "run" / "model"), "--harness", "niah_single_1", "--lengths", "448",
-                               "--samples", "2"])
+    results = eval_cli.main([str(ruler_run / "model"), "--harness", "niah_single_1", "--lengths", "448",
+                             "--samples", "2"])
     assert list(results["harness"]) == ["niah_single_1"]
     assert 0 <= results["harness"]["niah_single_1"]["448"] <= 1
-    written = json.loads((tmp_path / "run" / "eval-model" / "eval.json").read_text())
+    written = json.loads((ruler_run / "eval-model" / "eval.json").read_text())
     assert written["harness"] == results["harness"]
     assert "niah_single_1" in capsys.readouterr().out
+
+
+def test_ruler_at_batch_size_4_equals_batch_size_1(ruler_run, monkeypatch, tmp_path):
+    """RULER's niah_single_1 at 448 tokens, 6 prompts of different token lengths: lm-eval's `hf` model on the NSA
+    export (its generate pads on the left) and ours (eval.py --harness's) each generate at batch size 4 what they
+    generate at batch size 1, and the two agree."""
+    from lm_eval import simple_evaluate
+
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
+    model = load_model(ruler_run / "model")
+    tokenizer = model_tokenizer(ruler_run / "model", None, ())
+    (tmp_path / "tokenizer").mkdir()
+    tokenizer.save(tmp_path / "tokenizer", 512)
+    metadata = {"tokenizer": str(tmp_path / "tokenizer"), "max_seq_lengths": [448]}
+    hf_args = f"pretrained={ruler_run / 'hf'},tokenizer={tmp_path / 'tokenizer'},trust_remote_code=True"
+
+    def responses(batch_size: int, export: bool) -> list:
+        lm = "hf" if export else harness.harness_lm(model, tokenizer, 512, batch_size)
+        kwargs = {"model_args": hf_args, "batch_size": batch_size, "device": "cpu"} if export else {}
+        with harness.no_downloads(["niah_single_1"]):
+            out = simple_evaluate(model=lm, tasks=["niah_single_1"], limit=6, metadata=metadata, log_samples=True,
+                                  **kwargs)
+        found = sorted(out["samples"]["niah_single_1"], key=lambda s: s["doc_id"])
+        assert len({len(tokenizer.encode(s["arguments"][0][0])) for s in found}) > 1  # so batches are padded
+        return [s["resps"] for s in found]
+
+    ours_1 = responses(1, export=False)
+    assert responses(4, export=False) == ours_1
+    assert responses(4, export=True) == responses(1, export=True) == ours_1
