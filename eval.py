@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_tokens", type=int, help="validation tokens scored by the loss task (default: 65536)")
     p.add_argument("--document_mask", action="store_true", default=None,
                    help="loss: each token attends only within its own document of the packed windows (as train.py "
-                        "--document_mask trains)")
+                        "--document_mask trains); mqar, mqar_text with --after_text: each document only within itself")
+    p.add_argument("--after_text", type=int, help="mqar, mqar_text: pack each document after this many tokens of "
+                                                  "held-out text (--data_dir) and the end-of-document id, as training "
+                                                  "rows pack documents (default: 0, the document alone)")
     p.add_argument("--lengths", type=int, nargs="+", help="prompt / document lengths in tokens (default: what each "
                                                           "task needs, up to the context)")
     p.add_argument("--depths", type=float, nargs="+", help="passkey, needle: where the answer hides, 0 (start) to 1 "
@@ -160,7 +163,7 @@ def plot(tasks: dict[str, EvalTask], results: dict, out_dir: Path, title: str) -
 
 # The defaults of the options only some tasks read (each refused when none of them runs: `readers`).
 DEFAULTS = {"depths": list(DEPTHS), "eval_tokens": 65536, "samples": 10, "batch_size": 10, "seed": 0,
-            "document_mask": False}
+            "document_mask": False, "after_text": 0}
 
 
 def readers() -> dict[str, list[str]]:
@@ -195,7 +198,8 @@ def check_options(args: argparse.Namespace) -> tuple[str, ...]:
                              "run: add one, or leave the option out")
     for name, default in DEFAULTS.items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
-    for name, low in (("samples", 1), ("batch_size", 1), ("eval_tokens", 1), ("context_length", 2), ("seed", 0)):
+    for name, low in (("samples", 1), ("batch_size", 1), ("eval_tokens", 1), ("context_length", 2), ("seed", 0),
+                      ("after_text", 0)):
         if getattr(args, name) is not None and getattr(args, name) < low:
             raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
     if any(n < 2 for n in args.lengths or []):

@@ -12,9 +12,12 @@ from collections.abc import Callable
 
 import torch
 
-from evaluation.registry import EvalTask, Setting
+from evaluation.loss import validation_windows
+from evaluation.registry import EvalTask, Setting, task_class
 from evaluation.retrieval import score_answers
 from model import Transformer
+from modeling.documents import document_starts
+from text.shards import check_tokenizer, load_index
 from text.synthetic import SyntheticDocuments
 
 
@@ -31,11 +34,14 @@ def distance_buckets(distances: list[int], right: list[bool], log_probs: list[fl
 
 
 def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: list[int], samples: int, seed: int,
-                  batch_size: int, progress: Callable[[int], None] | None = None) -> dict:
+                  batch_size: int, progress: Callable[[int], None] | None = None, before: torch.Tensor | None = None,
+                  eod_id: int | None = None, mask: bool = False) -> dict:
     """`samples` recall documents of each length, every answer token scored under teacher forcing: {"task", "pairs"
     (None: the default density), "lengths", "samples", "answers", "accuracy", "query_accuracy" (every token of the
     answer right), "answer_logprob", "by_length" [{"length", "accuracy", ...}], "buckets" (by distance, all lengths
-    together)}."""
+    together)}. With `before` (N, P) token ids of other text, document i is packed after row i % N of it and the
+    end-of-document id `eod_id`, as training rows pack documents; `mask`: each token then attends only within its
+    own document (`modeling.documents.document_starts`)."""
     device = model.embed_tokens.weight.device
     distances, right, log_probs, per_query, by_length = [], [], [], {}, []
     for length in lengths:
@@ -45,8 +51,14 @@ def recall_scores(model: Transformer, documents: SyntheticDocuments, lengths: li
         for b0 in range(0, samples, batch_size):
             batch = docs[b0:b0 + batch_size]
             ids = torch.tensor([d.ids for d in batch], device=device)  # (B, T)
-            for i, (doc, row) in enumerate(zip(batch, score_answers(model, ids, [d.answers for d in batch]),
-                                                strict=True)):
+            answers, starts = [d.answers for d in batch], None
+            if before is not None:
+                rows = before[torch.arange(b0, b0 + len(batch)) % before.shape[0]].to(device)  # (B, P)
+                eod = torch.full((len(batch), 1), eod_id, device=device)
+                ids = torch.cat([rows, eod, ids], dim=1)  # (B, P + 1 + T)
+                answers = [[p + rows.shape[1] + 1 for p in where] for where in answers]
+                starts = document_starts(ids, eod_id) if mask else None
+            for i, (doc, row) in enumerate(zip(batch, score_answers(model, ids, answers, starts), strict=True)):
                 distances += doc.distances
                 right += [r for r, _ in row]
                 log_probs += [lp for _, lp in row]
@@ -87,15 +99,30 @@ def plot_recall(ax: object, result: dict, label: str | None = None) -> None:
 class RecallTask(EvalTask):
     """mqar, mqar_text: dense key-value recall documents, accuracy by key-query distance."""
 
-    reads = ("lengths", "pairs", "samples", "batch_size", "seed")
+    reads = ("lengths", "pairs", "samples", "batch_size", "seed", "after_text", "document_mask", "data_dir")
 
     def __init__(self, name: str, setting: Setting) -> None:
         super().__init__(name, setting)
-        options, context = setting.options, setting.context
+        options = setting.options
+        context = setting.context - (options.after_text + 1 if options.after_text else 0)  # room for a document
         if options.pairs is not None and options.pairs < 1:
             raise ValueError(f"--pairs must be >= 1, got {options.pairs}")
         if options.lengths and max(options.lengths) > context:
-            raise ValueError(f"--lengths {max(options.lengths)} does not fit the context of {context} tokens")
+            after = f" after --after_text {options.after_text} + 1" if options.after_text else ""
+            raise ValueError(f"--lengths {max(options.lengths)} does not fit the context of {setting.context} "
+                             f"tokens{after}")
+        self.before = None  # other text each document is packed after (--after_text)
+        if options.after_text:
+            if not setting.data_dir:
+                raise ValueError("--after_text: the text before each document is held-out text of --data_dir "
+                                 "(prepared data with a validation split)")
+            check_tokenizer(load_index(setting.data_dir), setting.tokenizer)
+            self.before, _ = validation_windows(setting.data_dir, options.after_text,
+                                                options.after_text * options.samples, options.seed)
+        elif options.document_mask and not any(task_class(task) is not RecallTask and "document_mask" in
+                                                task_class(task).reads for task in setting.tasks):
+            raise ValueError("--document_mask: mqar and mqar_text read it only with --after_text (a document alone "
+                             "has no other document to keep apart from)")
         self.documents = SyntheticDocuments(name, setting.tokenizer, options.pairs)
         needed = 4 if name == "mqar" else len(setting.tokenizer.encode(" The value of key redfox is 123456.")) * 2 + 8
         for length in (n for n in options.lengths or [] if n < needed):
@@ -114,7 +141,8 @@ class RecallTask(EvalTask):
 
     def run(self, model: Transformer, progress: Callable[[int], None]) -> dict:
         o = self.setting.options
-        return recall_scores(model, self.documents, self.lengths, o.samples, o.seed, o.batch_size, progress)
+        return recall_scores(model, self.documents, self.lengths, o.samples, o.seed, o.batch_size, progress,
+                             self.before, self.setting.tokenizer.eod_id, o.document_mask)
 
     def table(self, result: dict) -> str:
         return format_recall(result)

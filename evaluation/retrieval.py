@@ -50,11 +50,13 @@ def is_correct(continuation: str, answer: str) -> bool:
     return first_number(continuation) == answer
 
 
-def score_answers(model: Transformer, ids: torch.Tensor, positions: list[list[int]]) -> list[list[tuple[bool, float]]]:
+def score_answers(model: Transformer, ids: torch.Tensor, positions: list[list[int]],
+                  doc_start: torch.Tensor | None = None) -> list[list[tuple[bool, float]]]:
     """Teacher forcing: for each row of `ids` (B, L) and each of its answer positions p, (whether the greedy
-    prediction from position p - 1 is ids[p], its log-probability). Logits exist only at those positions."""
+    prediction from position p - 1 is ids[p], its log-probability). Logits exist only at those positions.
+    doc_start (B, L): the model's document starts (None: every earlier token visible)."""
     with torch.no_grad():
-        hidden = model.hidden_states(ids)  # (B, L, C)
+        hidden = model.hidden_states(ids, doc_start=doc_start)  # (B, L, C)
         scores = []
         for row, where in enumerate(positions):
             logits = model.logits(hidden[row, [p - 1 for p in where]])  # (A, V)

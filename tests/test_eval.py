@@ -97,7 +97,7 @@ class CopyOracle:
         self.vocab, self.window = vocab, window
         self.embed_tokens = torch.nn.Embedding(1, 1)
 
-    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, ids: torch.Tensor, doc_start: None = None) -> torch.Tensor:
         B, T = ids.shape
         guess = torch.zeros(B, T, dtype=torch.long)
         for b in range(B):
@@ -135,6 +135,28 @@ def test_mqar_accuracy_by_distance_sees_an_oracles_reach(data_dir):
     near = recall.recall_scores(CopyOracle(512, window=63), documents, [1024], samples=4, seed=0, batch_size=2)
     for bucket in near["buckets"]:
         assert bucket["accuracy"] == (1.0 if bucket["end"] <= 64 else 0.0), bucket
+
+
+@pytest.mark.parametrize("attention", ["full", "nsa"])
+def test_a_recall_document_packed_after_other_text_with_the_mask_scores_as_alone(data_dir, attention):
+    """--after_text: each document packed after held-out text and the end-of-document id. With --document_mask its
+    answers score exactly as the document opened by that id alone (float64; RoPE's tables at other absolute
+    positions round differently, relative 2^-24 per entry: 1e-6 allowed, as tests/test_documents.py); without the
+    mask the text before it changes them (by 3e-4 relative here: an untrained model)."""
+    tokenizer = Tokenizer(data_dir / "tokenizer.model")
+    documents = SyntheticDocuments("mqar", tokenizer)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", vocab_size=tokenizer.vocab_size, context_length=256,
+                                                attention_type=attention)).double().eval()
+    text = torch.randint(16, tokenizer.vocab_size, (3, 90))  # (N, P): another text before each document
+    common = {"lengths": [120], "samples": 4, "seed": 0, "batch_size": 2, "eod_id": tokenizer.eod_id}
+    alone = recall.recall_scores(model, documents, before=text[:, :0], **common)
+    masked = recall.recall_scores(model, documents, before=text, mask=True, **common)
+    plain = recall.recall_scores(model, documents, before=text, **common)
+    assert masked["answers"] == alone["answers"] > 0
+    assert masked["answer_logprob"] == pytest.approx(alone["answer_logprob"], rel=1e-6)
+    assert masked["accuracy"] == alone["accuracy"]
+    assert plain["answer_logprob"] != pytest.approx(alone["answer_logprob"], rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +218,9 @@ def test_document_loglikelihoods_are_the_model_loss_after_the_end_of_document_id
     (["--tokenizer", "missing.model"], "--tokenizer missing.model does not exist"),
     (["--tasks", "mqar", "--lengths", "64", "--pairs", "40"], "--pairs 40: length 64 is too short for synthetic"),
     (["--tasks", "mqar", "--pairs", "0"], "--pairs must be >= 1"),
+    (["--tasks", "mqar", "--document_mask"], "--document_mask: mqar and mqar_text read it only with --after_text"),
+    (["--tasks", "mqar", "--after_text", "200", "--lengths", "64"],
+     "--lengths 64 does not fit the context of 256 tokens after --after_text 200 + 1"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(demo_run, args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
