@@ -8,18 +8,20 @@ designs that replace its query-centric selection, beside flash attention. Runs o
 
 Designs of the selection branch (the compression and window branches are flash attention over per-query ranges in
 every design; `python benchmarks/nsa_block_sharing.py` measures the union below on a trained model):
-- query-centric (today, nsa/triton_path.py): one program per (query, KV head); its G rows padded to a 16-row tile walk
-  the query's n blocks, loading each block's K and V (2 l' D elements) per query, in the forward and again for dQ;
-  dK/dV per block over the queries that chose it. Launched per query chunk (`attention_query_chunk`), each chunk
-  with its own importance, top-n and CSR list (about LAUNCHES_PER_CHUNK kernels).
+- query-centric (the kernels the "GPU check" measured): one program per (query, KV head); its G rows padded to a
+  16-row tile walk the query's n blocks, loading each block's K and V (2 l' D elements) per query, in the forward and
+  again for dQ; dK/dV per block over the queries that chose it. Launched per query chunk (`attention_query_chunk`),
+  each chunk with its own importance, top-n and CSR list (about LAUNCHES_PER_CHUNK kernels).
+- block-centric, per chunk (today, nsa/triton_path.py): the block-centric selection below, still launched per query
+  chunk with the importance in memory, as query-centric.
 - folded: R consecutive queries x G heads form one tile of R G rows over the union of their selections (U blocks,
   U = union_over_n x n): each block is loaded once per R queries, the tile also computes the pairs of queries that
   did not choose a block (masked), so FLOPs grow by U / n. dQ, dK and dV in one backward pass over the same tiles.
 - block-centric (FSA): one program per (key block, KV head) gathers the queries that chose it; K and V are loaded
   once per block, each pair moves a query's G rows in and a float32 partial output (forward) or partial dQ
-  (backward) out, reduced by another kernel: no atomics.
-Importance scores: today written as a (queries, T / l') float32 tensor, masked twice and read by topk; fused with
-top-n in the new designs (recomputed from the compression's log-sum-exp, nothing of size T^2 in memory).
+  (backward) out, reduced by another kernel: no atomics. Whole-sequence launches.
+Importance scores: per chunk written as a (queries, T / l') float32 tensor, masked twice and read by topk; fused with
+top-n in the whole-sequence designs (recomputed from the compression's log-sum-exp, nothing of size T^2 in memory).
 Bytes are those a kernel asks of memory. The selection's blocks are scattered over K and V larger than L2 (33 MB a
 KV head at 64k), so they are counted as DRAM traffic; the other branches' keys fit in L2 and are counted as flash
 attention's are. A prediction, not a measurement: `gpu_check.py --only bench` measures.
@@ -38,7 +40,8 @@ from training.cli import Parser  # noqa: E402
 GPUS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12)}  # bf16 dense FLOP/s, B/s
 LAUNCH_SECONDS = 5e-6  # one kernel launch with its host work, a typical small-kernel floor
 LAUNCHES_PER_CHUNK = 65  # today's kernels per query chunk, forward and backward (counted in nsa/attention.py)
-DESIGNS = ("query-centric", "folded", "block-centric")
+DESIGNS = ("query-centric", "block-centric, per chunk", "folded", "block-centric")
+PER_CHUNK = ("query-centric", "block-centric, per chunk")  # launched per query chunk, importance in memory
 
 
 @dataclass(frozen=True)
@@ -88,22 +91,22 @@ def nsa(layer: Layer, design: str, union_over_n: float, group: int, chunk: int) 
     if design == "query-centric":
         padded = max(16, G) / G  # G rows in a tile of at least 16
         costs["selection"] = (7 * 2 * D * sel_pairs * H * padded, 3 * blocks_chosen * block_bytes)
-        scores = KV * T * (T / l_sel) / 2 * 4  # float32 (queries, blocks), causal half
-        costs["importance + top-n"] = (score_flops, 6 * scores)  # written, two masked copies, read by topk
-        chunks = -(-T // chunk)
-        costs["launches"] = (0.0, 0.0)
-        costs["_launch_seconds"] = (chunks * LAUNCHES_PER_CHUNK * LAUNCH_SECONDS, 0.0)
     elif design == "folded":
         union = union_over_n * n
         loads = (T / group) * KV * union * block_bytes  # each block once per group of queries
         costs["selection"] = (7 * 2 * D * sel_pairs * H * union_over_n, 3 * loads)
-        costs["importance + top-n"] = (score_flops, 0.0)
-    else:  # block-centric
+    else:  # block-centric, per chunk or whole
         loads = KV * (T / l_sel) * block_bytes  # each block's K and V once: read forward, read backward, dK dV written
         # per (query, block) pair: Q in (forward), Q and dO in (backward); a float32 partial output and a float32
         # partial dQ written, and read back by the reductions
         partials = blocks_chosen * G * D * (3 * e + 4 * 4)
         costs["selection"] = (7 * 2 * D * sel_pairs * H, 3 * loads + partials)
+    if design in PER_CHUNK:
+        scores = KV * T * (T / l_sel) / 2 * 4  # float32 (queries, blocks), causal half
+        costs["importance + top-n"] = (score_flops, 6 * scores)  # written, two masked copies, read by topk
+        costs["launches"] = (0.0, 0.0)
+        costs["_launch_seconds"] = (-(-T // chunk) * LAUNCHES_PER_CHUNK * LAUNCH_SECONDS, 0.0)
+    else:  # top-n fused with the importance, whole-sequence launches
         costs["importance + top-n"] = (score_flops, 0.0)
     return costs
 
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"one layer, forward + backward, bf16, H {args.heads}, KV {args.kv_heads} (G {args.heads // args.kv_heads}),"
           f" D 128, l 32, d 16, l' 64, n 16, w 512; {args.gpu} at {args.efficiency:.0%} of peak; folded: "
           f"{args.group} queries, union {args.union_over_n:g} n")
-    print(f"{'T':>7} {'flash ms':>9} " + " ".join(f"{d + ' ms':>18} {'x flash':>8}" for d in DESIGNS))
+    print(f"{'T':>7} {'flash ms':>9} " + " ".join(f"{d + ' ms':>27} {'x flash':>8}" for d in DESIGNS))
     for T in args.lengths:
         layer = Layer(T, H=args.heads, KV=args.kv_heads)
         base = sum(seconds(flash(layer), peak, bandwidth, args.efficiency).values())
@@ -150,11 +153,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row[f"{design}_ms"] = sum(parts.values()) * 1e3
         rows.append(row)
         print(f"{T:>7} {row['flash_ms']:>9.1f} " + " ".join(
-            f"{row[f'{d}_ms']:>18.1f} {row['flash_ms'] / row[f'{d}_ms']:>8.2f}" for d in DESIGNS))
+            f"{row[f'{d}_ms']:>27.1f} {row['flash_ms'] / row[f'{d}_ms']:>8.2f}" for d in DESIGNS))
     last = rows[-1]
     print(f"\nat T = {last['T']}, ms per kernel:")
     for design in DESIGNS:
-        print(f"  {design:>14}: " + ", ".join(f"{k} {v:.1f}" for k, v in last[design].items()))
+        print(f"  {design:>24}: " + ", ".join(f"{k} {v:.1f}" for k, v in last[design].items()))
     return rows
 
 

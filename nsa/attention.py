@@ -38,9 +38,9 @@ blocks, the peak of one layer's forward+backward, in elements, is
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
 The chunk part is what the explicit path materialises: logits and probabilities of one chunk. With the Triton
-kernels (CUDA) it shrinks to the chunk's importance scores, c_imp * B * Q * KV * Nsb in float32 (c_imp = 6 in the
-test; one 4B layer at 131k: 16.6 GiB on that path against 22.7 GiB explicit, query chunk 2048). For fixed
-Q the peak is linear in T.
+kernels (CUDA) it shrinks to the chunk's importance scores and the selection's partial results per (query, slot),
+B * Q * (c_imp * KV * Nsb + c_part * H * n * D) in float32 (c_imp = 6, c_part = 3 in the test; one 4B layer at
+131k: 17.0 GiB on that path against 22.7 GiB explicit, query chunk 2048). For fixed Q the peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
 Q query-chunk length, Nc compressed blocks, Nsb selection blocks of the keys, n selected blocks per query, W window

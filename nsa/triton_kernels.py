@@ -67,69 +67,53 @@ def _key_block(K, V, bh, S, k0, cols, col_ok, D: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _block(K, V, bh, S, j, t, cols, col_ok, D: tl.constexpr, L_SEL: tl.constexpr):
-    """Keys and values (L_SEL, BLOCK_D) of block j of batch x KV head bh, zero where not visible from position t,
-    and the visibility (L_SEL,)."""
-    pos = j * L_SEL + tl.arange(0, L_SEL)
-    visible = pos <= t
-    off = (bh * S + pos[:, None]) * D + cols[None, :]  # into (BKV, S, D)
-    mask = visible[:, None] & col_ok[None, :]
-    return tl.load(K + off, mask=mask, other=0.0), tl.load(V + off, mask=mask, other=0.0), visible
+def _pair_rows(PAIR, base, end, bh, q_start, NQ, N_SEL, r, cols, col_ok, G: tl.constexpr, D: tl.constexpr,
+               QB: tl.constexpr):
+    """The rows of up to QB (query, slot) pairs PAIR[base:end] of one key block, G head rows each (row r: pair
+    r // G, head r % G): (pair index into the BKV * NQ * N_SEL slots, row ok, each row's query position t, offsets
+    of the rows into (BKV * NQ * G, D) and their mask, the rows' index among the BKV * NQ * G rows)."""
+    slot = base + r // G
+    ok = (r < QB * G) & (slot < end)
+    pair = tl.load(PAIR + slot, mask=ok, other=0)
+    query = pair // N_SEL  # index into the (BKV * NQ) queries
+    row = query * G + r % G
+    return pair, ok, q_start + query - bh * NQ, row[:, None] * D + cols[None, :], ok[:, None] & col_ok[None, :], row
 
 
 @triton.jit
-def selection_forward_kernel(Q, K, V, IDX, O, LSE, q_start, NQ, S, scale,
-                    G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N_SEL: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    i = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    t = q_start + i  # the query's position
-    rows, cols = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    row_ok, col_ok = rows < G, cols < D
-    q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]  # (BLOCK_G, BLOCK_D) into (BKV, NQ, G, D)
-    q = tl.load(Q + q_off, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    m = tl.full([BLOCK_G], float("-inf"), ACC)
-    denom = tl.zeros([BLOCK_G], ACC)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], ACC)
-    for s in range(N_SEL):
-        j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
-        if j * L_SEL <= t:  # a used slot: the block starts at or before the query
-            k, v, visible = _block(K, V, bh, S, j, t, cols, col_ok, D, L_SEL)
-            logits = tl.where(visible[None, :], _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
-            m, denom, acc = _online_softmax(m, denom, acc, logits, v, ACC)
-    tl.store(O + q_off, (acc / denom[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(LSE + (bh * NQ + i) * G + rows, m + tl.log(denom), mask=row_ok)
-
-
-@triton.jit
-def selection_dq_kernel(Q, K, V, IDX, DO, LSE, DELTA, DQ, q_start, NQ, S, scale,
-               G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, N_SEL: tl.constexpr,
-               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    i = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    t = q_start + i
-    rows, cols = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    row_ok, col_ok = rows < G, cols < D
-    q_off = ((bh * NQ + i) * G + rows[:, None]) * D + cols[None, :]
-    io_mask = row_ok[:, None] & col_ok[None, :]
-    q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, q_off, io_mask, (bh * NQ + i) * G + rows, row_ok)
-    dq = tl.zeros([BLOCK_G, BLOCK_D], ACC)
-    for s in range(N_SEL):
-        j = tl.load(IDX + (bh * NQ + i) * N_SEL + s)
-        if j * L_SEL <= t:
-            k, v, visible = _block(K, V, bh, S, j, t, cols, col_ok, D, L_SEL)
-            _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible[None, :], scale, ACC)  # (BLOCK_G, L_SEL)
-            dq += _dot(ds.to(k.dtype), k, ACC)
-    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
-
-
-@triton.jit
-def selection_dkdv_kernel(Q, K, V, DO, LSE, DELTA, PTR, ROW, DK, DV, q_start, NQ, S, NB, scale,
-                 G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+def selection_forward_kernel(Q, K, V, PTR, PAIR, O_PART, LSE_PART, q_start, NQ, S, NB, N_SEL, scale,
+                             G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     jb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    start = tl.load(PTR + bh * NB + jb)  # the block's (query, slot) pairs: ROW[start:end]
+    start = tl.load(PTR + bh * NB + jb)  # the block's (query, slot) pairs: PAIR[start:end]
+    end = tl.load(PTR + bh * NB + jb + 1)
+    if start < end:
+        r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        pos, _, _, k, v = _key_block(K, V, bh, S, jb * L_SEL, cols, col_ok, D, L_SEL)  # loaded once
+        for base in range(start, end, QB):  # QB queries, G rows each: a full tile at G = 4
+            pair, ok, t, off, io_mask, row = _pair_rows(PAIR, base, end, bh, q_start, NQ, N_SEL, r, cols, col_ok,
+                                                        G, D, QB)
+            q = tl.load(Q + off, mask=io_mask, other=0.0)
+            visible = ok[:, None] & (pos[None, :] <= t[:, None])  # (BLOCK_R, L_SEL): the block's first key always
+            logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
+            m = tl.where(ok, tl.max(logits, 1), 0.0)
+            p = tl.exp(logits - m[:, None])
+            denom = tl.where(ok, tl.sum(p, 1), 1.0)
+            part = pair * G + r % G  # the row's partial among the BKV * NQ * N_SEL * G
+            tl.store(O_PART + part[:, None] * D + cols[None, :], _dot(p.to(v.dtype), v, ACC) / denom[:, None],
+                     mask=io_mask)
+            tl.store(LSE_PART + part, m + tl.log(denom), mask=ok)
+
+
+@triton.jit
+def selection_backward_kernel(Q, K, V, DO, LSE, DELTA, PTR, PAIR, DK, DV, DQ_PART, q_start, NQ, S, NB, N_SEL, scale,
+                              G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    jb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    start = tl.load(PTR + bh * NB + jb)
     end = tl.load(PTR + bh * NB + jb + 1)
     if start < end:
         r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
@@ -137,20 +121,17 @@ def selection_dkdv_kernel(Q, K, V, DO, LSE, DELTA, PTR, ROW, DK, DV, q_start, NQ
         pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, jb * L_SEL, cols, col_ok, D, L_SEL)
         dk = tl.zeros([L_SEL, BLOCK_D], ACC)
         dv = tl.zeros([L_SEL, BLOCK_D], ACC)
-        head = r % G
-        for base in range(start, end, QB):  # QB queries, G rows each
-            slot = base + r // G
-            ok = (r < QB * G) & (slot < end)
-            query = tl.load(ROW + slot, mask=ok, other=0)  # index into the (BKV * NQ) queries
-            t = q_start + query - bh * NQ
-            row_off = query * G + head
-            io_mask = ok[:, None] & col_ok[None, :]
-            q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, row_off[:, None] * D + cols[None, :], io_mask,
-                                               row_off, ok)
+        for base in range(start, end, QB):
+            pair, ok, t, off, io_mask, row = _pair_rows(PAIR, base, end, bh, q_start, NQ, N_SEL, r, cols, col_ok,
+                                                        G, D, QB)
+            q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, off, io_mask, row, ok)
             visible = ok[:, None] & (pos[None, :] <= t[:, None])  # (BLOCK_R, L_SEL)
             p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
             dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
             dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
+            part = pair * G + r % G
+            tl.store(DQ_PART + part[:, None] * D + cols[None, :], _dot(ds.to(k.dtype), k, ACC) * scale,
+                     mask=io_mask)  # this block's share of the row's dQ
         dk_old = tl.load(DK + kv_off, mask=kv_mask, other=0.0)
         dv_old = tl.load(DV + kv_off, mask=kv_mask, other=0.0)
         tl.store(DK + kv_off, (dk_old + dk * scale).to(DK.dtype.element_ty), mask=kv_mask)

@@ -4,14 +4,15 @@ grid); the kernels themselves are in nsa/triton_kernels.py, imported only to lau
 tensors this path runs without Triton, allocating what it allocates on a GPU (profile_memory.py's estimate). No
 kernel writes logits or probabilities to memory.
 
-Selection (paper section 3.4; `TritonSelection`): each query's G heads attend the key blocks the query selected, read
-in place from the (B, KV, S, D) keys, no tile of queries or keys gathered.
-- Forward, one program per (query, batch x KV head): the query's G head rows (padded to at least 16, the smallest
-  tensor-core tile) walk its selected blocks with an online softmax; output and log-sum-exp per row.
-- Backward, dQ: the same walk, recomputing the probabilities from the saved lse (flash-attention backward,
-  dS = P * (dP - rowsum(dO * O))).
-- Backward, dK and dV: one program per (key block, batch x KV head) walks the queries that selected the block, a
-  list built by one sort (`_queries_by_block`), in groups of rows; each block has one writer, so no atomics.
+Selection (paper section 3.4; `TritonSelection`), block-centric: the (query, slot) pairs are grouped by the block
+they select (`_pairs_by_block`, one sort), and one program per (key block, batch x KV head) loads the block's l'
+keys and values once and walks its pairs 64 rows at a time (16 queries x G = 4 heads: full tensor-core tiles, where
+a query-centric walk pads each query's G rows to 16 and reloads every block for every query that selects it).
+- Forward: each pair's softmax over its block, written as a partial output and log-sum-exp (B, KV, Q, n, G[, D]) in
+  the accumulator dtype; the partials merge over the query's slots by their lse (torch: logsumexp, one einsum).
+- Backward, in one kernel: the pair's probabilities recomputed from the merged lse (flash-attention backward,
+  dS = P * (dP - rowsum(dO * O))); dK and dV summed over the block's pairs (each block has one writer, so no
+  atomics) and each pair's share of dQ written beside it, summed over the slots after.
 A key at position p is visible to the query at t iff p <= t and p lies in one of the query's selected blocks; slots
 whose block lies after the query's own block are unused (the padding of `nsa.blocks.select_blocks`).
 
@@ -35,6 +36,8 @@ query, NB blocks a query of the call can select.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,7 +45,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from nsa.blocks import pairs_by_block, selection_pool_weights
 
-_DK_ROWS = 64  # query rows per step of the selection's dK/dV kernel (whole queries of G heads each)
+_PAIR_ROWS = 64  # query rows per step of the selection kernels (whole queries of G heads each: 16 queries at G = 4)
 _RANGE_BLOCK = 64  # rows per program and keys per step of the range and importance kernels
 
 
@@ -92,58 +95,63 @@ def _precision(t: Tensor) -> dict:
 class TritonSelection:
     """Drop-in for `nsa.attention._Selection` on the Triton kernels: queries q (B, KV, Q, G, D) at positions
     [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) among the key/value blocks k_blocks, v_blocks
-    (B, KV, Nsb, l', D) (contiguous, as `nsa.blocks.as_blocks` makes them)."""
+    (B, KV, Nsb, l', D) (contiguous, as `nsa.blocks.as_blocks` makes them). Block-centric: the (query, slot) pairs
+    are grouped by block once (`_pairs_by_block`), and every kernel walks a block's pairs."""
 
     def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
         B, KV, Q, G, D = q.shape
-        self.shape, self.q_start, self.scale = q.shape, q_start, scale
-        self.l_sel = k_blocks.shape[3]
+        self.shape, self.q_start, self.scale, self.n = q.shape, q_start, scale, idx.shape[-1]
+        l_sel = k_blocks.shape[3]
         self.q = q.contiguous().view(B * KV, Q, G, D)
         self.k = k_blocks.view(B * KV, -1, D)  # (BKV, S, D), S = Nsb * l'
         self.v = v_blocks.view(B * KV, -1, D)
-        self.idx = idx.contiguous()
-        self.meta = dict(G=G, D=D, L_SEL=self.l_sel, BLOCK_D=_tile(D), **_precision(q))
-        self.walk = dict(N_SEL=idx.shape[-1], BLOCK_G=_tile(G))  # query-centric kernels
-        self.grid = (Q, B * KV)
+        self.n_blocks = (q_start + Q - 1) // l_sel + 1  # blocks a query of this call can select
+        self.ptr, self.pair = _pairs_by_block(idx, q_start, l_sel, self.n_blocks)
+        qb = max(1, _PAIR_ROWS // G)  # whole queries of G rows per step
+        self.meta = dict(G=G, D=D, L_SEL=l_sel, QB=qb, BLOCK_R=_tile(qb * G), BLOCK_D=_tile(D), **_precision(q))
+
+    def _partials(self, last: int, fill: float) -> Tensor:
+        """A (BKV, Q, n, G, *last) buffer of the pairs' partial results in the accumulator dtype, filled with
+        `fill` (what an unused slot contributes)."""
+        B, KV, Q, G, D = self.shape
+        return torch.full((B * KV, Q, self.n, G, *last), fill, dtype=_acc_dtype(self.q), device=self.q.device)
 
     def forward(self) -> tuple[Tensor, Tensor]:
-        """Returns (out (B, KV, Q, G, D), lse (B, KV, Q, G) in float32, float64 for float64 inputs)."""
+        """Returns (out (B, KV, Q, G, D), lse (B, KV, Q, G) in float32, float64 for float64 inputs): each pair's
+        attention over its block (one kernel, a program per block), merged over the query's slots by their lse."""
         B, KV, Q, G, D = self.shape
-        out = torch.empty_like(self.q)
-        lse = torch.empty(B * KV, Q, G, dtype=_acc_dtype(self.q), device=self.q.device)
-        _launch("selection_forward_kernel", self.grid, self.q, self.k, self.v, self.idx, out, lse, self.q_start, Q,
-                self.k.shape[1], self.scale, **self.walk, **self.meta)
+        o_part, lse_part = self._partials((D,), 0.0), self._partials((), -math.inf)
+        _launch("selection_forward_kernel", (self.n_blocks, B * KV), self.q, self.k, self.v, self.ptr, self.pair,
+                o_part, lse_part, self.q_start, Q, self.k.shape[1], self.n_blocks, self.n, self.scale, **self.meta)
+        lse = lse_part.logsumexp(2)  # (BKV, Q, G): every query attends at least its own block
+        weights = torch.exp(lse_part - lse[:, :, None])  # (BKV, Q, n, G), 0 for unused slots
+        out = torch.einsum("bqng,bqngd->bqgd", weights, o_part).to(self.q.dtype)  # (BKV, Q, G, D)
         return out.view(self.shape), lse.view(B, KV, Q, G)
 
     def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
                  grad_v_blocks: Tensor) -> Tensor:
         """Given grad_out, out (B, KV, Q, G, D) and lse (B, KV, Q, G) of the branch: adds the blocks' gradients into
         grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D, contiguous) and returns the gradient of q
-        (B, KV, Q, G, D)."""
+        (B, KV, Q, G, D). One kernel, a program per block (its dK and dV have one writer: no atomics), writes each
+        pair's share of dQ; the shares are summed over the query's slots."""
         B, KV, Q, G, D = self.shape
         grad_out, lse, delta = _backward_inputs(grad_out, out, lse)  # (B, KV, Q, G, D), (B, KV, Q, G) x 2
         S = self.k.shape[1]
-        dq = torch.empty_like(self.q)
-        _launch("selection_dq_kernel", self.grid, self.q, self.k, self.v, self.idx, grad_out, lse, delta, dq,
-                self.q_start, Q, S, self.scale, **self.walk, **self.meta)
-        n_blocks = (self.q_start + Q - 1) // self.l_sel + 1  # blocks a query of this call can select
-        ptr, row = _queries_by_block(self.idx, self.q_start, self.l_sel, n_blocks)
-        qb = max(1, _DK_ROWS // G)
-        _launch("selection_dkdv_kernel", (n_blocks, B * KV), self.q, self.k, self.v, grad_out, lse, delta, ptr, row,
-                grad_k_blocks.view(B * KV, S, D), grad_v_blocks.view(B * KV, S, D), self.q_start, Q, S, n_blocks,
-                self.scale, QB=qb, BLOCK_R=_tile(qb * G), **self.meta)
-        return dq.view(self.shape)
+        dq_part = self._partials((D,), 0.0)
+        _launch("selection_backward_kernel", (self.n_blocks, B * KV), self.q, self.k, self.v, grad_out, lse, delta,
+                self.ptr, self.pair, grad_k_blocks.view(B * KV, S, D), grad_v_blocks.view(B * KV, S, D), dq_part,
+                self.q_start, Q, S, self.n_blocks, self.n, self.scale, **self.meta)
+        return dq_part.sum(2).to(self.q.dtype).view(self.shape)
 
 
-def _queries_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> tuple[Tensor, Tensor]:
-    """For idx (B, KV, Q, n): (ptr (B*KV*n_blocks + 1,), row (P,)) such that row[ptr[g]:ptr[g + 1]] are the queries
-    (indices into the B*KV*Q queries) whose used slots select block g % n_blocks of batch x KV head
-    g // n_blocks."""
+def _pairs_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> tuple[Tensor, Tensor]:
+    """For idx (B, KV, Q, n): (ptr (B*KV*n_blocks + 1,), pair (P,)) such that pair[ptr[g]:ptr[g + 1]] are the
+    (query, slot) pairs (indices into idx's B*KV*Q*n entries) whose used slot selects block g % n_blocks of batch x
+    KV head g // n_blocks."""
     B, KV, Q, n = idx.shape
     current = (torch.arange(q_start, q_start + Q, device=idx.device) // l_sel)[:, None]  # (Q, 1) own block
     _, order, counts = pairs_by_block(idx, idx <= current, n_blocks)  # unused slots: the last group
-    ptr = F.pad(counts.cumsum(0), (1, 0))[: B * KV * n_blocks + 1]
-    return ptr, order // n
+    return F.pad(counts.cumsum(0), (1, 0))[: B * KV * n_blocks + 1], order
 
 
 class RangeAttention:

@@ -580,7 +580,7 @@ def test_gradcheck_sparse_attention_top_n():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("H,KV", [(2, 2), (8, 2), (16, 1)])  # GQA ratios 1, 4, 16
+@pytest.mark.parametrize("H,KV", [(2, 2), (4, 2), (8, 2), (8, 1), (16, 1)])  # GQA ratios 1, 2, 4, 8, 16
 def test_triton_matches_naive(H, KV):
     """sparse_attention with all three branches on the Triton kernels against the brute-force reference
     (float64, top-n really choosing, chunks cutting blocks, window and compression ranges crossing chunks)."""
@@ -595,9 +595,9 @@ def test_triton_matches_naive(H, KV):
 
 @pytest.mark.slow
 def test_triton_gradcheck():
-    """gradcheck of all inputs of sparse_attention through the Triton kernels' backward (dQ query-centric, dK/dV
-    key-block-centric, for the selection and the range kernels), top-n choosing 3 of up to 4 blocks, chunks
-    cutting blocks."""
+    """gradcheck of all inputs of sparse_attention through the Triton kernels' backward (the selection's
+    block-centric kernel: dK, dV and each pair's share of dQ; the range kernels), top-n choosing 3 of up to 4 blocks,
+    chunks cutting blocks."""
     pytest.importorskip("triton")
     config = nsa_config(nsa_num_selected=3, nsa_window=12)
     compute = ComputeConfig(attention_query_chunk=13)
@@ -713,15 +713,15 @@ from triton.compiler import ASTSource
 from nsa import triton_kernels as nt
 part, parts = int(sys.argv[1]), int(sys.argv[2])  # this process compiles every parts-th build from the part-th
 builds = []
-types = dict(IDX="*i64", LSE="*fp32", DELTA="*fp32", PTR="*i64", ROW="*i64", LO="*i32", HI="*i32", QA="*i32",
+types = dict(LSE="*fp32", DELTA="*fp32", PTR="*i64", PAIR="*i64", O_PART="*fp32", LSE_PART="*fp32",
+             DQ_PART="*fp32", N_SEL="i32", LO="*i32", HI="*i32", QA="*i32",
              QB="*i32", NVIS="*i32", W="*fp32", IMP="*fp32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32",
              NC="i32", NS="i32", scale="fp32")
 for D in (64, 128):
     common = dict(G=4, D=D, L_SEL=64, BLOCK_D=D, ACC=tl.float32)
     ranged = dict(D=D, BLOCK_M=64, BLOCK_N=64, BLOCK_D=D, ACC=tl.float32)
-    for fn, consts in ((nt.selection_forward_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
-                       (nt.selection_dq_kernel, dict(common, N_SEL=16, BLOCK_G=16)),
-                       (nt.selection_dkdv_kernel, dict(common, QB=16, BLOCK_R=64)),
+    for fn, consts in ((nt.selection_forward_kernel, dict(common, QB=16, BLOCK_R=64)),
+                       (nt.selection_backward_kernel, dict(common, QB=16, BLOCK_R=64)),
                        (nt.range_forward_kernel, ranged), (nt.range_dq_kernel, ranged),
                        (nt.range_dkdv_kernel, dict(ranged, G=4)),
                        (nt.importance_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, BLOCK_M=64,
@@ -750,7 +750,7 @@ def run_without_interpreter(args: list[str]) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_triton_kernels_compile_for_gpus():
-    """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all seven with
+    """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all six with
     Triton's own compiler and ptxas (no device needed) in bf16 for sm_90 (H100) at D = 64 and 128, and in float32
     for sm_80 (A100) at D = 128, each within the A100's 164 KB of shared memory; G = 4, l' = 64, n = 16."""
     pytest.importorskip("triton")
@@ -778,8 +778,8 @@ def test_triton_kernels_on_gpu():
 def peak_bound_bytes(config: ModelConfig, chunk: int, B: int, T: int, elem: int, triton: bool = False
                      ) -> tuple[int, int]:
     """(peak bound, largest-tensor bound) in bytes from nsa/attention.py's docstring formula, constants 8 and 6;
-    `chunk`: the query chunk; `triton`: the Triton kernels' path, whose chunk part is the importance scores
-    (float32)."""
+    `chunk`: the query chunk; `triton`: the Triton kernels' path, whose chunk part is the importance scores and
+    the selection's partial results (float32)."""
     H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(chunk, T)
     n_sets = 3 if config.nsa_separate_kv else 1
     n_cmp = num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride)
@@ -787,7 +787,8 @@ def peak_bound_bytes(config: ModelConfig, chunk: int, B: int, T: int, elem: int,
     n_sel = config.nsa_num_selected * config.nsa_select_block_size
     chunk = B * Q * (6 * H * n_cmp + 6 * KV * n_sel * D + 6 * H * (Q + config.nsa_window - 1))
     if triton:
-        chunk = 6 * B * Q * KV * -(-T // config.nsa_select_block_size) * 4 // elem
+        partials = 3 * H * config.nsa_num_selected * D  # output or dQ shares per (query, slot), and their merge
+        chunk = B * Q * (6 * KV * -(-T // config.nsa_select_block_size) + partials) * 4 // elem
     largest = B * Q * max(H * n_cmp, KV * n_sel * D, H * (Q + config.nsa_window - 1)) * 4  # float32 softmax
     return (linear + chunk) * elem, max(largest, T * B * max(3 * H, 3 * KV * D, config.dim) * elem)
 
