@@ -12,16 +12,17 @@ every design; `python benchmarks/nsa_block_sharing.py` measures the union below 
   16-row tile walk the query's n blocks, loading each block's K and V (2 l' D elements) per query, in the forward and
   again for dQ; dK/dV per block over the queries that chose it. Launched per query chunk (`attention_query_chunk`),
   each chunk with its own importance, top-n and CSR list (about LAUNCHES_PER_CHUNK kernels).
-- block-centric, per chunk (today, nsa/triton_path.py): the block-centric selection below, still launched per query
-  chunk with the importance in memory, as query-centric.
+- block-centric, per chunk (today, nsa/triton_path.py): the block-centric selection below and top-n fused with the
+  importance, still launched per query chunk.
 - folded: R consecutive queries x G heads form one tile of R G rows over the union of their selections (U blocks,
   U = union_over_n x n): each block is loaded once per R queries, the tile also computes the pairs of queries that
   did not choose a block (masked), so FLOPs grow by U / n. dQ, dK and dV in one backward pass over the same tiles.
 - block-centric (FSA): one program per (key block, KV head) gathers the queries that chose it; K and V are loaded
   once per block, each pair moves a query's G rows in and a float32 partial output (forward) or partial dQ
   (backward) out, reduced by another kernel: no atomics. Whole-sequence launches.
-Importance scores: per chunk written as a (queries, T / l') float32 tensor, masked twice and read by topk; fused with
-top-n in the whole-sequence designs (recomputed from the compression's log-sum-exp, nothing of size T^2 in memory).
+Importance scores: query-centric wrote them as a (queries, T / l') float32 tensor, masked twice and read by topk;
+the other designs fuse them with top-n (recomputed from the compression's log-sum-exp, nothing of size T^2 in
+memory).
 Bytes are those a kernel asks of memory. The selection's blocks are scattered over K and V larger than L2 (33 MB a
 KV head at 64k), so they are counted as DRAM traffic; the other branches' keys fit in L2 and are counted as flash
 attention's are. A prediction, not a measurement: `gpu_check.py --only bench` measures.
@@ -41,7 +42,7 @@ GPUS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.
 LAUNCH_SECONDS = 5e-6  # one kernel launch with its host work, a typical small-kernel floor
 LAUNCHES_PER_CHUNK = 65  # today's kernels per query chunk, forward and backward (counted in nsa/attention.py)
 DESIGNS = ("query-centric", "block-centric, per chunk", "folded", "block-centric")
-PER_CHUNK = ("query-centric", "block-centric, per chunk")  # launched per query chunk, importance in memory
+PER_CHUNK = ("query-centric", "block-centric, per chunk")  # launched per query chunk
 
 
 @dataclass(frozen=True)
@@ -101,13 +102,14 @@ def nsa(layer: Layer, design: str, union_over_n: float, group: int, chunk: int) 
         # partial dQ written, and read back by the reductions
         partials = blocks_chosen * G * D * (3 * e + 4 * 4)
         costs["selection"] = (7 * 2 * D * sel_pairs * H, 3 * loads + partials)
-    if design in PER_CHUNK:
+    if design == "query-centric":
         scores = KV * T * (T / l_sel) / 2 * 4  # float32 (queries, blocks), causal half
         costs["importance + top-n"] = (score_flops, 6 * scores)  # written, two masked copies, read by topk
+    else:  # top-n fused with the importance
+        costs["importance + top-n"] = (score_flops, 0.0)
+    if design in PER_CHUNK:
         costs["launches"] = (0.0, 0.0)
         costs["_launch_seconds"] = (-(-T // chunk) * LAUNCHES_PER_CHUNK * LAUNCH_SECONDS, 0.0)
-    else:  # top-n fused with the importance, whole-sequence launches
-        costs["importance + top-n"] = (score_flops, 0.0)
     return costs
 
 

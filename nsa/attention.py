@@ -38,9 +38,9 @@ blocks, the peak of one layer's forward+backward, in elements, is
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
 The chunk part is what the explicit path materialises: logits and probabilities of one chunk. With the Triton
-kernels (CUDA) it shrinks to the chunk's importance scores and the selection's partial results per (query, slot),
-B * Q * (c_imp * KV * Nsb + c_part * H * n * D) in float32 (c_imp = 6, c_part = 3 in the test; one 4B layer at
-131k: 17.0 GiB on that path against 22.7 GiB explicit, query chunk 2048). For fixed Q the peak is linear in T.
+kernels (CUDA) it shrinks to the selection's partial results per (query, slot), c_part * B * Q * H * n * D in
+float32 (c_part = 3 in the test; the importance scores never reach memory; one 4B layer at 131k: 17.0 GiB on that
+path against 22.7 GiB explicit, query chunk 2048). For fixed Q the peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
 Q query-chunk length, Nc compressed blocks, Nsb selection blocks of the keys, n selected blocks per query, W window
@@ -385,9 +385,9 @@ class _Chunk:
     def _compression(self, n_select: int | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """The compression branch: (out (B, KV, G*Q, D), lse (B, KV, G*Q), and for n_select the importance scores
         (B, KV, Q, n_select) of `_pooled`, else None). The fused path computes the logits once, explicitly, and
-        takes the output and the scores from the same probabilities; the Triton kernels recompute the scores from
-        the lse without the probabilities in memory."""
-        cfg, (B, KV, G, Q, D) = self.config, self.shape
+        takes the output and the scores from the same probabilities (the Triton path's scores never reach memory:
+        `_compression_and_selection`)."""
+        B, KV, G, Q, D = self.shape
         if n_select is not None and exact_scores_active():
             out, lse, _ = self._compression(None)
             q = self.q_heads.view(B, KV * G, Q, D)  # (B, H, Q, D)
@@ -401,19 +401,30 @@ class _Chunk:
             return out, lse, importance
         if n_select is None:
             out, lse = self.compression.forward()
-        elif self.triton:
-            from nsa.triton_path import importance_scores
-
-            out, lse = self.compression.forward()
-            geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
-            importance = importance_scores(self.q_heads, self.k_cmp, lse, self.n_visible, geometry, n_select,
-                                           self.scale)
         else:
             c = self.compression
             out, lse, p = attend_explicit(c.q, c.k, c.v, c.mask, c.scale)  # p (B, KV, G*Q, Nc')
             importance = self._pooled(p, n_select)
         out.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
         return out, lse, importance
+
+    def _compression_and_selection(self, n_select: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The compression branch's (out, lse) of `_compression` and each query's selected blocks among the first
+        n_select, idx (B, KV, Q, n) with unused slots holding Nsb: on the Triton kernels top-n fused with the
+        importance scores, which never reach memory (`nsa.triton_path.select_top_blocks`); else `select_blocks`
+        of `_compression`'s scores."""
+        cfg, n, n_blocks = self.config, self.config.nsa_num_selected, self.k_blocks.shape[2]
+        if self.triton and self.k_cmp.shape[2] > 0 and not exact_scores_active():
+            from nsa.triton_path import select_top_blocks
+
+            out, lse, _ = self._compression(None)
+            geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
+            idx = select_top_blocks(self.q_heads, self.k_cmp, lse, self.n_visible, geometry, n_select, self.q_start,
+                                    n, n_blocks, self.scale)
+            return out, lse, idx
+        out, lse, importance = self._compression(n_select)
+        idx, valid = select_blocks(importance, self.q_pos, cfg.nsa_select_block_size, n)  # (B, KV, Q, n')
+        return out, lse, F.pad(idx.masked_fill(~valid, n_blocks), (0, n - idx.shape[-1]), value=n_blocks)
 
     def forward(self) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (branch outputs (3, B, KV, G*Q, D), their lse (3, B, KV, G*Q), selected blocks (B, KV, Q, n));
@@ -428,9 +439,7 @@ class _Chunk:
             idx = idx.expand(*self.shape[:2], Q, n)
             o_slc, lse_slc = self.prefix.forward()
         else:
-            o_cmp, lse_cmp, importance = self._compression((self.q_start + Q - 1) // l_sel + 1)
-            idx, valid = select_blocks(importance, self.q_pos, l_sel, n)  # (B, KV, Q, n')
-            idx = F.pad(idx.masked_fill(~valid, n_blocks), (0, n - idx.shape[-1]), value=n_blocks)
+            o_cmp, lse_cmp, idx = self._compression_and_selection((self.q_start + Q - 1) // l_sel + 1)
             o_slc, lse_slc = self._selection(idx).forward()
             o_slc, lse_slc = self._rows_to_heads(o_slc), self._rows_to_heads(lse_slc)
         o_win, lse_win = self.window.forward()

@@ -237,16 +237,12 @@ def range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, S
 
 
 @triton.jit
-def importance_kernel(Q, K, LSE, NVIS, W, IMP, NQ, NC, NS, scale,
-                       G: tl.constexpr, D: tl.constexpr, PER_SEL: tl.constexpr, FIRST: tl.constexpr,
-                       WIDTH: tl.constexpr, J_STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    j0 = tl.program_id(2) * J_STEP  # this program's selection blocks: j0 .. j0 + J_STEP - 1
-    qi = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_ok = qi < NQ
-    n_visible = tl.load(NVIS + qi, mask=q_ok, other=0)
+def _importance_tile(Q, K, LSE, W, bh, qi, q_ok, n_visible, j0, NQ, NC, scale, G: tl.constexpr, D: tl.constexpr,
+                     PER_SEL: tl.constexpr, FIRST: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    """Importance (BLOCK_M, BLOCK_J) of the queries qi for selection blocks j0 + [0, BLOCK_J): the compression
+    probabilities recomputed from the rows' lse over the compressed blocks that feed those selection blocks, summed
+    over the group's G heads (Eq. 10) and pooled by Eq. 9's weights W."""
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     cc = tl.arange(0, BLOCK_C)
@@ -260,13 +256,49 @@ def importance_kernel(Q, K, LSE, NVIS, W, IMP, NQ, NC, NS, scale,
         q = tl.load(Q + rows[:, None] * D + cols[None, :], mask=q_ok[:, None] & col_ok[None, :], other=0.0)
         lse = tl.load(LSE + rows, mask=q_ok, other=0.0)
         p += _probs(q, k, lse, visible, scale, ACC)
-    jj = tl.arange(0, BLOCK_J)
-    offset = cc[:, None] - PER_SEL * jj[None, :]  # (BLOCK_C, BLOCK_J): Eq. 9's weight index of (c, j)
+    offset = cc[:, None] - PER_SEL * tl.arange(0, BLOCK_J)[None, :]  # (BLOCK_C, BLOCK_J): Eq. 9's weight index
     w = tl.load(W + offset, mask=(offset >= 0) & (offset < WIDTH), other=0.0)
-    importance = _dot(p, w.to(ACC), ACC)  # (BLOCK_M, BLOCK_J)
-    j = j0 + jj
-    tl.store(IMP + (bh * NQ + qi[:, None]) * NS + j[None, :], importance,
-             mask=q_ok[:, None] & ((jj < J_STEP) & (j < NS))[None, :])
+    return _dot(p, w.to(ACC), ACC)  # (BLOCK_M, BLOCK_J)
+
+
+@triton.jit
+def _ranked(score, j):
+    """int64 keys whose order is that of score (as float32), ties going to the lower block index j: the float's bits
+    made monotone as a signed integer in the high 32 bits, 2^31 - 1 - j in the low ones."""
+    bits = score.to(tl.float32).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return ordered.to(tl.int64) * 4294967296 + (2147483647 - j.to(tl.int64))
+
+
+@triton.jit
+def selection_topn_kernel(Q, K, LSE, NVIS, W, IDX, q_start, NQ, NC, NS, L_SEL, NO_SLOT, scale,
+                          G: tl.constexpr, D: tl.constexpr, PER_SEL: tl.constexpr, FIRST: tl.constexpr,
+                          WIDTH: tl.constexpr, J_STEP: tl.constexpr, N_SEL: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    qi = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = qi < NQ
+    n_visible = tl.load(NVIS + qi, mask=q_ok, other=0)
+    own = (q_start + qi) // L_SEL  # each query's own block
+    best = tl.full([BLOCK_M, BLOCK_N], -9223372036854775807, tl.int64)  # no block yet
+    jj = tl.arange(0, BLOCK_J)
+    for j0 in range(0, NS, J_STEP):
+        importance = _importance_tile(Q, K, LSE, W, bh, qi, q_ok, n_visible, j0, NQ, NC, scale, G, D, PER_SEL,
+                                      FIRST, WIDTH, BLOCK_M, BLOCK_J, BLOCK_C, BLOCK_D, ACC)
+        j = j0 + jj
+        forced = (j[None, :] == 0) | (j[None, :] == own[:, None]) | (j[None, :] == own[:, None] - 1)
+        allowed = ((jj < J_STEP) & (j < NS))[None, :] & (j[None, :] <= own[:, None])
+        score = tl.where(forced, float("inf"), importance)
+        score = tl.where(allowed, score, float("-inf"))
+        tile = tl.topk(_ranked(score, j[None, :]), BLOCK_N, dim=1)  # (BLOCK_M, BLOCK_N), descending
+        best = tl.topk(tl.reshape(tl.join(best, tile), (BLOCK_M, 2 * BLOCK_N)), BLOCK_N, dim=1)
+    slot = tl.arange(0, BLOCK_N)
+    block = 2147483647 - (best & 4294967295)  # the low 32 bits (`_ranked`)
+    # a score of -inf has high bits -2139095041 (its float32 bits, ordered): a slot no allowed block filled
+    block = tl.where((best >> 32) > -2139095041, block, NO_SLOT)
+    tl.store(IDX + (bh * NQ + qi[:, None]) * N_SEL + slot[None, :], block, mask=q_ok[:, None] & (slot < N_SEL)[None, :])
 
 
 def launch(kernel: str, grid: tuple[int, ...], *args: object, float64: bool, **meta: object) -> None:

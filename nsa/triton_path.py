@@ -21,9 +21,10 @@ blocks; the last w keys), so they are flash attention with per-query bounds: for
 walking the union of their ranges, dK/dV by blocks of 64 keys walking the queries whose ranges meet them (found by
 a binary search, as the bounds never decrease with the query).
 
-Importance scores (paper Eqs. 8-10; `importance_scores`): the compression probabilities recomputed from the branch's
-lse, summed over the group's heads and pooled onto selection blocks by a product with Eq. 9's weights, one tile of
-compressed blocks at a time: only the (Q, selection blocks) scores reach memory.
+Importance scores and top-n (paper Eqs. 8-11; `select_top_blocks`): one program per 64 queries recomputes the
+compression probabilities from the branch's lse, sums them over the group's heads and pools them onto a tile of
+selection blocks by a product with Eq. 9's weights, and merges the tile into a running top-n (each score packed with
+its block index into one int64 key, so a sort carries both); only the (Q, n) selected blocks reach memory.
 
 Accumulation is in float32 (float64 for float64 inputs, so the tests compare exactly); float32 inputs use IEEE
 products, not TF32. Without a GPU the kernels run in Triton's interpreter if TRITON_INTERPRET=1 is set before
@@ -209,23 +210,28 @@ def _pool_weights(geometry: tuple[int, int, int], like: Tensor) -> Tensor:
     return _POOL_WEIGHTS[key]
 
 
-def importance_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, geometry: tuple[int, int, int],
-                      n_select_blocks: int, scale: float) -> Tensor:
-    """Selection-block importance (paper Eqs. 8-10) of queries q (B, KV, G*Q, D) (head-major rows) given the
-    compression branch's lse (B, KV, G*Q) over compressed keys k_cmp (B, KV, Nc, D), query i seeing the first
-    n_visible[i] of them: the probabilities summed over each group's heads and pooled onto n_select_blocks selection
-    blocks with `nsa.blocks.selection_pool_weights` for geometry (l, d, l'). Returns (B, KV, Q, n_select_blocks)
-    in float32 (float64 for float64 inputs), as `pool_to_selection_blocks` of the explicit probabilities would."""
+def select_top_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, geometry: tuple[int, int, int],
+                      n_select_blocks: int, q_start: int, n_selected: int, no_slot: int, scale: float) -> Tensor:
+    """Top-n selection (`nsa.blocks.select_blocks`) of the importance scores (paper Eqs. 8-10) in one kernel, the
+    scores never in memory: for queries q (B, KV, G*Q, D) (head-major rows) at positions [q_start, q_start + Q),
+    the compression branch's lse (B, KV, G*Q) over compressed keys k_cmp (B, KV, Nc, D), query i seeing the first
+    n_visible[i] of them: the probabilities recomputed from the lse, summed over each group's heads and pooled onto
+    the first n_select_blocks selection blocks with `nsa.blocks.selection_pool_weights` for geometry (l, d, l'),
+    one tile of blocks at a time merged into a running top-n. Block 0 and the query's own and previous blocks are
+    forced in, later blocks excluded, the rest ranked by importance (in float32, ties to the lower block, as
+    nsa/reference.py breaks them). Returns (B, KV, Q, n_selected) long in descending order of score, slots no
+    block fills holding `no_slot`."""
     B, KV, NR, D = q.shape
     l, d, l_sel = geometry
     first, weights = selection_pool_weights(l, d, l_sel)
     per_sel, width, block_c = l_sel // d, len(weights), max(64, _next_power_of_2(len(weights)))
     j_step = (block_c - width) // per_sel + 1  # selection blocks whose compressed blocks fit one tile of block_c
-    nq, acc = n_visible.shape[0], _acc_dtype(q)
-    out = torch.empty(B, KV, nq, n_select_blocks, dtype=acc, device=q.device)
-    grid = (_cdiv(nq, _RANGE_BLOCK), B * KV, _cdiv(n_select_blocks, j_step))
-    _launch("importance_kernel", grid, q.contiguous(), k_cmp.contiguous(), lse.to(acc).contiguous(),
-            n_visible.to(torch.int32).contiguous(), _pool_weights(geometry, q), out, nq, k_cmp.shape[2],
-            n_select_blocks, scale, G=NR // nq, D=D, PER_SEL=per_sel, FIRST=first, WIDTH=width, J_STEP=j_step,
-            BLOCK_M=_RANGE_BLOCK, BLOCK_J=_tile(j_step), BLOCK_C=block_c, BLOCK_D=_tile(D), **_precision(q))
-    return out
+    block_n = _next_power_of_2(n_selected)
+    nq = n_visible.shape[0]
+    idx = torch.empty(B, KV, nq, n_selected, dtype=torch.long, device=q.device)
+    _launch("selection_topn_kernel", (_cdiv(nq, _RANGE_BLOCK), B * KV), q.contiguous(), k_cmp.contiguous(),
+            lse.to(_acc_dtype(q)).contiguous(), n_visible.to(torch.int32).contiguous(), _pool_weights(geometry, q),
+            idx, q_start, nq, k_cmp.shape[2], n_select_blocks, l_sel, no_slot, scale, G=NR // nq, D=D,
+            PER_SEL=per_sel, FIRST=first, WIDTH=width, J_STEP=j_step, N_SEL=n_selected, BLOCK_M=_RANGE_BLOCK,
+            BLOCK_J=max(_tile(j_step), block_n), BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_D=_tile(D), **_precision(q))
+    return idx

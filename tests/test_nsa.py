@@ -8,6 +8,7 @@ exact (masked keys contribute exp(-inf) = 0 exactly); float32 model-level checks
 """
 
 import contextlib
+import itertools
 import math
 import os
 import subprocess
@@ -638,28 +639,46 @@ def test_triton_range_attention_matches_dense(kind):
         torch.testing.assert_close(got, expected, **F64)
 
 
-@pytest.mark.parametrize("l,d,ls", [(8, 4, 16), (32, 16, 64), (16, 16, 16), (4, 4, 8), (64, 16, 64)])
-def test_triton_importance_matches_pooled_probabilities(l, d, ls):
-    """`nsa.triton_path.importance_scores` (probabilities recomputed from the lse, summed over the group, pooled by a
-    tile product with Eq. 9's weights) against the explicit probabilities pooled by `pool_to_selection_blocks`,
-    float64, queries from before the first complete block (zero rows) to several selection blocks on."""
+def reference_top_blocks(importance: torch.Tensor, q_pos: torch.Tensor, ls: int, n: int, no_slot: int) -> list:
+    """nsa/reference.py's rule on importance (B, KV, Q, Ns): block 0 and the query's own and previous blocks first,
+    then the rest of the blocks up to its own by descending score, ties to the lower block; its first n blocks as a
+    sorted list per (b, kv, query), padded with no_slot."""
+    chosen = []
+    for b, kv, i in itertools.product(*map(range, importance.shape[:3])):
+        own = int(q_pos[i]) // ls
+        score = {j: math.inf if j in (0, own, own - 1) else float(importance[b, kv, i, j]) for j in range(own + 1)}
+        top = sorted(score, key=lambda j: (-score[j], j))[:n]
+        chosen.append(sorted(top) + [no_slot] * (n - len(top)))
+    return chosen
+
+
+@pytest.mark.parametrize("l,d,ls,n,ties", [(8, 4, 16, 4, False), (32, 16, 64, 5, False), (16, 16, 16, 3, False),
+                                            (4, 4, 8, 16, False), (64, 16, 64, 8, False), (8, 4, 16, 4, True),
+                                            (32, 16, 64, 5, True)])
+def test_triton_top_blocks_match_the_reference_rule(l, d, ls, n, ties):
+    """`nsa.triton_path.select_top_blocks` (the importance recomputed from the lse, pooled by a tile product with
+    Eq. 9's weights and merged into a running top-n, nothing of size Q x Ns in memory) chooses the blocks
+    nsa/reference.py's rule chooses from the explicit probabilities pooled by `pool_to_selection_blocks`, float64;
+    queries from before the first complete block to many blocks on, n above and below the blocks that exist. With
+    ties (q = 0: uniform probabilities, equal scores for whole blocks) the lower blocks win, as in the reference."""
     pytest.importorskip("triton")
-    from nsa.triton_path import importance_scores
+    from nsa.triton_path import select_top_blocks
 
     B, KV, G, D, q_start, Q = 1, 2, 3, 8, 37, 150
     T = q_start + Q
     n_cmp, n_select = num_compressed_blocks(T, l, d), (T - 1) // ls + 1
     pos = torch.arange(q_start, q_start + Q)
     n_visible = ((pos - l + 1).div(d, rounding_mode="floor") + 1).clamp(min=0)
-    q = torch.randn(B, KV, G * Q, D, dtype=torch.float64)
+    q = torch.zeros(B, KV, G * Q, D, dtype=torch.float64) if ties else torch.randn(B, KV, G * Q, D,
+                                                                                    dtype=torch.float64)
     k = torch.randn(B, KV, n_cmp, D, dtype=torch.float64)
     visible = (torch.arange(n_cmp) < n_visible[:, None]).repeat(G, 1)  # (G*Q, Nc)
     logits = q @ k.transpose(-1, -2) * D**-0.5
     lse = logits.masked_fill(~visible, -math.inf).logsumexp(-1)
     p = torch.exp(logits - lse[..., None]).masked_fill(~visible, 0.0).view(B, KV, G, Q, n_cmp).sum(2)
-    expected = pool_to_selection_blocks(p, l, d, ls, n_select)
-    got = importance_scores(q, k, lse, n_visible, (l, d, ls), n_select, D**-0.5)
-    torch.testing.assert_close(got, expected, **F64)
+    expected = reference_top_blocks(pool_to_selection_blocks(p, l, d, ls, n_select), pos, ls, n, n_select)
+    got = select_top_blocks(q, k, lse, n_visible, (l, d, ls), n_select, q_start, n, n_select, D**-0.5)
+    assert got.sort(-1).values.flatten(0, 2).tolist() == expected
 
 
 @pytest.mark.slow
@@ -714,8 +733,8 @@ from nsa import triton_kernels as nt
 part, parts = int(sys.argv[1]), int(sys.argv[2])  # this process compiles every parts-th build from the part-th
 builds = []
 types = dict(LSE="*fp32", DELTA="*fp32", PTR="*i64", PAIR="*i64", O_PART="*fp32", LSE_PART="*fp32",
-             DQ_PART="*fp32", N_SEL="i32", LO="*i32", HI="*i32", QA="*i32",
-             QB="*i32", NVIS="*i32", W="*fp32", IMP="*fp32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32",
+             DQ_PART="*fp32", N_SEL="i32", IDX="*i64", L_SEL="i32", NO_SLOT="i32", LO="*i32", HI="*i32", QA="*i32",
+             QB="*i32", NVIS="*i32", W="*fp32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32",
              NC="i32", NS="i32", scale="fp32")
 for D in (64, 128):
     common = dict(G=4, D=D, L_SEL=64, BLOCK_D=D, ACC=tl.float32)
@@ -724,8 +743,9 @@ for D in (64, 128):
                        (nt.selection_backward_kernel, dict(common, QB=16, BLOCK_R=64)),
                        (nt.range_forward_kernel, ranged), (nt.range_dq_kernel, ranged),
                        (nt.range_dkdv_kernel, dict(ranged, G=4)),
-                       (nt.importance_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, BLOCK_M=64,
-                                                    BLOCK_J=16, BLOCK_C=64, BLOCK_D=D, ACC=tl.float32))):
+                       (nt.selection_topn_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, N_SEL=16,
+                                                        BLOCK_M=64, BLOCK_J=16, BLOCK_N=16, BLOCK_C=64, BLOCK_D=D,
+                                                        ACC=tl.float32))):
         # bf16 for the H100 (training's dtype); float32 at D = 128, the largest tiles, for the A100 with the
         # 2 pipeline stages nsa.triton_path._precision gives it
         for dtype, arch, stages in (("bf16", 90, 3), ("fp32", 80, 2))[: 2 if D == 128 else 1]:
@@ -778,8 +798,8 @@ def test_triton_kernels_on_gpu():
 def peak_bound_bytes(config: ModelConfig, chunk: int, B: int, T: int, elem: int, triton: bool = False
                      ) -> tuple[int, int]:
     """(peak bound, largest-tensor bound) in bytes from nsa/attention.py's docstring formula, constants 8 and 6;
-    `chunk`: the query chunk; `triton`: the Triton kernels' path, whose chunk part is the importance scores and
-    the selection's partial results (float32)."""
+    `chunk`: the query chunk; `triton`: the Triton kernels' path, whose chunk part is the selection's partial
+    results (float32)."""
     H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(chunk, T)
     n_sets = 3 if config.nsa_separate_kv else 1
     n_cmp = num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride)
@@ -787,8 +807,7 @@ def peak_bound_bytes(config: ModelConfig, chunk: int, B: int, T: int, elem: int,
     n_sel = config.nsa_num_selected * config.nsa_select_block_size
     chunk = B * Q * (6 * H * n_cmp + 6 * KV * n_sel * D + 6 * H * (Q + config.nsa_window - 1))
     if triton:
-        partials = 3 * H * config.nsa_num_selected * D  # output or dQ shares per (query, slot), and their merge
-        chunk = B * Q * (6 * KV * -(-T // config.nsa_select_block_size) + partials) * 4 // elem
+        chunk = B * Q * 3 * H * config.nsa_num_selected * D * 4 // elem  # output or dQ shares per (query, slot)
     largest = B * Q * max(H * n_cmp, KV * n_sel * D, H * (Q + config.nsa_window - 1)) * 4  # float32 softmax
     return (linear + chunk) * elem, max(largest, T * B * max(3 * H, 3 * KV * D, config.dim) * elem)
 
