@@ -107,6 +107,12 @@ class RecallTask(EvalTask):
         context = setting.context - (options.after_text + 1 if options.after_text else 0)  # room for a document
         if options.pairs is not None and options.pairs < 1:
             raise ValueError(f"--pairs must be >= 1, got {options.pairs}")
+        self.documents = SyntheticDocuments(name, setting.tokenizer, options.pairs)
+        needed = 4 if name == "mqar" else len(setting.tokenizer.encode(" The value of key redfox is 123456.")) * 2 + 8
+        if options.after_text and context < needed:
+            raise ValueError(f"--after_text {options.after_text} leaves {max(context, 0)} of the context's "
+                             f"{setting.context} tokens for a document; {name} needs {needed}: use a smaller "
+                             "--after_text or a longer --context_length")
         if options.lengths and max(options.lengths) > context:
             after = f" after --after_text {options.after_text} + 1" if options.after_text else ""
             raise ValueError(f"--lengths {max(options.lengths)} does not fit the context of {setting.context} "
@@ -123,8 +129,6 @@ class RecallTask(EvalTask):
                                                 task_class(task).reads for task in setting.tasks):
             raise ValueError("--document_mask: mqar and mqar_text read it only with --after_text (a document alone "
                              "has no other document to keep apart from)")
-        self.documents = SyntheticDocuments(name, setting.tokenizer, options.pairs)
-        needed = 4 if name == "mqar" else len(setting.tokenizer.encode(" The value of key redfox is 123456.")) * 2 + 8
         for length in (n for n in options.lengths or [] if n < needed):
             print(f"{name}: length {length} skipped: the task's text needs {needed} tokens")
         self.lengths = [n for n in options.lengths or [context] if n >= needed]

@@ -243,7 +243,7 @@ class NativeSparseAttention(nn.Module):
         else:
             cache = self._check_cache(B, start_pos, T)
             if doc_start is None:
-                out = self._attend_cached(cache.rows(slice(None)), branches, start_pos, cos, sin, start_pos)
+                out = self._attend_cached(cache.rows(slice(None)), branches, start_pos, cos, sin)
             else:
                 out = self._attend_padded(cache, branches, start_pos, cos, sin, doc_start)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
@@ -271,12 +271,14 @@ class NativeSparseAttention(nn.Module):
                           ) -> tuple[Tensor, Tensor | None]:
         """Each document of each row attended on its own, as if it were the whole sequence: its compressed and
         selection blocks counted from its first token (block 0 of the document is the one always selected), its
-        window starting there; exactly what the document gives alone (RoPE depends on relative positions only).
+        window starting there; what the document gives alone (RoPE depends on relative positions only: equal up to
+        the rounding of its float32 tables at other absolute positions).
         `spans`: each row's documents (`modeling.documents.document_spans`); rows with the same documents run
-        together. One-token documents need no kernel (`_one_token_documents`). Returns (out (B, H, T, D), the
-        selection-scoring loss: the documents' losses weighted by their rows, so the mean over all the rows that
-        choose, or None)."""
+        together. One-token documents need no kernel when l > 1 (`_one_token_documents`). Returns (out
+        (B, H, T, D), the selection-scoring loss: the documents' losses weighted by their rows, so the mean over all
+        the rows that choose, or None)."""
         B, T = branches.q.shape[0], branches.q.shape[2]
+        lone = self.config.nsa_block_size > 1  # a one-token document sees no compressed block: no kernel for it
         groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for row, row_spans in enumerate(spans):
             groups.setdefault(tuple(row_spans), []).append(row)
@@ -288,7 +290,7 @@ class NativeSparseAttention(nn.Module):
                                      else torch.tensor(rows, device=branches.q.device))
             pieces, single = [], None  # single: the first of a run of one-token documents
             for first, end in (*row_spans, (T, T)):
-                if end - first == 1:
+                if end - first == 1 and lone:
                     single = first if single is None else single
                     continue
                 if single is not None:
@@ -309,19 +311,18 @@ class NativeSparseAttention(nn.Module):
 
     @staticmethod
     def _one_token_documents(branches: _Branches) -> Tensor:
-        """The output (B, t, H, D) of t one-token documents: each query sees no compressed block and only itself in
-        the selection and window branches, so it is g_slc v_slc + g_win v_win (softmax over one key: weight 1)."""
+        """The output (B, t, H, D) of t one-token documents (l > 1): each query sees no compressed block and only
+        itself in the selection and window branches, so it is g_slc v_slc + g_win v_win (softmax over one key:
+        weight 1)."""
         G = branches.q.shape[1] // branches.v_slc.shape[1]
         gates = branches.gates.transpose(1, 2)  # (B, t, H, 3)
         v_slc, v_win = (v.transpose(1, 2).repeat_interleave(G, 2) for v in (branches.v_slc, branches.v_win))
         return gates[..., 1:2] * v_slc + gates[..., 2:3] * v_win  # (B, t, H, D)
 
-    def _attend_cached(self, cache: CacheRows, branches: _Branches, start: int, cos: Tensor, sin: Tensor,
-                       cos_start: int) -> Tensor:
+    def _attend_cached(self, cache: CacheRows, branches: _Branches, start: int, cos: Tensor, sin: Tensor) -> Tensor:
         """The attention of the tokens `branches` at positions [start, start + T) against `cache` (`CacheRows`),
         which holds the positions before them and receives theirs: new compressed blocks are emitted before any
-        query attends. cos, sin: RoPE rows from position cos_start (in the same positions as start). Returns
-        (B, H, T, D)."""
+        query attends. cos, sin: the tokens' RoPE rows. Returns (B, H, T, D)."""
         cfg, b = self.config, branches
         l, d = cfg.nsa_block_size, cfg.nsa_stride
         end = start + b.q.shape[2]
@@ -329,7 +330,7 @@ class NativeSparseAttention(nn.Module):
         n_cmp = num_compressed_blocks(end, l, d)
         raw_k = _ring_extend(cache.raw_k, start, b.k_cmp_raw, first_new * d)  # (B, KV, end - first_new*d, D)
         raw_v = _ring_extend(cache.raw_v, start, b.v_cmp_raw, first_new * d)
-        new_k, new_v = self._compress(raw_k, raw_v, first_new * d, cos, sin, cos_start)
+        new_k, new_v = self._compress(raw_k, raw_v, first_new * d, cos, sin, start)
         cache.cmp_k[:, :, first_new:n_cmp] = new_k
         cache.cmp_v[:, :, first_new:n_cmp] = new_v
         win_start = max(0, start - cfg.nsa_window + 1)
@@ -349,7 +350,8 @@ class NativeSparseAttention(nn.Module):
         """The cached attention of a batch padded on the left, whose doc_start (B, T) gives each pad itself and every
         later token its row's first real position r (`modeling.documents.padding_starts`): each row keeps its
         own block grid, from r, in its rows of the cache (position p of the row at slot p - r; the pads are never
-        cached), so it generates what it generates alone. Pads are one-token documents (`_one_token_documents`).
+        cached), so it generates what it generates alone. Pads take `_one_token_documents` (nothing reads their
+        outputs).
         Rows with the same r next to each other run together. One host read of doc_start. Returns (B, H, T, D)."""
         T = branches.q.shape[2]
         starts = doc_start.cpu()
@@ -366,7 +368,7 @@ class NativeSparseAttention(nn.Module):
             part, pads = branches.rows(rows), max(0, r - start_pos)  # the call's pads in these rows
             pieces = [self._one_token_documents(part.positions(0, pads))] if pads else []
             local = start_pos + pads - r  # the first real token's position within its row
-            out = self._attend_cached(cache.rows(rows), part.positions(pads, T), local, cos[pads:], sin[pads:], local)
+            out = self._attend_cached(cache.rows(rows), part.positions(pads, T), local, cos[pads:], sin[pads:])
             outs.append(torch.cat([*pieces, out.transpose(1, 2)], dim=1))  # (rows, T, H, D)
         return torch.cat(outs).transpose(1, 2)  # (B, H, T, D)
 

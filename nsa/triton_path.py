@@ -218,8 +218,9 @@ def select_top_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
     n_visible[i] of them: the probabilities recomputed from the lse, summed over each group's heads and pooled onto
     the first n_select_blocks selection blocks with `nsa.blocks.selection_pool_weights` for geometry (l, d, l'),
     one tile of blocks at a time merged into a running top-n. Block 0 and the query's own and previous blocks are
-    forced in, later blocks excluded, the rest ranked by importance (in float32, ties to the lower block, as
-    nsa/reference.py breaks them). Returns (B, KV, Q, n_selected) long in descending order of score, slots no
+    forced in, later blocks excluded, the rest ranked by importance in float32 (exact ties to the lower block, as
+    nsa/reference.py breaks them; float64 scores closer than float32 resolves count as ties; a NaN score, as
+    torch.topk ranks it, above every block). Returns (B, KV, Q, n_selected) long in descending order of score, slots no
     block fills holding `no_slot`."""
     B, KV, NR, D = q.shape
     l, d, l_sel = geometry

@@ -670,7 +670,6 @@ OPTION_CANNOT_ACT = {
     "export_dtype": ["--finetune", "lora", "--export_dtype", "float32"],
     "attention_query_chunk": ["--attention_type", "full", "--attention_query_chunk", "64"],
     "resume": ["--resume"],  # into a directory that holds no run
-    "document_mask": ["--attention_type", "nsa", "--document_mask"],
     "nsa_score_loss_coef": ["--attention_type", "full", "--nsa_score_loss_coef", "0.1"],
     **{name: ["--attention_type", "nsa", f"--{name}", value] for name, value in (
         ("nsa_score_loss_stride", "2"), ("nsa_score_loss_top", "4"), ("nsa_score_loss_target", "selection"))},
@@ -683,7 +682,8 @@ OPTION_CANNOT_ACT = {
 }
 OPTIONS_ACT_ALONE = (
     "attention_type", "batch_size", "checkpoint_interval", "checkpoint_minutes", "compile", "context_length",
-    "data_dir", "dtype", "empty_cache_interval", "eval_interval", "ffn_chunk_size", "finetune", "grad_clip",
+    "data_dir", "document_mask", "dtype", "empty_cache_interval", "eval_interval", "ffn_chunk_size", "finetune",
+    "grad_clip",
     "gradient_accumulation_steps", "gradient_checkpointing", "heartbeat_seconds", "init_from", "keep_checkpoints",
     "log_interval", "loss", "lr", "max_bad_steps", "max_memory", "max_steps", "model_overrides", "model_size",
     "min_lr_ratio",  # acts in every run longer than its warmup; a given --warmup_steps beyond the run is warned
@@ -788,7 +788,8 @@ def test_every_option_of_the_other_entries_that_cannot_act_is_refused(four_check
         return {action.dest for action in parser._actions if action.dest != "command"}
 
     values = {"documents": "x.jsonl", "pairs": "4", "depths": "0.5", "data_dir": str(data_dir), "eval_tokens": "64",
-              "lengths": "64", "samples": "2", "batch_size": "2", "seed": "1", "document_mask": None}  # None: a flag
+              "lengths": "64", "samples": "2", "batch_size": "2", "seed": "1", "document_mask": None,  # None: a flag
+              "after_text": "100"}
     assert dests(eval_cli.build_parser()) == {*eval_cli.readers(), "data_dir", *EVAL_ACT_ALONE}, "classify it"
     documents = str(tmp_path / "docs.jsonl")
     (tmp_path / "docs.jsonl").write_text('{"text": "def f(): pass"}\n')
@@ -799,7 +800,7 @@ def test_every_option_of_the_other_entries_that_cannot_act_is_refused(four_check
         assert f"--{name} is read only by the task(s)" in err, err
     err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "documents",
                                                  "--documents", documents, "--data_dir", str(data_dir)], capsys)
-    assert "--data_dir is read only by the task(s) loss (and for its tokenizer.model when the checkpoint" in err
+    assert "--data_dir is read only by the task(s) loss, mqar, mqar_text (and for its tokenizer.model when" in err
 
     commands = data.build_parser()._subparsers._group_actions[0].choices
     assert set().union(*(dests(c) for c in commands.values())) == {"text_field", "errors", *DATA_ACT_ALONE}

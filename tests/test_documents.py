@@ -247,3 +247,18 @@ def test_nsa_documents_take_no_more_memory_than_the_whole_row():
             layer(x, cos, sin, doc_start=doc_start).sum().backward()
         peaks.append(tracker.peak)
     assert peaks[1] <= peaks[0] + 64 * 1024, peaks
+
+
+def test_nsa_one_token_documents_with_one_token_blocks():
+    """l = d = 1: a one-token document already sees one compressed block (itself), so it runs through the kernels,
+    not the closed form of longer blocks; packed = alone (float64)."""
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("tiny", context_length=64, attention_type="nsa", nsa_block_size=1,
+                                     nsa_stride=1, nsa_select_block_size=4)
+    model = Transformer(config).double().eval()
+    ids, spans = packed([4, 0, 0, 6], config.vocab_size)
+    with torch.no_grad():
+        out = model(ids, doc_start=document_starts(ids, EOD)).logits
+        for first, end in spans:
+            alone = model(ids[:, first:end]).logits
+            torch.testing.assert_close(out[:, first:end], alone, rtol=0, atol=1e-6 * alone.abs().max().item())
