@@ -237,7 +237,7 @@ class NativeSparseAttention(nn.Module):
             if doc_start is None:
                 out, score_loss, _ = self._attend(branches, 0, cos, sin)
             else:
-                out, score_loss = self._attend_documents(branches, document_spans(doc_start), cos, sin)
+                out, score_loss = self._attend_documents(branches, doc_start, cos, sin)
             if score_loss is not None:
                 add_aux_loss(self.objective.nsa_score_loss_coef * score_loss)
         else:
@@ -267,20 +267,21 @@ class NativeSparseAttention(nn.Module):
         rows = B * cfg.n_kv_heads * max(0, T - (T if first_choosing is None else first_choosing))
         return out, selection_score_loss(b.q, k_cmp, b.k_slc, cfg, self.compute, self.objective), rows
 
-    def _attend_documents(self, branches: _Branches, spans: list[list[tuple[int, int]]], cos: Tensor, sin: Tensor
+    @torch.compiler.disable  # opaque to torch.compile: a Python loop over each row's documents (data-dependent)
+    def _attend_documents(self, branches: _Branches, doc_start: Tensor, cos: Tensor, sin: Tensor
                           ) -> tuple[Tensor, Tensor | None]:
         """Each document of each row attended on its own, as if it were the whole sequence: its compressed and
         selection blocks counted from its first token (block 0 of the document is the one always selected), its
         window starting there; what the document gives alone (RoPE depends on relative positions only: equal up to
-        the rounding of its float32 tables at other absolute positions).
-        `spans`: each row's documents (`modeling.documents.document_spans`); rows with the same documents run
+        the rounding of its float32 tables at other absolute positions). Each row's documents are read from
+        doc_start (B, T) (`modeling.documents.document_spans`: one host read); rows with the same documents run
         together. One-token documents need no kernel when l > 1 (`_one_token_documents`). Returns (out
         (B, H, T, D), the selection-scoring loss: the documents' losses weighted by their rows, so the mean over all
         the rows that choose, or None)."""
         B, T = branches.q.shape[0], branches.q.shape[2]
         lone = self.config.nsa_block_size > 1  # a one-token document sees no compressed block: no kernel for it
         groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
-        for row, row_spans in enumerate(spans):
+        for row, row_spans in enumerate(document_spans(doc_start)):
             groups.setdefault(tuple(row_spans), []).append(row)
         outs, order, losses, total_rows = [], [], [], 0
         for row_spans, rows in groups.items():
@@ -345,6 +346,7 @@ class NativeSparseAttention(nn.Module):
         return self.sparse_attention(b.q, cache.cmp_k[:, :, :n_cmp], cache.cmp_v[:, :, :n_cmp], k_slc, v_slc, k_win,
                                      v_win, b.gates, cfg, q_start=start, win_start=win_start, compute=self.compute)
 
+    @torch.compiler.disable  # opaque to torch.compile: a Python loop over runs of rows (data-dependent)
     def _attend_padded(self, cache: NSACache, branches: _Branches, start_pos: int, cos: Tensor, sin: Tensor,
                        doc_start: Tensor) -> Tensor:
         """The cached attention of a batch padded on the left, whose doc_start (B, T) gives each pad itself and every

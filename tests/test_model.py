@@ -313,21 +313,24 @@ def test_softcap_applies_to_every_logit_the_model_returns():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["full", "nsa"])
-def test_compiled_block_graph_breaks_and_matches_eager(attention):
+@pytest.mark.parametrize("attention, documents", [("full", False), ("nsa", False), ("nsa", True)])
+def test_compiled_block_graph_breaks_and_matches_eager(attention, documents):
     """train.py --compile compiles each block: full attention traces as one graph; NSA breaks only at
-    `sparse_attention`, which runs eagerly (its chunk loop and threads). Compiled (aot_eager: the traced graphs,
-    forward and backward) equals eager."""
+    `sparse_attention`, which runs eagerly (its chunk loop and threads), and with document starts only at
+    `_attend_documents` (its loop over each row's documents). Compiled (aot_eager: the traced graphs, forward and
+    backward) equals eager."""
     torch._dynamo.reset()
     model = Transformer(tiny(attention_type=attention, n_layers=1)).double()
     block, ids = model.layers[0], torch.randint(0, 512, (2, 40))
     x = model.embed_tokens(ids).detach().requires_grad_()
     cos, sin = model.rope(40, 0, x.device)
-    reasons = [r.reason for r in torch._dynamo.explain(block)(x, cos, sin, None).break_reasons]
-    assert all("function sparse_attention" in r for r in reasons)  # the only break, NSA's attention
+    starts = torch.tensor([[0] * 15 + [15] * 25, [0] * 30 + [30] * 10]) if documents else None
+    reasons = [r.reason for r in torch._dynamo.explain(block)(x, cos, sin, None, starts).break_reasons]
+    where = "NativeSparseAttention._attend_documents" if documents else "function sparse_attention"
+    assert all(where in r for r in reasons)  # the only break, NSA's attention
     assert bool(reasons) == (attention == "nsa")
     compiled = torch.compile(block, backend="aot_eager")
-    outs = [f(x, cos, sin, None) for f in (block, compiled)]
+    outs = [f(x, cos, sin, None, starts) for f in (block, compiled)]
     grads = [torch.autograd.grad(out.square().sum(), [x, *block.parameters()]) for out in outs]
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
     for eager, comp in zip(*grads, strict=True):
