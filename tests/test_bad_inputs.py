@@ -671,6 +671,7 @@ OPTION_CANNOT_ACT = {
     "attention_query_chunk": ["--attention_type", "full", "--attention_query_chunk", "64"],
     "resume": ["--resume"],  # into a directory that holds no run
     "nsa_score_loss_coef": ["--attention_type", "full", "--nsa_score_loss_coef", "0.1"],
+    "nsa_exact_selection_steps": ["--attention_type", "full", "--nsa_exact_selection_steps", "5"],
     **{name: ["--attention_type", "nsa", f"--{name}", value] for name, value in (
         ("nsa_score_loss_stride", "2"), ("nsa_score_loss_top", "4"), ("nsa_score_loss_target", "selection"))},
     "nsa_score_loss_random": ["--attention_type", "nsa", "--nsa_score_loss_top", "4", "--nsa_score_loss_random", "2"],

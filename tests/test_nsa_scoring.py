@@ -517,3 +517,29 @@ def test_a_run_recorded_with_the_objective_in_its_overrides_resumes_with_the_opt
     cfg = continue_options(TrainConfig(), frozenset(), old)
     assert cfg.model_overrides == {"n_layers": 2}
     assert cfg.objective() == Objective(z_loss_coef=1e-4, nsa_score_loss_coef=0.1, nsa_score_loss_stride=4)
+
+
+def test_the_exact_selection_warm_up_selects_by_best_keys_for_its_steps(data_dir: Path, tmp_path: Path) -> None:
+    """--nsa_exact_selection_steps K: the first K steps select blocks by their best key while the score loss trains
+    the importance (the first step's loss is the model's under `exact_block_scores` on the same batch, and differs
+    from its loss without); refused where top-n never chooses."""
+    import json
+
+    import train
+    from nsa.primitive import exact_block_scores
+    from text.shards import TokenLoader
+
+    args = ["--model_size", "tiny", "--attention_type", "nsa", "--context_length", "256", "--batch_size", "2",
+            "--max_steps", "1", "--sample_tokens", "0", "--data_dir", str(data_dir), "--nsa_score_loss_coef", "0.1"]
+    first = train.main([*args, "--nsa_exact_selection_steps", "1", "--out_dir", str(tmp_path / "warm")])
+    record = json.loads((tmp_path / "warm" / "config.json").read_text())
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_dict(record["model"]))
+    model.objective = Objective(nsa_score_loss_coef=0.1)
+    ids, labels = next(TokenLoader(data_dir, 256, 2, 0, 1, 0))
+    with exact_block_scores():
+        exact = model(ids, labels).loss.item()
+    plain = model(ids, labels).loss.item()
+    assert first["loss"] == pytest.approx(exact, rel=1e-5) and abs(exact - plain) > 1e-4
+    with pytest.raises(ValueError, match="--nsa_exact_selection_steps has no effect at context_length 64"):
+        train.main([*args[:5], "64", *args[6:-2], "--nsa_exact_selection_steps", "1", "--out_dir", str(tmp_path / "x")])

@@ -150,6 +150,11 @@ class TrainConfig:
     nsa_score_loss_random: int = option(0, "NSA: and over r random other blocks (with --nsa_score_loss_top)")
     nsa_score_loss_target: str = option("scores", "NSA: that loss's target: 'scores' (the blocks' best-key softmax) "
                                                   "or 'selection' (uniform over the n - 3 blocks it selects)")
+    nsa_exact_selection_steps: int = option(0, "NSA: for the first K steps select blocks by their best key "
+                                               "(nsa.primitive.exact_block_scores: every key read, no sparse "
+                                               "saving), while the selection-scoring loss trains the importance "
+                                               "scores, then by the scores (a warm-up, as DeepSeek-V3.2 trains its "
+                                               "indexer before relying on it)")
     # data
     data_dir: str | None = option(None, f"prepared data (data.py); default: {DEFAULT_DATA_DIR}, this Python's "
                                         "standard library, tokenized there on first use (with another tokenizer: "
@@ -271,7 +276,8 @@ MINIMUM = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 
            "max_bad_steps": 1, "checkpoint_interval": 0, "log_interval": 1, "eval_interval": 0, "eval_tokens": 1,
            "keep_checkpoints": 1, "lora_rank": 1, "npt_rank": 1, "empty_cache_interval": 0, "sample_tokens": 0,
            "ffn_chunk_size": 0, "attention_query_chunk": 1, "seed": 0, "synthetic_pairs": 1,
-           "nsa_score_loss_stride": 1, "nsa_score_loss_top": 0, "nsa_score_loss_random": 0}
+           "nsa_score_loss_stride": 1, "nsa_score_loss_top": 0, "nsa_score_loss_random": 0,
+           "nsa_exact_selection_steps": 0}
 MAX_SEED = 2**63 - 1
 # Real options: finite, in (0, high] (POSITIVE) or [0, high] (NON_NEGATIVE).
 POSITIVE = {"lr": 1.0, "max_memory": math.inf, "rope_theta": math.inf, "lora_alpha": math.inf}
@@ -593,7 +599,23 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     objective = cfg.objective()
     check_objective(model_config, objective, {name for name in OBJECTIVE_FIELDS  # those set: not their default
                                               if getattr(objective, name) != getattr(Objective(), name)})
+    if cfg.nsa_exact_selection_steps:
+        check_exact_selection(model_config)
     return model_config, compute_config
+
+
+def check_exact_selection(model: ModelConfig) -> None:
+    """ValueError naming --nsa_exact_selection_steps when selecting by exact block scores would change nothing:
+    without NSA, or at a context_length where top-n never chooses (every block is selected anyway)."""
+    if model.attention_type != "nsa":
+        raise ValueError(f"--nsa_exact_selection_steps has no effect without attention_type 'nsa', and this run's "
+                         f"is {model.attention_type!r}: leave it out, or pass --attention_type nsa")
+    from nsa.scoring import score_loss_queries  # NSA's own rule; parsing options loads no model code
+
+    if score_loss_queries(model) == 0:
+        raise ValueError(f"--nsa_exact_selection_steps has no effect at context_length {model.context_length}: top-n "
+                         f"selects every block there (it chooses only from n x l' = "
+                         f"{model.nsa_num_selected * model.nsa_select_block_size} tokens on): leave it out")
 
 
 def check_objective(model: ModelConfig, objective: Objective, given: set[str]) -> None:

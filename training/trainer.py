@@ -34,6 +34,7 @@ from modeling.config import ComputeConfig, GiB, ModelConfig
 from modeling.documents import document_starts
 from modeling.loss import IGNORE_INDEX, shift_labels
 from nsa.from_dense import FRESH, nsa_state_from_dense
+from nsa.primitive import exact_block_scores
 from storage.checkpoint import (
     SaveFailed,
     checkpoint_to_resume,
@@ -460,8 +461,10 @@ def train_step(run: Run, batches: list[list[Tensor]], flags: Callable[[], list[b
     are summed over ranks in the same all-reduce as the loss. Returns ({step, loss, extra metrics, lr, grad_norm,
     skipped}, each flag raised on any rank)."""
     cfg, model = run.cfg, run.model
+    warm_up = exact_block_scores() if run.step < cfg.nsa_exact_selection_steps else contextlib.nullcontext()
     try:
-        loss_sum, extras = forward_backward(model, batches, run.autocast, run.task.loss)
+        with warm_up:  # NSA's selection by exact block scores for the first steps (--nsa_exact_selection_steps)
+            loss_sum, extras = forward_backward(model, batches, run.autocast, run.task.loss)
     except torch.OutOfMemoryError as e:
         raise MemoryBudgetExceeded(f"out of memory at step {run.step + 1}: {memory_advice(cfg)}") from e
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
