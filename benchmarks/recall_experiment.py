@@ -34,8 +34,9 @@ peak learning rate (default --lr). A stage whose directory holds a finished run 
   seeds 72% against 67%, as one seed does not copy from scratch).
   `--score_loss COEF` adds the selection-scoring loss (nsa/scoring.py), which trains the block scores toward each
   block's best key, to NSA's MQAR stages long enough for top-n to choose (longer than n l'); `--score_loss_stride`,
-  `--score_loss_top` and `--score_loss_random` make it cheaper; `--score_loss_target selection` trains the scores
-  toward the set of blocks the best keys select.
+  `--score_loss_top` and `--score_loss_random` make it cheaper; `--score_loss_temperature TAU` smooths its target;
+  `--exact_selection_steps K` selects by exact block scores for a stage's first K steps; `--score_loss_target
+  selection` trains the scores toward the set of blocks the best keys select.
 --jobs N trains N runs (type x seed) side by side, a process each: a model this small leaves a GPU mostly idle, so
 more processes run more steps in total; on 2 CPU cores, --jobs 2 (a thread each) runs 14-16% more steps than one
 run at a time on both cores. --control_seeds N trains the control with the first N seeds only: it shows where a
@@ -186,6 +187,9 @@ def stage_args(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] 
     score |= {"nsa_score_loss_top": args.score_loss_top} if scored and args.score_loss_top else {}
     score |= {"nsa_score_loss_random": args.score_loss_random} if scored and args.score_loss_random else {}
     score |= {"nsa_score_loss_target": args.score_loss_target} if scored and args.score_loss_target != "scores" else {}
+    tau = args.score_loss_temperature
+    score |= {"nsa_score_loss_temperature": tau} if scored and tau != 1 else {}
+    score |= {"nsa_exact_selection_steps": args.exact_selection_steps} if scored and args.exact_selection_steps else {}
     argv += [arg for name, value in score.items() for arg in (f"--{name}", str(value))]
     if previous is None:
         argv += ["--model_size", "demo", "--attention_type", TYPES[kind]["attention_type"], *override_args(fields)]
@@ -236,6 +240,30 @@ def stage_run(kind: str, seed: int, stage: Stage, previous: tuple[Stage, Path] |
     return run_dir, seconds
 
 
+
+def score_loss_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the score-loss options (each names its option), or None."""
+    if args.score_loss_stride < 1 or (args.score_loss_stride > 1 and not args.score_loss):
+        return f"--score_loss_stride must be >= 1 and goes with --score_loss, got {args.score_loss_stride}"
+    if args.score_loss_top < 0 or (args.score_loss_top and not args.score_loss):
+        return f"--score_loss_top must be >= 0 and goes with --score_loss, got {args.score_loss_top}"
+    if args.score_loss_random < 0 or (args.score_loss_random and not args.score_loss_top):
+        return f"--score_loss_random must be >= 0 and goes with --score_loss_top, got {args.score_loss_random}"
+    if args.score_loss_target != "scores" and not args.score_loss:
+        return "--score_loss_target goes with --score_loss"
+    if not (math.isfinite(args.score_loss_temperature) and args.score_loss_temperature > 0) or (
+            args.score_loss_temperature != 1 and not args.score_loss):
+        return (f"--score_loss_temperature must be a finite number > 0 and goes with --score_loss, got "
+                f"{args.score_loss_temperature}")
+    if args.exact_selection_steps < 0 or (args.exact_selection_steps and not args.score_loss):
+        return f"--exact_selection_steps must be >= 0 and goes with --score_loss, got {args.exact_selection_steps}"
+    if not (math.isfinite(args.score_loss) and args.score_loss >= 0):
+        return f"--score_loss must be a finite number >= 0, got {args.score_loss}"
+    if args.score_loss and "nsa" not in args.types:
+        return "--score_loss trains NSA's selection scores: add nsa to --types, or leave --score_loss out"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="runs/recall")
@@ -270,6 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--score_loss_target", choices=("scores", "selection"), default="scores",
                    help="that loss's target: each block's best-key softmax (default), or uniform over the blocks "
                         "the best keys select (train.py's --nsa_score_loss_target)")
+    p.add_argument("--score_loss_temperature", type=float, default=1.0, metavar="TAU",
+                   help="that loss's target softmax at temperature TAU (train.py's --nsa_score_loss_temperature)")
+    p.add_argument("--exact_selection_steps", type=int, default=0, metavar="K",
+                   help="in the stages with that loss, select by exact block scores for the first K steps while it "
+                        "trains the scores (train.py's --nsa_exact_selection_steps)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of a stage without @LR")
     p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step (documents: this // length)")
     p.add_argument("--jobs", type=int, default=1,
@@ -284,18 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--control_seeds applies to the window control: add swa to --types, or leave --control_seeds out")
     if args.copy_overrides and not any(stage.task == "copy" for stage in args.stages):
         p.error("--copy_overrides applies to copying stages: add one (copy:LENGTH:STEPS) to --stages, or leave it out")
-    if args.score_loss_stride < 1 or (args.score_loss_stride > 1 and not args.score_loss):
-        p.error(f"--score_loss_stride must be >= 1 and goes with --score_loss, got {args.score_loss_stride}")
-    if args.score_loss_top < 0 or (args.score_loss_top and not args.score_loss):
-        p.error(f"--score_loss_top must be >= 0 and goes with --score_loss, got {args.score_loss_top}")
-    if args.score_loss_random < 0 or (args.score_loss_random and not args.score_loss_top):
-        p.error(f"--score_loss_random must be >= 0 and goes with --score_loss_top, got {args.score_loss_random}")
-    if args.score_loss_target != "scores" and not args.score_loss:
-        p.error("--score_loss_target goes with --score_loss")
-    if not (math.isfinite(args.score_loss) and args.score_loss >= 0):
-        p.error(f"--score_loss must be a finite number >= 0, got {args.score_loss}")
-    if args.score_loss and "nsa" not in args.types:
-        p.error("--score_loss trains NSA's selection scores: add nsa to --types, or leave --score_loss out")
+    if problem := score_loss_problem(args):
+        p.error(problem)
     register_control()
     for problem in filter(None, (override_problem(kind, args.stages, args) for kind in args.types)):
         p.error(problem)

@@ -154,20 +154,21 @@ _KEY_TILE = 1024  # keys per tile of `best_token_scores`
 
 
 def best_token_scores(q: Tensor, k_blocks: Tensor, q_pos: Tensor, num_select_blocks: int,
-                      candidates: Tensor | None = None) -> Tensor:
+                      candidates: Tensor | None = None, temperature: float = 1.0) -> Tensor:
     """Selection-block scores that judge each block by its best key: for queries q (B, H, Q, D) at positions q_pos
     (Q,) and key blocks k_blocks (B, KV, Ns', l', D), a query head's score for a candidate block j (`candidates`
     (Q, num_select_blocks) bool, past blocks only; default `choosable_blocks`) is the softmax over the candidates
-    of max_{s in j} q . k_s / sqrt(D); summed over each GQA group -> (B, KV, Q, num_select_blocks) in at least
-    float32 over the first num_select_blocks blocks, zero where a query has no candidate. Reads every key of those
-    blocks, about `_KEY_TILE` at a time (the logits of a tile are (B, H, Q, tile))."""
+    of max_{s in j} q . k_s / sqrt(D) (divided by `temperature`); summed over each GQA group -> (B, KV, Q,
+    num_select_blocks) in at least float32 over the first num_select_blocks blocks, zero where a query has no
+    candidate. Reads every key of those blocks, about `_KEY_TILE` at a time (the logits of a tile are
+    (B, H, Q, tile))."""
     B, H, Q, D = q.shape
     KV, l_sel = k_blocks.shape[1], k_blocks.shape[3]
     G, acc, step = H // KV, torch.promote_types(q.dtype, torch.float32), max(1, _KEY_TILE // l_sel)
     q_rows = q.to(acc).reshape(B, KV, G * Q, D)  # (B, KV, G*Q, D): head-major rows
     tiles = k_blocks[:, :, :num_select_blocks].split(step, dim=2)  # each (B, KV, <= step, l', D)
     best = torch.cat([torch.einsum("bkqd,bknld->bkqnl", q_rows, k.to(acc)).amax(-1) for k in tiles],
-                     dim=-1) * D**-0.5  # (B, KV, G*Q, Ns)
+                     dim=-1) * (D**-0.5 / temperature)  # (B, KV, G*Q, Ns)
     if candidates is None:
         candidates = choosable_blocks(q_pos, l_sel, num_select_blocks)  # (Q, Ns): never a key after the query
     return _group_softmax(best.view(B, KV, G, Q, num_select_blocks), candidates)  # (B, KV, Q, Ns)
@@ -206,11 +207,13 @@ def selection_target(scores: Tensor, allowed: Tensor, free: int) -> Tensor:
 _GATHER_BYTES = 64 * 2**20  # bytes of candidate keys `candidate_token_scores` gathers at a time
 
 
-def candidate_token_scores(q: Tensor, k_blocks: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
+def candidate_token_scores(q: Tensor, k_blocks: Tensor, idx: Tensor, valid: Tensor, temperature: float = 1.0
+                           ) -> Tensor:
     """`best_token_scores` over each row's own candidate blocks: for queries q (B, H, Q, D), key blocks k_blocks
     (B, KV, Ns', l', D) and candidates idx (B, KV, Q, K) with their mask valid, a query head's score for candidate
-    slot s is the softmax over the valid slots of max over the block's keys of q . k / sqrt(D); summed over each GQA
-    group -> (B, KV, Q, K) in at least float32, zero for a row without a valid slot. Reads the K l' keys of a row's
+    slot s is the softmax over the valid slots of max over the block's keys of q . k / sqrt(D) (divided by
+    `temperature`); summed over each GQA group -> (B, KV, Q, K) in at least float32, zero for a row without a valid
+    slot. Reads the K l' keys of a row's
     candidates, gathered about `_GATHER_BYTES` at a time: O(Q K l') work, not O(Q S)."""
     B, H, Q, D = q.shape
     KV, Ns, l_sel, K = k_blocks.shape[1], k_blocks.shape[2], k_blocks.shape[3], idx.shape[-1]
@@ -224,7 +227,7 @@ def candidate_token_scores(q: Tensor, k_blocks: Tensor, idx: Tensor, valid: Tens
         keys = flat.index_select(0, rows[..., s0:s0 + step].reshape(-1)).view(B, KV, Q, -1, D)  # (B, KV, Q, s*l', D)
         logits = torch.einsum("bkgqd,bkqnd->bkgqn", q_groups, keys.to(acc))  # (B, KV, G, Q, s*l')
         best.append(logits.unflatten(-1, (-1, l_sel)).amax(-1))  # (B, KV, G, Q, s)
-    return _group_softmax(torch.cat(best, dim=-1) * D**-0.5, valid[:, :, None])  # (B, KV, Q, K)
+    return _group_softmax(torch.cat(best, dim=-1) * (D**-0.5 / temperature), valid[:, :, None])  # (B, KV, Q, K)
 
 
 def _group_softmax(best: Tensor, allowed: Tensor) -> Tensor:

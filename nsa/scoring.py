@@ -82,12 +82,13 @@ def _as_is(t: Tensor) -> Tensor:
 
 
 def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: int, config: ModelConfig, top: int,
-              random: int, generator: torch.Generator | None, as_set: bool) -> Tensor:
+              random: int, generator: torch.Generator | None, as_set: bool, temperature: float) -> Tensor:
     """Summed KL(t || p) of one chunk's rows: queries q (B, H, Q, D) at the ascending positions q_pos (Q,), the last
     of them `last`, the compressed keys k_cmp (B, KV, Nc', D) they can see, the key blocks k_blocks (B, KV, Ns', l',
     D). Over every contested block (top = 0), or over each row's `top` blocks by importance and `random` others
     (`nsa.blocks.candidate_blocks`, drawn from `generator`); `as_set`: the target made uniform over the n - 3
-    blocks it ranks highest (`nsa.blocks.selection_target`). Rows where top-n does not choose contribute 0."""
+    blocks it ranks highest (`nsa.blocks.selection_target`); the target's softmax at `temperature`. Rows where top-n
+    does not choose contribute 0."""
     l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
     G = q.shape[1] // k_cmp.shape[1]
     n_select = last // l_sel + 1  # blocks up to the last query's own
@@ -96,9 +97,9 @@ def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: i
     with torch.no_grad():
         if top:
             idx, valid = candidate_blocks(log_importance, contested, top, random, generator)  # (B, KV, Q, K)
-            target = candidate_token_scores(q, k_blocks, idx, valid) / G  # (B, KV, Q, K): sum 1 or 0
+            target = candidate_token_scores(q, k_blocks, idx, valid, temperature) / G  # (B, KV, Q, K): sum 1 or 0
         else:
-            target = best_token_scores(q, k_blocks, q_pos, n_select, contested) / G  # (B, KV, Q, Ns): sum 1 or 0
+            target = best_token_scores(q, k_blocks, q_pos, n_select, contested, temperature) / G  # (B, KV, Q, Ns)
         if as_set:
             target = selection_target(target, valid if top else contested, config.nsa_num_selected - 3)
     scored = log_importance.gather(-1, idx) if top else log_importance
@@ -113,7 +114,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int, stride: int,
-                offset: int, top: int, random: int, seed: int, as_set: bool) -> Tensor:
+                offset: int, top: int, random: int, seed: int, as_set: bool, temperature: float) -> Tensor:
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
         n = config.nsa_num_selected
@@ -136,7 +137,8 @@ class _SelectionScoreLoss(torch.autograd.Function):
                     torch.autocast(q.device.type, enabled=False):
                 q_c = q.index_select(2, q_pos).detach().to(acc).requires_grad_()  # (B, H, Q, D)
                 k_c = k_cmp[:, :, :n_cmp].detach().to(acc).requires_grad_()
-                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator, as_set)
+                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator, as_set,
+                               temperature)
                 dq, dk = torch.autograd.grad(kl, (q_c, k_c))
             total += kl.detach()
             grad_q.index_copy_(2, q_pos, dq)
@@ -150,7 +152,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grad_q, grad_k = ctx.saved_tensors
         return (grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype),
-                *([None] * 9))
+                *([None] * 10))
 
 
 @torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
@@ -171,7 +173,8 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
             at 1/k of the cost; with `nsa_score_loss_top` m > 0, each row's target and prediction over its m
             blocks of highest importance and `nsa_score_loss_random` random others (a seed drawn from the same
             generator) only; with `nsa_score_loss_target` "selection", the target uniform over the n - 3 blocks
-            it ranks highest.
+            it ranks highest; with `nsa_score_loss_temperature` tau, the target's softmax of the best-key logits
+            divided by tau.
     Returns:
         A 0-dim tensor in at least float32 (0 when T <= n l': no query chooses yet), differentiable in q and
         k_cmp.
@@ -180,7 +183,8 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
     offset = int(torch.randint(stride, ())) if stride > 1 else 0  # host draws: no device sync
     seed = int(torch.randint(2**62, ())) if random else 0
     return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset, top,
-                                     random, seed, objective.nsa_score_loss_target == "selection")
+                                     random, seed, objective.nsa_score_loss_target == "selection",
+                                     objective.nsa_score_loss_temperature)
 
 
 def score_loss_queries(config: ModelConfig) -> int:

@@ -673,7 +673,8 @@ OPTION_CANNOT_ACT = {
     "nsa_score_loss_coef": ["--attention_type", "full", "--nsa_score_loss_coef", "0.1"],
     "nsa_exact_selection_steps": ["--attention_type", "full", "--nsa_exact_selection_steps", "5"],
     **{name: ["--attention_type", "nsa", f"--{name}", value] for name, value in (
-        ("nsa_score_loss_stride", "2"), ("nsa_score_loss_top", "4"), ("nsa_score_loss_target", "selection"))},
+        ("nsa_score_loss_stride", "2"), ("nsa_score_loss_top", "4"), ("nsa_score_loss_target", "selection"),
+        ("nsa_score_loss_temperature", "2"))},
     "nsa_score_loss_random": ["--attention_type", "nsa", "--nsa_score_loss_top", "4", "--nsa_score_loss_random", "2"],
     # another fine-tuning mode's options (this run: --finetune full)
     "lora_rank": ["--lora_rank", "4"], "lora_alpha": ["--lora_alpha", "3"], "lora_targets": ["--lora_targets", "q"],

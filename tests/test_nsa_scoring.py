@@ -34,14 +34,15 @@ def geometry(**overrides: object) -> ModelConfig:
 
 def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, config: ModelConfig,
                      rows_of: torch.Tensor | None = None, top: int = 0,
-                     extra: Callable[[int, int, int], list[int]] | None = None, as_set: bool = False) -> torch.Tensor:
+                     extra: Callable[[int, int, int], list[int]] | None = None, as_set: bool = False,
+                     temperature: float = 1.0) -> torch.Tensor:
     """The loss one (batch, KV head, query) row at a time, straight from the definitions: rows where top-n chooses
     (the query's block c >= n: more blocks between block 0 and its previous block than n - 3 free slots), over those
     blocks 1 .. c - 2; the prediction sums each head's compression probabilities, pooled with Eq. 9's weights, over
     the group; the target averages each head's softmax of its best key's logit. With top = m > 0, both only over the
     row's m blocks of highest prediction and the blocks extra(b, kv, t) names; the prediction renormalised over the
     same blocks. `rows_of` (T,) bool: only those queries. `as_set`: the target uniform over its n - 3 highest
-    blocks (all of them when fewer)."""
+    blocks (all of them when fewer). `temperature`: the target's logits divided by it."""
     B, H, T, D = q.shape
     KV = k_cmp.shape[1]
     G, l, d, l_sel = H // KV, config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
@@ -70,7 +71,7 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
                 for h in range(kv * G, (kv + 1) * G):
                     best = torch.stack([(k_slc[b, kv, j * l_sel:(j + 1) * l_sel] @ q[b, h, t]).max()
                                         for j in chosen]) / math.sqrt(D)
-                    target = target + best.softmax(0).detach() / G
+                    target = target + (best / temperature).softmax(0).detach() / G
                 if as_set:
                     kept = sorted(range(len(chosen)), key=lambda i: -float(target[i]))[:n - 3]
                     target = torch.zeros_like(target)
@@ -82,12 +83,13 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
     return total / rows
 
 
-@pytest.mark.parametrize("l,d,l_sel,n,key_tile", [(8, 4, 16, 4, 1024), (8, 8, 8, 5, 1024), (8, 4, 16, 4, 24)])
+@pytest.mark.parametrize("l,d,l_sel,n,key_tile,tau", [(8, 4, 16, 4, 1024, 1.0), (8, 8, 8, 5, 1024, 1.0),
+                                                      (8, 4, 16, 4, 24, 1.0), (8, 4, 16, 4, 1024, 3.0)])
 def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_sel: int, n: int, key_tile: int,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                                              tau: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 24 queries (not dividing T = 100, nor the blocks) give the loop's value and gradients to 1e-12,
-    with the best-token scores in one tile of keys or in tiles of one block (24 // 16); no gradient reaches the
-    selection keys."""
+    with the best-token scores in one tile of keys or in tiles of one block (24 // 16), and at a target
+    temperature; no gradient reaches the selection keys."""
     monkeypatch.setattr(blocks, "_KEY_TILE", key_tile)
     config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel, nsa_num_selected=n)
     g = torch.Generator().manual_seed(0)
@@ -96,9 +98,9 @@ def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_
     k_cmp = torch.randn(B, KV, num_compressed_blocks(T, l, d), D, generator=g, dtype=torch.float64,
                         requires_grad=True)
     k_slc = torch.randn(B, KV, T, D, generator=g, dtype=torch.float64, requires_grad=True)
-    loss = score_loss(q, k_cmp, k_slc, config, chunk=24)
+    loss = score_loss(q, k_cmp, k_slc, config, chunk=24, nsa_score_loss_temperature=tau)
     grads = torch.autograd.grad(loss, (q, k_cmp, k_slc), allow_unused=True)
-    expected = naive_score_loss(q, k_cmp, k_slc, config)
+    expected = naive_score_loss(q, k_cmp, k_slc, config, temperature=tau)
     expected_grads = torch.autograd.grad(expected, (q, k_cmp))
     torch.testing.assert_close(loss, expected, **F64)
     for got, want in zip(grads[:2], expected_grads, strict=True):
@@ -174,10 +176,12 @@ def inputs(seed: int, B: int, H: int, KV: int, T: int, D: int, l: int, d: int) -
     return q, k_cmp, torch.randn(B, KV, T, D, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("top,random,stride,target", [(3, 0, 1, "scores"), (2, 3, 1, "scores"), (4, 2, 1, "scores"),
-                                                   (4, 2, 3, "scores"), (4, 2, 1, "selection"), (2, 3, 3, "selection")])
+@pytest.mark.parametrize("top,random,stride,target,tau", [(3, 0, 1, "scores", 1.0), (2, 3, 1, "scores", 1.0),
+                                                       (4, 2, 1, "scores", 1.0), (4, 2, 3, "scores", 1.0),
+                                                       (4, 2, 1, "selection", 1.0), (2, 3, 3, "selection", 1.0),
+                                                       (4, 2, 1, "scores", 0.5)])
 def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: int, stride: int, target: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                            tau: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """nsa_score_loss_top m, nsa_score_loss_random r: the loop over each row's m blocks of highest importance and the
     random blocks the loss drew (read back from `candidate_blocks`), its value and gradients to 1e-12, in chunks of
     16 queries; with a stride, over the sampled rows (the offset drawn as stride - 1), scaled as the strided loss
@@ -190,7 +194,7 @@ def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: in
     randint = torch.randint
     monkeypatch.setattr(torch, "randint", lambda high, size: randint(high, size) if high > stride else high - 1)
     loss = score_loss(q, k_cmp, k_slc, config, chunk=16, nsa_score_loss_top=top, nsa_score_loss_random=random,
-                      nsa_score_loss_stride=stride, nsa_score_loss_target=target)
+                      nsa_score_loss_stride=stride, nsa_score_loss_target=target, nsa_score_loss_temperature=tau)
     grads = torch.autograd.grad(loss, (q, k_cmp))
     idx = torch.cat([i for i, _ in drawn], dim=2)  # (B, KV, rows, K): the rows from position n l' = 40 on
     valid = torch.cat([v for _, v in drawn], dim=2)
@@ -205,7 +209,7 @@ def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: in
 
     sampled_share = int(rows_of.sum()) * stride / (110 - 40)  # the strided loss: the sampled rows' mean, rescaled
     expected = naive_score_loss(q, k_cmp, k_slc, config, rows_of, top=top, extra=extra,
-                                as_set=target == "selection") * sampled_share
+                                as_set=target == "selection", temperature=tau) * sampled_share
     torch.testing.assert_close(loss, expected, **F64)
     for got, want in zip(grads, torch.autograd.grad(expected, (q, k_cmp)), strict=True):
         torch.testing.assert_close(got, want, **F64)
@@ -450,6 +454,7 @@ def test_bad_coefficient_is_refused(bad: object) -> None:
     ({"nsa_score_loss_top": 4, "nsa_score_loss_random": True}, "nsa_score_loss_random must be an integer >= 0"),
     ({"nsa_score_loss_random": 2}, "goes with nsa_score_loss_top > 0"),
     ({"nsa_score_loss_target": "best"}, "nsa_score_loss_target must be 'scores' or 'selection'"),
+    ({"nsa_score_loss_temperature": 0.0}, "nsa_score_loss_temperature must be a finite number > 0"),
 ])
 def test_bad_loss_options_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -150,6 +150,8 @@ class TrainConfig:
     nsa_score_loss_random: int = option(0, "NSA: and over r random other blocks (with --nsa_score_loss_top)")
     nsa_score_loss_target: str = option("scores", "NSA: that loss's target: 'scores' (the blocks' best-key softmax) "
                                                   "or 'selection' (uniform over the n - 3 blocks it selects)")
+    nsa_score_loss_temperature: float = option(1.0, "NSA: that loss's target is the softmax of the blocks' best-key "
+                                                    "logits divided by this (above 1: smoother)")
     nsa_exact_selection_steps: int = option(0, "NSA: for the first K steps select blocks by their best key "
                                                "(nsa.primitive.exact_block_scores: every key read, no sparse "
                                                "saving), while the selection-scoring loss trains the importance "
@@ -280,7 +282,8 @@ MINIMUM = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 
            "nsa_exact_selection_steps": 0}
 MAX_SEED = 2**63 - 1
 # Real options: finite, in (0, high] (POSITIVE) or [0, high] (NON_NEGATIVE).
-POSITIVE = {"lr": 1.0, "max_memory": math.inf, "rope_theta": math.inf, "lora_alpha": math.inf}
+POSITIVE = {"lr": 1.0, "max_memory": math.inf, "rope_theta": math.inf, "lora_alpha": math.inf,
+            "nsa_score_loss_temperature": math.inf}
 NON_NEGATIVE = {"weight_decay": math.inf, "grad_clip": math.inf, "checkpoint_minutes": math.inf,
                 "heartbeat_seconds": math.inf, "synthetic_mix": 1.0, "min_lr_ratio": 1.0, "z_loss_coef": math.inf,
                 "nsa_score_loss_coef": math.inf}
