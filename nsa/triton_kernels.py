@@ -283,7 +283,7 @@ def selection_topn_kernel(Q, K, LSE, NVIS, W, IDX, q_start, NQ, NC, NS, L_SEL, N
     n_visible = tl.load(NVIS + qi, mask=q_ok, other=0)
     own = (q_start + qi) // L_SEL  # each query's own block
     best = tl.full([BLOCK_M, BLOCK_N], -9223372036854775807, tl.int64)  # no block yet
-    jj = tl.arange(0, BLOCK_J)
+    jj, slot = tl.arange(0, BLOCK_J), tl.arange(0, BLOCK_N)
     for j0 in range(0, NS, J_STEP):
         importance = _importance_tile(Q, K, LSE, W, bh, qi, q_ok, n_visible, j0, NQ, NC, scale, G, D, PER_SEL,
                                       FIRST, WIDTH, BLOCK_M, BLOCK_J, BLOCK_C, BLOCK_D, ACC)
@@ -292,9 +292,14 @@ def selection_topn_kernel(Q, K, LSE, NVIS, W, IDX, q_start, NQ, NC, NS, L_SEL, N
         allowed = ((jj < J_STEP) & (j < NS))[None, :] & (j[None, :] <= own[:, None])
         score = tl.where(forced, float("inf"), importance)
         score = tl.where(allowed, score, float("-inf"))
-        tile = tl.topk(_ranked(score, j[None, :]), BLOCK_N, dim=1)  # (BLOCK_M, BLOCK_N), descending
-        best = tl.topk(tl.reshape(tl.join(best, tile), (BLOCK_M, 2 * BLOCK_N)), BLOCK_N, dim=1)
-    slot = tl.arange(0, BLOCK_N)
+        tile = _ranked(score, j[None, :])  # (BLOCK_M, BLOCK_J)
+        merged = tl.full([BLOCK_M, BLOCK_N], -9223372036854775807, tl.int64)
+        for s in range(N_SEL):  # the n largest of best and tile, one at a time (keys are distinct but "none")
+            pick = tl.maximum(tl.max(best, 1), tl.max(tile, 1))  # (BLOCK_M,)
+            merged = tl.where(slot[None, :] == s, pick[:, None], merged)
+            best = tl.where(best == pick[:, None], -9223372036854775807, best)
+            tile = tl.where(tile == pick[:, None], -9223372036854775807, tile)
+        best = merged  # descending
     block = 2147483647 - (best & 4294967295)  # the low 32 bits (`_ranked`)
     # a score of -inf has high bits -2139095041 (its float32 bits, ordered): a slot no allowed block filled
     block = tl.where((best >> 32) > -2139095041, block, NO_SLOT)

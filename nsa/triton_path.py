@@ -23,8 +23,9 @@ a binary search, as the bounds never decrease with the query).
 
 Importance scores and top-n (paper Eqs. 8-11; `select_top_blocks`): one program per 64 queries recomputes the
 compression probabilities from the branch's lse, sums them over the group's heads and pools them onto a tile of
-selection blocks by a product with Eq. 9's weights, and merges the tile into a running top-n (each score packed with
-its block index into one int64 key, so a sort carries both); only the (Q, n) selected blocks reach memory.
+selection blocks by a product with Eq. 9's weights, and merges the tile into a running top-n by n row maxima (each
+score packed with its block index into one int64 key, so a maximum carries both); only the (Q, n) selected blocks
+reach memory.
 
 Accumulation is in float32 (float64 for float64 inputs, so the tests compare exactly); float32 inputs use IEEE
 products, not TF32. Without a GPU the kernels run in Triton's interpreter if TRITON_INTERPRET=1 is set before
@@ -234,5 +235,5 @@ def select_top_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
             lse.to(_acc_dtype(q)).contiguous(), n_visible.to(torch.int32).contiguous(), _pool_weights(geometry, q),
             idx, q_start, nq, k_cmp.shape[2], n_select_blocks, l_sel, no_slot, scale, G=NR // nq, D=D,
             PER_SEL=per_sel, FIRST=first, WIDTH=width, J_STEP=j_step, N_SEL=n_selected, BLOCK_M=_RANGE_BLOCK,
-            BLOCK_J=max(_tile(j_step), block_n), BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_D=_tile(D), **_precision(q))
+            BLOCK_J=_tile(j_step), BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_D=_tile(D), **_precision(q))
     return idx
