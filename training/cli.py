@@ -18,16 +18,22 @@ import time
 import typing
 from pathlib import Path
 
+FOLLOWER_DELAY = 2.0  # seconds a rank other than 0 waits before exiting on an error under torchrun
+
 
 def exit_with_error(message: str, code: int = 2) -> typing.NoReturn:
     """End a command-line run on a user error with one line: printed by rank 0 only (every rank of a torchrun job
     fails the same check) and written to torchrun's error file (TORCHELASTIC_ERROR_FILE), so that the launcher's
-    report ends with it ("Root Cause ... traceback : <message>"); exit `code` (2: bad input, 1: a run stopped)."""
+    report ends with it ("Root Cause ... traceback : <message>"); exit `code` (2: bad input, 1: a run stopped). The
+    launcher names the earliest failure its root cause, so the other ranks wait `FOLLOWER_DELAY` seconds before
+    exiting: were one of them to exit first, the report would end with its empty error file instead."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, file=sys.stderr, flush=True)
         if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
             with contextlib.suppress(OSError):
                 Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    elif "TORCHELASTIC_ERROR_FILE" in os.environ:
+        time.sleep(FOLLOWER_DELAY)
     raise SystemExit(code)
 
 
