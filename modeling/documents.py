@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def document_starts(input_ids: Tensor, eod_id: int) -> Tensor:
@@ -28,15 +29,29 @@ def padding_starts(pads: Tensor, start: int, n_new: int) -> Tensor:
     return torch.minimum(positions, pads[:, None])
 
 
+_SPANS = WeakIdKeyDictionary()  # doc_start -> (its version, its spans): every layer of a forward reads them once
+
+
 def document_spans(doc_start: Tensor) -> list[list[tuple[int, int]]]:
     """Each row's documents as (first, end) position pairs, in order, from doc_start (B, T) at positions [0, T): a
-    document opens where a position's start is itself and runs while the start stays the same. One host sync. Fake
-    and meta tensors, whose values are unknown, give one document a row (the costliest case, for memory estimates).
+    document opens where a position's start is itself and runs while the start stays the same. One host sync per
+    tensor (kept while the tensor lives and is not changed in place, so the layers of a forward share it). Fake and
+    meta tensors, whose values are unknown, give one document a row (the costliest case, for memory estimates).
     ValueError when doc_start is not such a partition (a start that is neither the position itself nor the start
     before it)."""
     B, T = doc_start.shape
     if doc_start.device.type == "meta" or is_fake(doc_start):
         return [[(0, T)] for _ in range(B)]
+    version, spans = _SPANS.get(doc_start, (None, None))
+    if version != doc_start._version:
+        spans = _read_spans(doc_start)
+        _SPANS[doc_start] = (doc_start._version, spans)
+    return spans
+
+
+def _read_spans(doc_start: Tensor) -> list[list[tuple[int, int]]]:
+    """`document_spans` read from the device."""
+    B, T = doc_start.shape
     starts = doc_start.cpu()
     positions = torch.arange(T)
     opens = starts == positions  # (B, T)

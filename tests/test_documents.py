@@ -262,3 +262,21 @@ def test_nsa_one_token_documents_with_one_token_blocks():
         for first, end in spans:
             alone = model(ids[:, first:end]).logits
             torch.testing.assert_close(out[:, first:end], alone, rtol=0, atol=1e-6 * alone.abs().max().item())
+
+
+def test_the_layers_of_a_forward_read_the_document_starts_once(monkeypatch):
+    """NSA's layers share one host read of doc_start per tensor (`document_spans`); a change in place is read
+    again."""
+    import modeling.documents
+
+    reads = []
+    read = modeling.documents._read_spans
+    monkeypatch.setattr(modeling.documents, "_read_spans", lambda starts: reads.append(1) or read(starts))
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa", n_layers=3))
+    ids, _ = packed([20, 15, 30], model.config.vocab_size)
+    starts = document_starts(ids, EOD)
+    with torch.no_grad():
+        model(ids, doc_start=starts)
+        assert len(reads) == 1
+        starts[:, 30:] = 30  # another split, in place
+        assert modeling.documents.document_spans(starts)[0][-1] == (30, ids.shape[1]) and len(reads) == 2
