@@ -274,8 +274,8 @@ class NativeSparseAttention(nn.Module):
         selection blocks counted from its first token (block 0 of the document is the one always selected), its
         window starting there; what the document gives alone (RoPE depends on relative positions only: equal up to
         the rounding of its float32 tables at other absolute positions). Each row's documents are read from
-        doc_start (B, T) (`modeling.documents.document_spans`: one host read); rows with the same documents run
-        together. One-token documents need no kernel when l > 1 (`_one_token_documents`). Returns (out
+        doc_start (B, T) (`modeling.documents.document_spans`: one host read a forward); rows with the same
+        documents run together. One-token documents need no kernel when l > 1 (`_one_token_documents`). Returns (out
         (B, H, T, D), the selection-scoring loss: the documents' losses weighted by their rows, so the mean over all
         the rows that choose, or None)."""
         B, T = branches.q.shape[0], branches.q.shape[2]
