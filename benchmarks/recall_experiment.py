@@ -295,9 +295,10 @@ def main(argv: list[str] | None = None) -> None:
                         "--nsa_score_loss_top; default 0: every block, reading every key)")
     p.add_argument("--score_loss_random", type=int, default=0, metavar="R",
                    help="and over R random other blocks (train.py's --nsa_score_loss_random; with --score_loss_top)")
-    p.add_argument("--score_loss_target", choices=("scores", "selection"), default="scores",
-                   help="that loss's target: each block's best-key softmax (default), or uniform over the blocks "
-                        "the best keys select (train.py's --nsa_score_loss_target)")
+    p.add_argument("--score_loss_target", choices=("scores", "selection", "boundary"), default="scores",
+                   help="that loss's target: each block's best-key softmax (default), uniform over the blocks the "
+                        "best keys select, or a ranking of those blocks above the others (train.py's "
+                        "--nsa_score_loss_target)")
     p.add_argument("--score_loss_temperature", type=float, default=1.0, metavar="TAU",
                    help="that loss's target softmax at temperature TAU (train.py's --nsa_score_loss_temperature)")
     p.add_argument("--exact_selection_steps", type=int, default=0, metavar="K",

@@ -9,8 +9,8 @@ a model built without one trains on the plain cross-entropy.
         nsa_score_loss_stride k: every k-th query (from a random offset), at 1/k of the cost;
         nsa_score_loss_top m > 0: the target and prediction over each query's m blocks of highest importance only,
         and nsa_score_loss_random r random other blocks (0: every block, reading every key);
-        nsa_score_loss_target: "scores" (the blocks' best-key softmax) or "selection" (uniform over the n - 3
-        blocks that softmax would select);
+        nsa_score_loss_target: "scores" (the blocks' best-key softmax), "selection" (uniform over the n - 3
+        blocks that softmax would select) or "boundary" (a ranking loss: those blocks above the others);
         nsa_score_loss_temperature tau: that softmax of the best-key logits divided by tau (above 1: a smoother
         target, which finite scores can match more closely).
 """
@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from modeling.config import check_fields
 
+SCORE_LOSS_TARGETS = ("scores", "selection", "boundary")  # nsa_score_loss_target's values
 SCORE_LOSS_OPTIONS = ("nsa_score_loss_stride", "nsa_score_loss_top", "nsa_score_loss_random", "nsa_score_loss_target",
                       "nsa_score_loss_temperature")
 
@@ -37,7 +38,7 @@ class Objective:
     nsa_score_loss_stride: int = 1
     nsa_score_loss_top: int = 0
     nsa_score_loss_random: int = 0
-    nsa_score_loss_target: Literal["scores", "selection"] = "scores"
+    nsa_score_loss_target: Literal["scores", "selection", "boundary"] = "scores"
     nsa_score_loss_temperature: float = 1.0
 
     def __post_init__(self) -> None:
@@ -55,8 +56,8 @@ class Objective:
         tau = self.nsa_score_loss_temperature
         if not (isinstance(tau, int | float) and not isinstance(tau, bool) and 0 < tau < math.inf):
             raise ValueError(f"nsa_score_loss_temperature must be a finite number > 0, got {tau!r}")
-        if self.nsa_score_loss_target not in ("scores", "selection"):
-            raise ValueError(f"nsa_score_loss_target must be 'scores' or 'selection', got "
+        if self.nsa_score_loss_target not in SCORE_LOSS_TARGETS:
+            raise ValueError(f"nsa_score_loss_target must be 'scores', 'selection' or 'boundary', got "
                              f"{self.nsa_score_loss_target!r}")
 
     @classmethod

@@ -21,7 +21,10 @@ With `Objective.nsa_score_loss_target` "selection", t is instead the set selecti
 over the n - 3 blocks t ranks highest (`nsa.blocks.selection_target`). Top-n needs a block's rank, not its share:
 t often puts nearly all its mass on one or two blocks, so a block it ranks fifth weighs almost nothing in KL(t || p)
 though selection by t takes it; the set weighs each of the n - 3 alike. The loss is then the cross-entropy of p on
-the set, less log(n - 3).
+the set, less log(n - 3). With "boundary", the loss ranks rather than matches: per row, softplus(max log p_j over
+the contested blocks outside that set - min log p_j over the set), a smooth hinge that pushes the weakest block
+selection by t would take above the strongest it would leave (top-n reads only which side of the boundary a
+block falls on); rows with blocks on one side only contribute 0.
 
 The loss is averaged over those (batch, KV head, query) rows: a mean over the rows that choose, so the coefficient
 means the same at every length, and independent of the labels. Computed in at least float32 with autocast off (a bf16
@@ -54,9 +57,11 @@ compressed blocks, Ns selection blocks. Block geometry: l (`nsa_block_size`), d 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from nsa.blocks import (
@@ -82,13 +87,14 @@ def _as_is(t: Tensor) -> Tensor:
 
 
 def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: int, config: ModelConfig, top: int,
-              random: int, generator: torch.Generator | None, as_set: bool, temperature: float) -> Tensor:
-    """Summed KL(t || p) of one chunk's rows: queries q (B, H, Q, D) at the ascending positions q_pos (Q,), the last
-    of them `last`, the compressed keys k_cmp (B, KV, Nc', D) they can see, the key blocks k_blocks (B, KV, Ns', l',
+              random: int, generator: torch.Generator | None, target_kind: str, temperature: float) -> Tensor:
+    """Summed loss of one chunk's rows: queries q (B, H, Q, D) at the ascending positions q_pos (Q,), the last of
+    them `last`, the compressed keys k_cmp (B, KV, Nc', D) they can see, the key blocks k_blocks (B, KV, Ns', l',
     D). Over every contested block (top = 0), or over each row's `top` blocks by importance and `random` others
-    (`nsa.blocks.candidate_blocks`, drawn from `generator`); `as_set`: the target made uniform over the n - 3
-    blocks it ranks highest (`nsa.blocks.selection_target`); the target's softmax at `temperature`. Rows where top-n
-    does not choose contribute 0."""
+    (`nsa.blocks.candidate_blocks`, drawn from `generator`). `target_kind` "scores": KL(t || p); "selection": the
+    target made uniform over the n - 3 blocks it ranks highest (`nsa.blocks.selection_target`); "boundary":
+    softplus(max log p over the blocks outside that set - min log p over the set), for rows with blocks on both
+    sides. The target's softmax at `temperature`. Rows where top-n does not choose contribute 0."""
     l, d, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
     G = q.shape[1] // k_cmp.shape[1]
     n_select = last // l_sel + 1  # blocks up to the last query's own
@@ -100,10 +106,17 @@ def _chunk_kl(q: Tensor, k_cmp: Tensor, k_blocks: Tensor, q_pos: Tensor, last: i
             target = candidate_token_scores(q, k_blocks, idx, valid, temperature) / G  # (B, KV, Q, K): sum 1 or 0
         else:
             target = best_token_scores(q, k_blocks, q_pos, n_select, contested, temperature) / G  # (B, KV, Q, Ns)
-        if as_set:
+        if target_kind != "scores":
             target = selection_target(target, valid if top else contested, config.nsa_num_selected - 3)
     scored = log_importance.gather(-1, idx) if top else log_importance
     kept = valid if top else contested.expand_as(scored)
+    if target_kind == "boundary":  # the weakest block of the set against the strongest outside it
+        chosen = (target > 0) & kept
+        rest = kept & ~chosen
+        weakest = torch.where(chosen, scored, math.inf).amin(-1)  # (B, KV, Q)
+        strongest = torch.where(rest, scored, -math.inf).amax(-1)
+        both = chosen.any(-1) & rest.any(-1)
+        return torch.where(both, F.softplus(torch.where(both, strongest - weakest, 0)), 0).sum()
     scored = torch.where(kept, scored, NO_IMPORTANCE)  # log p over the kept blocks: a log-softmax, never a log of 0
     log_p = scored - scored.logsumexp(-1, keepdim=True)
     return torch.where(kept, torch.xlogy(target, target) - target * log_p, 0).sum()
@@ -114,7 +127,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int, stride: int,
-                offset: int, top: int, random: int, seed: int, as_set: bool, temperature: float) -> Tensor:
+                offset: int, top: int, random: int, seed: int, target_kind: str, temperature: float) -> Tensor:
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
         n = config.nsa_num_selected
@@ -137,8 +150,8 @@ class _SelectionScoreLoss(torch.autograd.Function):
                     torch.autocast(q.device.type, enabled=False):
                 q_c = q.index_select(2, q_pos).detach().to(acc).requires_grad_()  # (B, H, Q, D)
                 k_c = k_cmp[:, :, :n_cmp].detach().to(acc).requires_grad_()
-                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator, as_set,
-                               temperature)
+                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator,
+                               target_kind, temperature)
                 dq, dk = torch.autograd.grad(kl, (q_c, k_c))
             total += kl.detach()
             grad_q.index_copy_(2, q_pos, dq)
@@ -173,8 +186,8 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
             at 1/k of the cost; with `nsa_score_loss_top` m > 0, each row's target and prediction over its m
             blocks of highest importance and `nsa_score_loss_random` random others (a seed drawn from the same
             generator) only; with `nsa_score_loss_target` "selection", the target uniform over the n - 3 blocks
-            it ranks highest; with `nsa_score_loss_temperature` tau, the target's softmax of the best-key logits
-            divided by tau.
+            it ranks highest, with "boundary" the ranking loss at that set's edge; with
+            `nsa_score_loss_temperature` tau, the target's softmax of the best-key logits divided by tau.
     Returns:
         A 0-dim tensor in at least float32 (0 when T <= n l': no query chooses yet), differentiable in q and
         k_cmp.
@@ -183,7 +196,7 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
     offset = int(torch.randint(stride, ())) if stride > 1 else 0  # host draws: no device sync
     seed = int(torch.randint(2**62, ())) if random else 0
     return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset, top,
-                                     random, seed, objective.nsa_score_loss_target == "selection",
+                                     random, seed, objective.nsa_score_loss_target,
                                      objective.nsa_score_loss_temperature)
 
 

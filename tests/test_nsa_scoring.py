@@ -35,14 +35,16 @@ def geometry(**overrides: object) -> ModelConfig:
 def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, config: ModelConfig,
                      rows_of: torch.Tensor | None = None, top: int = 0,
                      extra: Callable[[int, int, int], list[int]] | None = None, as_set: bool = False,
-                     temperature: float = 1.0) -> torch.Tensor:
+                     temperature: float = 1.0, boundary: bool = False) -> torch.Tensor:
     """The loss one (batch, KV head, query) row at a time, straight from the definitions: rows where top-n chooses
     (the query's block c >= n: more blocks between block 0 and its previous block than n - 3 free slots), over those
     blocks 1 .. c - 2; the prediction sums each head's compression probabilities, pooled with Eq. 9's weights, over
     the group; the target averages each head's softmax of its best key's logit. With top = m > 0, both only over the
     row's m blocks of highest prediction and the blocks extra(b, kv, t) names; the prediction renormalised over the
     same blocks. `rows_of` (T,) bool: only those queries. `as_set`: the target uniform over its n - 3 highest
-    blocks (all of them when fewer). `temperature`: the target's logits divided by it."""
+    blocks (all of them when fewer). `temperature`: the target's logits divided by it. `boundary`: softplus of the
+    largest log prediction outside those n - 3 blocks minus the smallest inside, 0 for a row with either side
+    empty."""
     B, H, T, D = q.shape
     KV = k_cmp.shape[1]
     G, l, d, l_sel = H // KV, config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
@@ -72,12 +74,20 @@ def naive_score_loss(q: torch.Tensor, k_cmp: torch.Tensor, k_slc: torch.Tensor, 
                     best = torch.stack([(k_slc[b, kv, j * l_sel:(j + 1) * l_sel] @ q[b, h, t]).max()
                                         for j in chosen]) / math.sqrt(D)
                     target = target + (best / temperature).softmax(0).detach() / G
+                p = torch.stack([importance[j] for j in chosen])
+                p = p / p.sum()
+                if boundary:
+                    inside = sorted(range(len(chosen)), key=lambda i: -float(target[i]))[:n - 3]
+                    outside = [i for i in range(len(chosen)) if i not in inside]
+                    if outside:
+                        gap = max(p[i].log() for i in outside) - min(p[i].log() for i in inside)
+                        total = total + torch.nn.functional.softplus(gap)
+                    rows += 1
+                    continue
                 if as_set:
                     kept = sorted(range(len(chosen)), key=lambda i: -float(target[i]))[:n - 3]
                     target = torch.zeros_like(target)
                     target[kept] = 1 / len(kept)
-                p = torch.stack([importance[j] for j in chosen])
-                p = p / p.sum()
                 total = total + torch.where(target > 0, target * (target.log() - p.log()), 0).sum()
                 rows += 1
     return total / rows
@@ -120,6 +130,21 @@ def test_the_selection_target_equals_a_float64_loop_over_queries(l: int, d: int,
     for got, want in zip(torch.autograd.grad(loss, (q, k_cmp)), torch.autograd.grad(expected, (q, k_cmp)),
                          strict=True):
         torch.testing.assert_close(got, want, **F64)
+
+
+@pytest.mark.parametrize("l,d,l_sel,n", [(8, 4, 16, 4), (8, 8, 8, 6)])
+def test_the_boundary_loss_equals_a_float64_loop_over_queries(l: int, d: int, l_sel: int, n: int) -> None:
+    """nsa_score_loss_target "boundary": per row, softplus of the strongest block outside the n - 3 the target ranks
+    highest minus the weakest inside (log predictions), 0 where a side is empty; value and gradients to 1e-12."""
+    config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel, nsa_num_selected=n)
+    q, k_cmp, k_slc = inputs(11, B=2, H=4, KV=2, T=100, D=8, l=l, d=d)
+    loss = score_loss(q, k_cmp, k_slc, config, chunk=24, nsa_score_loss_target="boundary")
+    expected = naive_score_loss(q, k_cmp, k_slc, config, boundary=True)
+    torch.testing.assert_close(loss, expected, **F64)
+    for got, want in zip(torch.autograd.grad(loss, (q, k_cmp)), torch.autograd.grad(expected, (q, k_cmp)),
+                         strict=True):
+        torch.testing.assert_close(got, want, **F64)
+    assert loss > 0
 
 
 def test_selection_target_is_uniform_over_the_top_allowed_blocks() -> None:
@@ -179,7 +204,7 @@ def inputs(seed: int, B: int, H: int, KV: int, T: int, D: int, l: int, d: int) -
 @pytest.mark.parametrize("top,random,stride,target,tau", [(3, 0, 1, "scores", 1.0), (2, 3, 1, "scores", 1.0),
                                                        (4, 2, 1, "scores", 1.0), (4, 2, 3, "scores", 1.0),
                                                        (4, 2, 1, "selection", 1.0), (2, 3, 3, "selection", 1.0),
-                                                       (4, 2, 1, "scores", 0.5)])
+                                                       (4, 2, 1, "scores", 0.5), (4, 2, 3, "boundary", 1.0)])
 def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: int, stride: int, target: str,
                                                             tau: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """nsa_score_loss_top m, nsa_score_loss_random r: the loop over each row's m blocks of highest importance and the
@@ -209,7 +234,8 @@ def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: in
 
     sampled_share = int(rows_of.sum()) * stride / (110 - 40)  # the strided loss: the sampled rows' mean, rescaled
     expected = naive_score_loss(q, k_cmp, k_slc, config, rows_of, top=top, extra=extra,
-                                as_set=target == "selection", temperature=tau) * sampled_share
+                                as_set=target == "selection", temperature=tau,
+                                boundary=target == "boundary") * sampled_share
     torch.testing.assert_close(loss, expected, **F64)
     for got, want in zip(grads, torch.autograd.grad(expected, (q, k_cmp)), strict=True):
         torch.testing.assert_close(got, want, **F64)
@@ -453,7 +479,7 @@ def test_bad_coefficient_is_refused(bad: object) -> None:
     ({"nsa_score_loss_top": 2.0}, "nsa_score_loss_top must be an integer >= 0"),
     ({"nsa_score_loss_top": 4, "nsa_score_loss_random": True}, "nsa_score_loss_random must be an integer >= 0"),
     ({"nsa_score_loss_random": 2}, "goes with nsa_score_loss_top > 0"),
-    ({"nsa_score_loss_target": "best"}, "nsa_score_loss_target must be 'scores' or 'selection'"),
+    ({"nsa_score_loss_target": "best"}, "nsa_score_loss_target must be 'scores', 'selection' or 'boundary'"),
     ({"nsa_score_loss_temperature": 0.0}, "nsa_score_loss_temperature must be a finite number > 0"),
 ])
 def test_bad_loss_options_are_refused(fields: dict, message: str) -> None:

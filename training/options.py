@@ -25,7 +25,7 @@ from modeling.config import (
     split_overrides,
 )
 from modeling.objective import FIELDS as OBJECTIVE_FIELDS
-from modeling.objective import SCORE_LOSS_OPTIONS, Objective
+from modeling.objective import SCORE_LOSS_OPTIONS, SCORE_LOSS_TARGETS, Objective
 from text.synthetic import RECALL_TASKS, SYNTHETIC_TASKS
 from training.cli import Parser, json_object, numbered
 from training.quantize import QUANTIZED
@@ -148,8 +148,9 @@ class TrainConfig:
     nsa_score_loss_top: int = option(0, "NSA: that loss over each query's m blocks of highest importance only (0: "
                                         "every block, reading every key)")
     nsa_score_loss_random: int = option(0, "NSA: and over r random other blocks (with --nsa_score_loss_top)")
-    nsa_score_loss_target: str = option("scores", "NSA: that loss's target: 'scores' (the blocks' best-key softmax) "
-                                                  "or 'selection' (uniform over the n - 3 blocks it selects)")
+    nsa_score_loss_target: str = option("scores", "NSA: that loss's target: 'scores' (the blocks' best-key softmax), "
+                                                  "'selection' (uniform over the n - 3 blocks it selects) or "
+                                                  "'boundary' (a ranking loss: those blocks above the others)")
     nsa_score_loss_temperature: float = option(1.0, "NSA: that loss's target is the softmax of the blocks' best-key "
                                                     "logits divided by this (above 1: smoother)")
     nsa_exact_selection_steps: int = option(0, "NSA: for the first K steps select blocks by their best key "
@@ -214,7 +215,7 @@ class TrainConfig:
                    "finetune": list(FINETUNE_MODES),
                    "npt_residual_mode": ["modulate", "additive"], "loss": ["auto", "standard", "chunked"],
                    "quantize_base": [None, *QUANTIZED], "synthetic_task": list(SYNTHETIC_TASKS),
-                   "tracker": [None, *TRACKERS], "nsa_score_loss_target": ["scores", "selection"]}
+                   "tracker": [None, *TRACKERS], "nsa_score_loss_target": list(SCORE_LOSS_TARGETS)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
