@@ -9,6 +9,7 @@ target (every key, every query); their last column is the step's time over `nsa`
     python benchmarks/bench_nsa_gpu.py                               # T = 8k, 32k, 64k
     python benchmarks/bench_nsa_gpu.py --seq-lens 8192 --repeats 10 --impls sdpa nsa
     python benchmarks/bench_nsa_gpu.py --seq-lens 32768 --impls nsa nsa+loss nsa+dense-loss   # the loss's cost
+    python benchmarks/bench_nsa_gpu.py --seq-lens 65536 --impls sdpa nsa --profile 65536  # and the top kernels
     python benchmarks/bench_nsa_gpu.py --device cpu --seq-lens 256 --dim 64 --heads 4 --kv-heads 2 --head-dim 16
         # a smoke run of this script without a GPU (Triton's interpreter; times meaningless)
 
@@ -86,6 +87,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--impls", nargs="+", default=list(IMPLS[:3]), choices=IMPLS)
+    parser.add_argument("--profile", type=int, metavar="T",
+                        help="after the table, the profiler's top kernels of one `nsa` forward + backward at T tokens")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -116,6 +119,32 @@ def main() -> None:
             ratios = f"{sdpa[0] / fwd:.2f}x | {sdpa[1] / both:.2f}x" if sdpa else "- | -"
             ratios += f" | {both / nsa:.2f}" if nsa and impl.startswith("nsa") else " | -"
             print(f"| {T} | {impl} | {fwd * 1e3:.1f} | {both * 1e3:.1f} | {peak / 2**20:.0f} | {ratios} |", flush=True)
+    if args.profile:
+        print(PROFILE_MARK.format(T=args.profile))
+        print(top_kernels(build("nsa", args, device, dtype), args.profile, args.dim, device, dtype))
+
+
+PROFILE_MARK = "top kernels of one nsa forward + backward at T = {T}:"
+
+
+def top_kernels(run: Callable, T: int, dim: int, device: torch.device, dtype: torch.dtype, rows: int = 15) -> str:
+    """torch.profiler's table of the `rows` operators and kernels with the most device time (self CPU time on a
+    CPU) in one training step of `run` at T tokens, after one warm-up step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nsa.primitive import triton_kernels
+
+    x = torch.randn(1, T, dim, device=device, dtype=dtype, requires_grad=True)
+    cuda = device.type == "cuda"
+    with contextlib.nullcontext() if cuda else triton_kernels():
+        training_step(run, x)
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        with profile(activities=activities) as prof:
+            training_step(run, x)
+            if cuda:
+                torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 if __name__ == "__main__":
