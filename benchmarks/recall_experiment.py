@@ -255,6 +255,8 @@ def score_loss_problem(args: argparse.Namespace) -> str | None:
             args.score_loss_temperature != 1 and not args.score_loss):
         return (f"--score_loss_temperature must be a finite number > 0 and goes with --score_loss, got "
                 f"{args.score_loss_temperature}")
+    if args.score_loss_temperature != 1 and args.score_loss_target != "scores":
+        return "--score_loss_temperature shapes the 'scores' target only: leave it at 1 with --score_loss_target"
     if args.exact_selection_steps < 0 or (args.exact_selection_steps and not args.score_loss):
         return f"--exact_selection_steps must be >= 0 and goes with --score_loss, got {args.exact_selection_steps}"
     if not (math.isfinite(args.score_loss) and args.score_loss >= 0):

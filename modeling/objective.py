@@ -11,8 +11,8 @@ a model built without one trains on the plain cross-entropy.
         and nsa_score_loss_random r random other blocks (0: every block, reading every key);
         nsa_score_loss_target: "scores" (the blocks' best-key softmax), "selection" (uniform over the n - 3
         blocks that softmax would select) or "boundary" (a ranking loss: those blocks above the others);
-        nsa_score_loss_temperature tau: that softmax of the best-key logits divided by tau (above 1: a smoother
-        target, which finite scores can match more closely).
+        nsa_score_loss_temperature tau: the "scores" target's softmax of the best-key logits divided by tau (above
+        1: a smoother target, which finite scores can match more closely).
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ class Objective:
         tau = self.nsa_score_loss_temperature
         if not (isinstance(tau, int | float) and not isinstance(tau, bool) and 0 < tau < math.inf):
             raise ValueError(f"nsa_score_loss_temperature must be a finite number > 0, got {tau!r}")
+        if tau != 1 and self.nsa_score_loss_target != "scores":
+            raise ValueError(f"nsa_score_loss_temperature shapes the 'scores' target; the "
+                             f"'{self.nsa_score_loss_target}' target takes only the ranking of the best-key scores: "
+                             "leave the temperature at 1")
         if self.nsa_score_loss_target not in SCORE_LOSS_TARGETS:
             raise ValueError(f"nsa_score_loss_target must be 'scores', 'selection' or 'boundary', got "
                              f"{self.nsa_score_loss_target!r}")

@@ -217,6 +217,12 @@ def check_score_loss(config: ModelConfig, objective: Objective) -> None:
         raise ValueError(f"--nsa_score_loss_coef: top-n never chooses at context_length {config.context_length} (only "
                          f"from n x l' = {first} tokens on, with nsa_num_selected >= 4), so the loss would be 0 on "
                          f"every step: train at a context_length above {first}, or leave it out")
+    candidates = objective.nsa_score_loss_top + objective.nsa_score_loss_random
+    if objective.nsa_score_loss_target == "boundary" and objective.nsa_score_loss_top and \
+            candidates <= config.nsa_num_selected - 3:
+        raise ValueError(f"--nsa_score_loss_target boundary ranks the n - 3 = {config.nsa_num_selected - 3} blocks "
+                         f"the best keys select above the rest, and {candidates} candidate blocks leave no rest: "
+                         f"raise --nsa_score_loss_top (+ --nsa_score_loss_random) above {config.nsa_num_selected - 3}")
     if objective.nsa_score_loss_stride > queries:
         raise ValueError(f"--nsa_score_loss_stride {objective.nsa_score_loss_stride} exceeds the {queries} queries "
                          f"where top-n chooses (context_length {config.context_length} - n x l' {first}), so most "

@@ -294,7 +294,8 @@ def selection_topn_kernel(Q, K, LSE, NVIS, W, IDX, q_start, NQ, NC, NS, L_SEL, N
         score = tl.where(allowed, score, float("-inf"))
         tile = _ranked(score, j[None, :])  # (BLOCK_M, BLOCK_J)
         merged = tl.full([BLOCK_M, BLOCK_N], -9223372036854775807, tl.int64)
-        for s in range(N_SEL):  # the n largest of best and tile, one at a time (keys are distinct but "none")
+        for s in range(N_SEL):  # the n largest of best and tile, one at a time (a block's key is unique; every
+            # copy of a key that decodes to no block goes at once, and the slots it leaves decode to no block too)
             pick = tl.maximum(tl.max(best, 1), tl.max(tile, 1))  # (BLOCK_M,)
             merged = tl.where(slot[None, :] == s, pick[:, None], merged)
             best = tl.where(best == pick[:, None], -9223372036854775807, best)

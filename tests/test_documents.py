@@ -264,6 +264,16 @@ def test_nsa_one_token_documents_with_one_token_blocks():
             torch.testing.assert_close(out[:, first:end], alone, rtol=0, atol=1e-6 * alone.abs().max().item())
 
 
+def test_document_starts_made_under_inference_mode():
+    """Inference tensors keep no version counter: their spans are read each time, not cached."""
+    model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa")).eval()
+    ids, _ = packed([20, 15], model.config.vocab_size)
+    with torch.inference_mode():
+        out = model(ids, doc_start=document_starts(ids, EOD)).logits
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids, doc_start=document_starts(ids, EOD)).logits)
+
+
 def test_the_layers_of_a_forward_read_the_document_starts_once(monkeypatch):
     """NSA's layers share one host read of doc_start per tensor (`document_spans`); a change in place is read
     again."""

@@ -44,9 +44,11 @@ def test_section_outputs_become_tables(tmp_path: Path):
     assert summary == {"tokens_per_s": 4000.0, "step_time_s": 1.0, "mfu": 0.04, "mem_peak_gib": 35.0,
                        "final_loss": 4.5, "steps": 5}
     table = "| T | layer |\n|---|---|\n| 65536 | nsa |"
-    bench = gpu_check._summarise_bench([f"log\n{table}\ntop kernels of one nsa forward + backward at T = 65536:\n"
-                                        "kernel table", f"{table}\n"], tmp_path)
+    bench = gpu_check._summarise_bench([f"log\n{table}\n", f"{table}\n", "| 65536 | nsa |\ntop kernels of one nsa "
+                                        "forward + backward at T = 65536:\nkernel table"], tmp_path)
     assert bench.count("| 65536 | nsa |") == 2 and "```\ntop kernels" in bench and "kernel table" in bench
+    failed = gpu_check._summarise_bench([table, table, "Traceback: out of memory"], tmp_path)
+    assert "Traceback: out of memory" in failed
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert "| 5 | 4,000 | 4.0% | 1.00 s | 35.0 GiB | 4.500 |" in gpu_check._summarise_training("train")([""], tmp_path)

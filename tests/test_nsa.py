@@ -654,7 +654,8 @@ def reference_top_blocks(importance: torch.Tensor, q_pos: torch.Tensor, ls: int,
 
 @pytest.mark.parametrize("l,d,ls,n,ties", [(8, 4, 16, 4, False), (32, 16, 64, 5, False), (16, 16, 16, 3, False),
                                             (4, 4, 8, 16, False), (64, 16, 64, 8, False), (8, 4, 16, 4, True),
-                                            (32, 16, 64, 5, True)])
+                                            (32, 16, 64, 5, True),
+                                            (4, 4, 8, 20, False)])  # n above a tile of blocks
 def test_triton_top_blocks_match_the_reference_rule(l, d, ls, n, ties):
     """`nsa.triton_path.select_top_blocks` (the importance recomputed from the lse, pooled by a tile product with
     Eq. 9's weights and merged into a running top-n, nothing of size Q x Ns in memory) chooses the blocks

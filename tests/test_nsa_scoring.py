@@ -132,6 +132,16 @@ def test_the_selection_target_equals_a_float64_loop_over_queries(l: int, d: int,
         torch.testing.assert_close(got, want, **F64)
 
 
+def test_a_boundary_loss_without_blocks_outside_the_set_is_refused() -> None:
+    """On candidate blocks, top + random <= n - 3 leaves every candidate inside the set: the loss would be 0."""
+    config = geometry(nsa_num_selected=5, context_length=256)
+    with pytest.raises(ValueError, match="candidate blocks leave no rest"):
+        scoring.check_score_loss(config, Objective(nsa_score_loss_coef=0.1, nsa_score_loss_top=2,
+                                                   nsa_score_loss_target="boundary"))
+    scoring.check_score_loss(config, Objective(nsa_score_loss_coef=0.1, nsa_score_loss_top=2,
+                                               nsa_score_loss_random=1, nsa_score_loss_target="boundary"))
+
+
 @pytest.mark.parametrize("l,d,l_sel,n", [(8, 4, 16, 4), (8, 8, 8, 6)])
 def test_the_boundary_loss_equals_a_float64_loop_over_queries(l: int, d: int, l_sel: int, n: int) -> None:
     """nsa_score_loss_target "boundary": per row, softplus of the strongest block outside the n - 3 the target ranks
@@ -481,6 +491,7 @@ def test_bad_coefficient_is_refused(bad: object) -> None:
     ({"nsa_score_loss_random": 2}, "goes with nsa_score_loss_top > 0"),
     ({"nsa_score_loss_target": "best"}, "nsa_score_loss_target must be 'scores', 'selection' or 'boundary'"),
     ({"nsa_score_loss_temperature": 0.0}, "nsa_score_loss_temperature must be a finite number > 0"),
+    ({"nsa_score_loss_target": "boundary", "nsa_score_loss_temperature": 2.0}, "takes only the ranking"),
 ])
 def test_bad_loss_options_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -553,7 +564,7 @@ def test_a_run_recorded_with_the_objective_in_its_overrides_resumes_with_the_opt
 def test_the_exact_selection_warm_up_selects_by_best_keys_for_its_steps(data_dir: Path, tmp_path: Path) -> None:
     """--nsa_exact_selection_steps K: the first K steps select blocks by their best key while the score loss trains
     the importance (the first step's loss is the model's under `exact_block_scores` on the same batch, and differs
-    from its loss without); refused where top-n never chooses."""
+    from its loss without); refused without that loss."""
     import json
 
     import train
@@ -572,5 +583,5 @@ def test_the_exact_selection_warm_up_selects_by_best_keys_for_its_steps(data_dir
         exact = model(ids, labels).loss.item()
     plain = model(ids, labels).loss.item()
     assert first["loss"] == pytest.approx(exact, rel=1e-5) and abs(exact - plain) > 1e-4
-    with pytest.raises(ValueError, match="--nsa_exact_selection_steps has no effect at context_length 64"):
-        train.main([*args[:5], "64", *args[6:-2], "--nsa_exact_selection_steps", "1", "--out_dir", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="--nsa_exact_selection_steps is a warm-up .* add --nsa_score_loss_coef"):
+        train.main([*args[:-2], "--nsa_exact_selection_steps", "1", "--out_dir", str(tmp_path / "x")])

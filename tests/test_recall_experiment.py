@@ -227,7 +227,7 @@ def test_score_loss(data_dir, tmp_path, capsys):
               "--stages", "copy:32:2", "16:2:2", "32:2:2"]
     SCRIPT["main"]([*common, "--types", "nsa", "full", "--model_overrides", json.dumps(fine), "--score_loss", "0.1",
                     "--score_loss_top", "2", "--score_loss_random", "1", "--score_loss_target", "selection",
-                    "--score_loss_temperature", "2", "--exact_selection_steps", "1"])
+                    "--exact_selection_steps", "1"])
 
     def run(kind: str, stage: str) -> tuple[dict, list[dict]]:
         args = json.loads((out / f"{kind}-seed0" / stage / "stage.json").read_text())["args"]
@@ -237,8 +237,7 @@ def test_score_loss(data_dir, tmp_path, capsys):
 
     score, metrics = run("nsa", "T32-p2")
     assert score == {"nsa_score_loss_coef": "0.1", "nsa_score_loss_top": "2", "nsa_score_loss_random": "1",
-                     "nsa_score_loss_target": "selection", "nsa_score_loss_temperature": "2.0",
-                     "nsa_exact_selection_steps": "1"}
+                     "nsa_score_loss_target": "selection", "nsa_exact_selection_steps": "1"}
     assert all(m["aux_loss"] > 0 for m in metrics)
     for kind, stage in (("nsa", "copy-T32"), ("nsa", "T16-p2"), ("full", "copy-T32"), ("full", "T32-p2")):
         score, metrics = run(kind, stage)
@@ -251,6 +250,8 @@ def test_score_loss(data_dir, tmp_path, capsys):
                           "goes with --score_loss_top"),
                          (["--types", "nsa", "--score_loss_target", "selection"], "goes with --score_loss"),
                          (["--types", "nsa", "--score_loss_temperature", "2"], "goes with --score_loss"),
+                         (["--types", "nsa", "--score_loss", "0.1", "--score_loss_target", "selection",
+                           "--score_loss_temperature", "2"], "shapes the 'scores' target only"),
                          (["--types", "nsa", "--exact_selection_steps", "5"], "goes with --score_loss")):
         with pytest.raises(SystemExit) as exit_info:
             SCRIPT["main"]([*common[:-4], "--out_dir", str(tmp_path / "bad"), *bad])

@@ -151,7 +151,7 @@ class TrainConfig:
     nsa_score_loss_target: str = option("scores", "NSA: that loss's target: 'scores' (the blocks' best-key softmax), "
                                                   "'selection' (uniform over the n - 3 blocks it selects) or "
                                                   "'boundary' (a ranking loss: those blocks above the others)")
-    nsa_score_loss_temperature: float = option(1.0, "NSA: that loss's target is the softmax of the blocks' best-key "
+    nsa_score_loss_temperature: float = option(1.0, "NSA: the 'scores' target is the softmax of the blocks' best-key "
                                                     "logits divided by this (above 1: smoother)")
     nsa_exact_selection_steps: int = option(0, "NSA: for the first K steps select blocks by their best key "
                                                "(nsa.primitive.exact_block_scores: every key read, no sparse "
@@ -604,22 +604,20 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
     check_objective(model_config, objective, {name for name in OBJECTIVE_FIELDS  # those set: not their default
                                               if getattr(objective, name) != getattr(Objective(), name)})
     if cfg.nsa_exact_selection_steps:
-        check_exact_selection(model_config)
+        check_exact_selection(model_config, objective)
     return model_config, compute_config
 
 
-def check_exact_selection(model: ModelConfig) -> None:
-    """ValueError naming --nsa_exact_selection_steps when selecting by exact block scores would change nothing:
-    without NSA, or at a context_length where top-n never chooses (every block is selected anyway)."""
+def check_exact_selection(model: ModelConfig, objective: Objective) -> None:
+    """ValueError naming --nsa_exact_selection_steps when the warm-up cannot act: without NSA, or without the
+    selection-scoring loss that trains the importance meanwhile (whose own check refuses a context_length where
+    top-n never chooses)."""
     if model.attention_type != "nsa":
         raise ValueError(f"--nsa_exact_selection_steps has no effect without attention_type 'nsa', and this run's "
                          f"is {model.attention_type!r}: leave it out, or pass --attention_type nsa")
-    from nsa.scoring import score_loss_queries  # NSA's own rule; parsing options loads no model code
-
-    if score_loss_queries(model) == 0:
-        raise ValueError(f"--nsa_exact_selection_steps has no effect at context_length {model.context_length}: top-n "
-                         f"selects every block there (it chooses only from n x l' = "
-                         f"{model.nsa_num_selected * model.nsa_select_block_size} tokens on): leave it out")
+    if not objective.nsa_score_loss_coef:
+        raise ValueError("--nsa_exact_selection_steps is a warm-up of the importance scores by the selection-scoring "
+                         "loss: add --nsa_score_loss_coef > 0")
 
 
 def check_objective(model: ModelConfig, objective: Objective, given: set[str]) -> None:
