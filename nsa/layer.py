@@ -48,12 +48,12 @@ from torch import Tensor, nn
 
 from modeling.attention import add_aux_loss, attention_flops, projection_flops
 from modeling.config import ComputeConfig, ModelConfig
-from modeling.documents import document_spans
+from modeling.documents import document_spans, padding_starts
 from modeling.layers import RMSNorm, apply_rope
 from modeling.objective import Objective
 from nsa.attention import sparse_attention
-from nsa.blocks import first_choosing_position, num_compressed_blocks
-from nsa.scoring import selection_score_loss
+from nsa.blocks import num_compressed_blocks
+from nsa.scoring import score_loss_queries, selection_score_loss
 
 
 class BlockCompressor(nn.Module):
@@ -262,9 +262,7 @@ class NativeSparseAttention(nn.Module):
         if not (self.objective.nsa_score_loss_coef and torch.is_grad_enabled()
                 and (b.q.requires_grad or k_cmp.requires_grad)):
             return out, None, 0
-        B, _, T, _ = b.q.shape
-        first_choosing = first_choosing_position(cfg.nsa_select_block_size, cfg.nsa_num_selected)
-        rows = B * cfg.n_kv_heads * max(0, T - (T if first_choosing is None else first_choosing))
+        rows = b.q.shape[0] * cfg.n_kv_heads * score_loss_queries(cfg, b.q.shape[2])
         return out, selection_score_loss(b.q, k_cmp, b.k_slc, cfg, self.compute, self.objective), rows
 
     @torch.compiler.disable  # opaque to torch.compile: a Python loop over each row's documents (data-dependent)
@@ -358,8 +356,7 @@ class NativeSparseAttention(nn.Module):
         T = branches.q.shape[2]
         starts = doc_start.cpu()
         first_real = starts[:, -1]  # (B,): a row's last token is real
-        positions = torch.arange(start_pos, start_pos + T)  # (T,)
-        if not torch.equal(starts, torch.where(positions < first_real[:, None], positions, first_real[:, None])):
+        if not torch.equal(starts, padding_starts(first_real, start_pos, T)):
             raise ValueError("with NSA's KV cache, doc_start must be that of a batch padded on the left: each pad its "
                              "own position, every later token its row's first real one "
                              "(modeling.documents.padding_starts)")

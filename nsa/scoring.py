@@ -130,9 +130,8 @@ class _SelectionScoreLoss(torch.autograd.Function):
                 offset: int, top: int, random: int, seed: int, target_kind: str, temperature: float) -> Tensor:
         B, _, T, _ = q.shape
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
-        n = config.nsa_num_selected
-        first = first_choosing_position(l_sel, n) or T
-        rows = B * KV * max(0, T - first)
+        first = first_choosing_position(l_sel, config.nsa_num_selected) or T
+        rows = B * KV * score_loss_queries(config, T)
         scored = range(first + offset, T, stride)  # each row with probability 1 / stride over the offsets
         acc = torch.promote_types(q.dtype, torch.float32)
         k_blocks = as_blocks(k_slc.to(acc), l_sel)  # (B, KV, Ns, l', D)
@@ -200,11 +199,11 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
                                      objective.nsa_score_loss_temperature)
 
 
-def score_loss_queries(config: ModelConfig) -> int:
-    """Queries of a context_length sequence at which top-n really chooses, and so the selection-scoring loss has a
-    target (from `nsa.blocks.first_choosing_position` on)."""
+def score_loss_queries(config: ModelConfig, length: int | None = None) -> int:
+    """Queries of a sequence of `length` tokens (default: context_length) at which top-n really chooses, and so the
+    selection-scoring loss has a target (from `nsa.blocks.first_choosing_position` on)."""
     first = first_choosing_position(config.nsa_select_block_size, config.nsa_num_selected)
-    return 0 if first is None else max(0, config.context_length - first)
+    return 0 if first is None else max(0, (length or config.context_length) - first)
 
 
 def check_score_loss(config: ModelConfig, objective: Objective) -> None:

@@ -119,17 +119,22 @@ def test_loss_and_gradients_equal_a_float64_loop_over_queries(l: int, d: int, l_
 
 
 @pytest.mark.parametrize("l,d,l_sel,n", [(8, 4, 16, 4), (8, 8, 8, 6)])
-def test_the_selection_target_equals_a_float64_loop_over_queries(l: int, d: int, l_sel: int, n: int) -> None:
+@pytest.mark.parametrize("target", ["selection", "boundary"])
+def test_the_ranking_targets_equal_a_float64_loop_over_queries(l: int, d: int, l_sel: int, n: int,
+                                                                target: str) -> None:
     """nsa_score_loss_target "selection": the loop with the target made uniform over the n - 3 blocks its scores rank
-    highest (with n = 4 one block, a cross-entropy on the best one), value and gradients to 1e-12."""
+    highest (with n = 4 one block, a cross-entropy on the best one); "boundary": per row, softplus of the strongest
+    block outside those n - 3 minus the weakest inside (log predictions), 0 where a side is empty (and positive over
+    the batch). Value and gradients to 1e-12."""
     config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel, nsa_num_selected=n)
     q, k_cmp, k_slc = inputs(11, B=2, H=4, KV=2, T=100, D=8, l=l, d=d)
-    loss = score_loss(q, k_cmp, k_slc, config, chunk=24, nsa_score_loss_target="selection")
-    expected = naive_score_loss(q, k_cmp, k_slc, config, as_set=True)
+    loss = score_loss(q, k_cmp, k_slc, config, chunk=24, nsa_score_loss_target=target)
+    expected = naive_score_loss(q, k_cmp, k_slc, config, as_set=target == "selection", boundary=target == "boundary")
     torch.testing.assert_close(loss, expected, **F64)
     for got, want in zip(torch.autograd.grad(loss, (q, k_cmp)), torch.autograd.grad(expected, (q, k_cmp)),
                          strict=True):
         torch.testing.assert_close(got, want, **F64)
+    assert target != "boundary" or loss > 0
 
 
 def test_a_boundary_loss_without_blocks_outside_the_set_is_refused() -> None:
@@ -140,21 +145,6 @@ def test_a_boundary_loss_without_blocks_outside_the_set_is_refused() -> None:
                                                    nsa_score_loss_target="boundary"))
     scoring.check_score_loss(config, Objective(nsa_score_loss_coef=0.1, nsa_score_loss_top=2,
                                                nsa_score_loss_random=1, nsa_score_loss_target="boundary"))
-
-
-@pytest.mark.parametrize("l,d,l_sel,n", [(8, 4, 16, 4), (8, 8, 8, 6)])
-def test_the_boundary_loss_equals_a_float64_loop_over_queries(l: int, d: int, l_sel: int, n: int) -> None:
-    """nsa_score_loss_target "boundary": per row, softplus of the strongest block outside the n - 3 the target ranks
-    highest minus the weakest inside (log predictions), 0 where a side is empty; value and gradients to 1e-12."""
-    config = geometry(nsa_block_size=l, nsa_stride=d, nsa_select_block_size=l_sel, nsa_num_selected=n)
-    q, k_cmp, k_slc = inputs(11, B=2, H=4, KV=2, T=100, D=8, l=l, d=d)
-    loss = score_loss(q, k_cmp, k_slc, config, chunk=24, nsa_score_loss_target="boundary")
-    expected = naive_score_loss(q, k_cmp, k_slc, config, boundary=True)
-    torch.testing.assert_close(loss, expected, **F64)
-    for got, want in zip(torch.autograd.grad(loss, (q, k_cmp)), torch.autograd.grad(expected, (q, k_cmp)),
-                         strict=True):
-        torch.testing.assert_close(got, want, **F64)
-    assert loss > 0
 
 
 def test_selection_target_is_uniform_over_the_top_allowed_blocks() -> None:
