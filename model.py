@@ -35,6 +35,7 @@ from modeling.loss import (
 )
 from modeling.objective import Objective
 from modeling.offload import OffloadSavedTensors
+from modeling.shard import SequenceShard
 
 __all__ = ["PRESETS", "ComputeConfig", "ModelConfig", "ModelOutput", "Block", "Objective", "Transformer",
            "sample_next_token"]
@@ -61,15 +62,18 @@ class Block(nn.Module):
         self._gradient_checkpointing_func: Callable = partial(checkpoint, use_reentrant=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
-                doc_start: Tensor | None = None) -> Tensor:
+                doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         if self.gradient_checkpointing and torch.is_grad_enabled():
-            return self._gradient_checkpointing_func(self._forward, x, cos, sin, start_pos, doc_start)
-        return self._forward(x, cos, sin, start_pos, doc_start)
+            return self._gradient_checkpointing_func(self._forward, x, cos, sin, start_pos, doc_start, shard)
+        return self._forward(x, cos, sin, start_pos, doc_start, shard)
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None,
-                 doc_start: Tensor | None = None) -> Tensor:
-        extra = () if doc_start is None else (doc_start,)  # an attention type of the older protocol takes none
-        h = x + self.attn(self.attn_norm(x), cos, sin, start_pos, *extra)
+                 doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
+        # an attention type of an older protocol takes neither
+        extra = {} if shard is None else {"shard": shard}
+        if doc_start is not None:
+            extra["doc_start"] = doc_start
+        h = x + self.attn(self.attn_norm(x), cos, sin, start_pos, **extra)
         return h + self.mlp(self.mlp_norm(h))
 
     def init_weights(self, config: ModelConfig) -> None:
@@ -207,12 +211,15 @@ class Transformer(nn.Module):
 
     def hidden_states(self, input_ids: Tensor | None, start_pos: int | None = None,
                       inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None,
-                      doc_start: Tensor | None = None) -> Tensor:
+                      doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         """Final-norm hidden states (B, T, C) for `input_ids` (B, T), or for their embeddings `inputs_embeds`
         (B, T, C) given instead, at positions [start_pos or 0, +T). `layer_outputs`, a list, receives the embeddings
         and each block's output, the last one after the final norm: n_layers + 1 tensors (B, T, C), as transformers'
         output_hidden_states. `doc_start` (B, T) long: the first position each token may attend to (its packed
-        document's start: `modeling.documents.document_starts`); None: every earlier one."""
+        document's start: `modeling.documents.document_starts`); None: every earlier one. `shard`
+        (`modeling.shard.SequenceShard`, context parallelism): the tokens are the shard's positions of a longer
+        sequence (T = shard.tokens; doc_start then holds their starts), whose other positions other processes
+        hold; no KV cache."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass input_ids or inputs_embeds, one of them")
         if inputs_embeds is not None:
@@ -227,19 +234,26 @@ class Transformer(nn.Module):
         if input_ids is not None:
             check_token_range("input_ids", input_ids, self.config.vocab_size)
         offset = start_pos or 0
-        if offset + T > self.config.context_length:
-            raise ValueError(f"sequence of {offset + T} positions exceeds context_length "
+        length = offset + T if shard is None else shard.length
+        if length > self.config.context_length:
+            raise ValueError(f"sequence of {length} positions exceeds context_length "
                              f"{self.config.context_length}; raise ModelConfig.context_length")
         if start_pos is not None and torch.is_grad_enabled():
             raise RuntimeError("KV-cache decoding (start_pos given) runs without gradients: use torch.no_grad()")
+        if shard is not None and (start_pos is not None or shard.tokens != T):
+            raise ValueError(f"a sequence shard of {shard.tokens} tokens takes as many input tokens (got {T}) and no "
+                             "KV cache (start_pos)")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, C)
-        cos, sin = self.rope(T, offset, x.device)  # (T, D) each
+        cos, sin = self.rope(length - offset, offset, x.device)  # (T, D) each; the whole sequence's with a shard
+        if shard is not None:
+            shard = shard.with_rope(cos, sin)
+            cos, sin = shard.take(cos, 0), shard.take(sin, 0)  # (t, D): the shard's positions
         offload = self.compute.offload_activations and torch.is_grad_enabled()
         with OffloadSavedTensors(resident=(cos, sin)) if offload else contextlib.nullcontext():
             for block in self.layers:
                 if layer_outputs is not None:
                     layer_outputs.append(x)
-                x = block(x, cos, sin, start_pos, doc_start)
+                x = block(x, cos, sin, start_pos, doc_start, shard)
         x = self.norm(x)
         if layer_outputs is not None:
             layer_outputs.append(x)
@@ -248,9 +262,11 @@ class Transformer(nn.Module):
     def forward(self, input_ids: Tensor | None, labels: Tensor | None = None, start_pos: int | None = None,
                 loss_normalizer: Tensor | float | None = None, aux_weight: float = 1.0,
                 inputs_embeds: Tensor | None = None, layer_outputs: list[Tensor] | None = None,
-                doc_start: Tensor | None = None) -> ModelOutput:
-        """input_ids (B, T) (or their embeddings inputs_embeds (B, T, C) instead; `layer_outputs`, `doc_start`: as
-        `hidden_states`); labels (B, T) unshifted (the model shifts them; -100 is ignored).
+                doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> ModelOutput:
+        """input_ids (B, T) (or their embeddings inputs_embeds (B, T, C) instead; `layer_outputs`, `doc_start`,
+        `shard`: as `hidden_states`); labels (B, T) unshifted (the model shifts them; -100 is ignored). With a
+        `shard`, whose tokens are not contiguous, labels are already shifted: the shard's part of the whole
+        sequence's targets (`shard.take(shift_labels(labels))`).
 
         Returns ModelOutput(loss, logits, aux_loss): loss is the summed next-token cross-entropy over non-ignored
         targets divided by `loss_normalizer` (default: their count, i.e. the mean; a trainer passes the global count
@@ -266,10 +282,10 @@ class Transformer(nn.Module):
         if labels is not None:
             check_token_range("labels", labels, self.config.vocab_size, ignore=IGNORE_INDEX)
         with collect_aux_losses() as aux:
-            h = self.hidden_states(input_ids, start_pos, inputs_embeds, layer_outputs, doc_start)
+            h = self.hidden_states(input_ids, start_pos, inputs_embeds, layer_outputs, doc_start, shard)
         if labels is None:
             return ModelOutput(None, self.logits(h))
-        loss, logits = self.compute_loss(h, labels, loss_normalizer)
+        loss, logits = self.compute_loss(h, labels, loss_normalizer, shifted=shard is not None)
         if not aux:
             return ModelOutput(loss, logits)
         aux_loss = torch.stack(aux).sum() * aux_weight
@@ -292,13 +308,14 @@ class Transformer(nn.Module):
         logits_bytes = num_tokens * self.config.vocab_size * torch.finfo(dtype).bits // 8
         return logits_bytes > self.compute.loss_chunk_threshold_bytes
 
-    def compute_loss(self, hidden: Tensor, labels: Tensor,
-                     loss_normalizer: Tensor | float | None = None) -> tuple[Tensor, Tensor | None]:
-        """hidden (B, T, C), labels (B, T) unshifted -> (loss, logits (B, T, V) or None). The summed loss is
-        divided by `loss_normalizer` (default: the number of non-ignored targets). With compute.loss_rows "targets"
-        the output layer sees only the positions that have a target, and no logits are returned."""
+    def compute_loss(self, hidden: Tensor, labels: Tensor, loss_normalizer: Tensor | float | None = None,
+                     shifted: bool = False) -> tuple[Tensor, Tensor | None]:
+        """hidden (B, T, C), labels (B, T) unshifted (`shifted`: already each position's target) -> (loss, logits
+        (B, T, V) or None). The summed loss is divided by `loss_normalizer` (default: the number of non-ignored
+        targets). With compute.loss_rows "targets" the output layer sees only the positions that have a target, and
+        no logits are returned."""
         B, T, C = hidden.shape
-        targets = shift_labels(labels)  # (B, T)
+        targets = labels if shifted else shift_labels(labels)  # (B, T)
         if self.compute.loss_rows == "targets":
             targets = targets.reshape(B * T)  # (N,)
             rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # (K,): a data-dependent shape (a GPU syncs here)

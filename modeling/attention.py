@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from modeling.config import ComputeConfig, ModelConfig
 from modeling.flash import document_attention, explicit_attention
 from modeling.layers import RMSNorm, apply_rope
+from modeling.shard import SequenceShard
 
 
 @runtime_checkable
@@ -40,7 +41,9 @@ class AttentionLayer(Protocol):
             scoring); an int: the tokens continue the sequence in the cache set up by `setup_cache`, and are
             appended to it. doc_start (B, T) long: the first position each query may see (its packed document's
             first token, a left-padded row's first real one; at most the query's own position); None: every
-            earlier one. A type that cannot honour it raises ValueError.
+            earlier one. A type that cannot honour it raises ValueError. shard (`modeling.shard.SequenceShard`,
+            without cache): x holds a shard's positions of a longer sequence (cos, sin and doc_start are theirs),
+            whose other keys `shard.gather` reads (context parallelism); a type that cannot raises ValueError.
         setup_cache(batch_size, max_seq_len, dtype, device): preallocate the decoding state (never in state_dict).
         clear_cache(): drop it.
         init_weights(): (re)initialise every parameter from the torch RNG (used after building on the meta device).
@@ -55,7 +58,7 @@ class AttentionLayer(Protocol):
     """
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
-                doc_start: Tensor | None = None) -> Tensor: ...
+                doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor: ...
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                     device: torch.device | str | None) -> None: ...
@@ -160,7 +163,7 @@ class FullAttention(nn.Module):
         self.cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
-                doc_start: Tensor | None = None) -> Tensor:
+                doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         cfg = self.config
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -172,7 +175,13 @@ class FullAttention(nn.Module):
             if self.cache is None:
                 raise RuntimeError("start_pos was given but no KV cache is set up; call model.setup_kv_cache()")
             k, v = self.cache.update(start_pos, k, v)  # (B, KV, S, D), S = start_pos + T
-        y = self.attend(q, k, v, start_pos or 0, doc_start)  # (B, H, T, D)
+        if shard is not None:
+            if type(self).attend is not FullAttention.attend and type(self).attend_shard is FullAttention.attend_shard:
+                raise ValueError(f"{type(self).__name__} overrides attend (which keys a query sees), and a sequence "
+                                 "shard would bypass it: override attend_shard too, or leave out --context_parallel")
+            y = self.attend_shard(q, shard.gather(k), shard.gather(v), shard, doc_start)  # (B, H, T, D)
+        else:
+            y = self.attend(q, k, v, start_pos or 0, doc_start)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
 
@@ -190,6 +199,18 @@ class FullAttention(nn.Module):
             mask = pos_q[:, None] >= torch.arange(offset + T, device=q.device)[None, :]  # (T, S), small T
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                               enable_gqa=self.config.n_rep > 1)
+
+    def attend_shard(self, q: Tensor, k: Tensor, v: Tensor, shard: SequenceShard, doc_start: Tensor | None
+                     ) -> Tensor:
+        """`attend` for the queries q (B, H, t, D) of a sequence shard over the whole sequence's keys and values
+        k, v (B, KV, T, D): each span of the shard as queries from its first position on, over the keys up to its
+        end (`modeling.flash.document_attention`, from each query's doc_start, else position 0). Returns
+        (B, H, t, D)."""
+        starts = doc_start if doc_start is not None else q.new_zeros(q.shape[0], q.shape[2], dtype=torch.long)
+        parts = [document_attention(q[:, :, lo:lo + end - first], k[:, :, :end], v[:, :, :end],
+                                    starts[:, lo:lo + end - first], first, self.config.head_dim**-0.5)
+                 for lo, first, end in shard.pieces()]
+        return torch.cat(parts, dim=2)
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                     device: torch.device | str | None) -> None:

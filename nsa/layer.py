@@ -51,6 +51,7 @@ from modeling.config import ComputeConfig, ModelConfig
 from modeling.documents import document_spans, padding_starts
 from modeling.layers import RMSNorm, apply_rope
 from modeling.objective import Objective
+from modeling.shard import SequenceShard
 from nsa.attention import sparse_attention
 from nsa.blocks import num_compressed_blocks
 from nsa.scoring import score_loss_queries, selection_score_loss
@@ -207,11 +208,11 @@ class NativeSparseAttention(nn.Module):
         return k, self.v_compress(blocks_v)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
-                doc_start: Tensor | None = None) -> Tensor:
+                doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         """x (B, T, C); cos, sin (T, D) for positions [start_pos or 0, +T). start_pos None: full causal forward
         without cache; an int: decode/prefill against the cache (`setup_cache`). doc_start (B, T) long, without the
         cache: the first position each query may see, splitting each row into documents (`_attend_documents`).
-        Returns (B, T, C)."""
+        shard: x holds a sequence shard's positions (`_attend_shard`; no doc_start). Returns (B, T, C)."""
         cfg = self.config
         B, T, _ = x.shape
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -234,7 +235,12 @@ class NativeSparseAttention(nn.Module):
 
         branches = _Branches(q, k_cmp_raw, v_cmp_raw, k_slc, v_slc, k_win, v_win, gates)
         if start_pos is None:
-            if doc_start is None:
+            if shard is not None:
+                if doc_start is not None:
+                    raise ValueError("NSA does not split a sequence shard into documents: leave out --document_mask "
+                                     "or --context_parallel")
+                out, score_loss = self._attend_shard(branches, shard)
+            elif doc_start is None:
                 out, score_loss, _ = self._attend(branches, 0, cos, sin)
             else:
                 out, score_loss = self._attend_documents(branches, doc_start, cos, sin)
@@ -264,6 +270,35 @@ class NativeSparseAttention(nn.Module):
             return out, None, 0
         rows = b.q.shape[0] * cfg.n_kv_heads * score_loss_queries(cfg, b.q.shape[2])
         return out, selection_score_loss(b.q, k_cmp, b.k_slc, cfg, self.compute, self.objective), rows
+
+    def _attend_shard(self, branches: _Branches, shard: SequenceShard) -> tuple[Tensor, Tensor | None]:
+        """The attention of a sequence shard's queries (context parallelism): the whole sequence's keys and values
+        gathered (`shard.gather`, each distinct tensor once), its compressed keys computed once from them, and each
+        span of the shard attended as the queries from its first position on (`sparse_attention`'s q_start) over the
+        keys up to its end, the window from w - 1 keys before it: what the whole sequence gives at those positions.
+        Returns (out (B, H, t, D), the selection-scoring loss of the shard's rows over the whole sequence's row
+        count, so that the shards' add up to the mean, or None)."""
+        cfg, b = self.config, branches
+        whole: dict[int, Tensor] = {}
+        for keys in b[1:7]:  # with one K/V set, the compression, selection and window keys are the same tensors
+            if id(keys) not in whole:
+                whole[id(keys)] = shard.gather(keys)  # (B, KV, T, D)
+        k_cmp_raw, v_cmp_raw, k_slc, v_slc, k_win, v_win = (whole[id(keys)] for keys in b[1:7])
+        cos, sin = shard.rope
+        k_cmp, v_cmp = self._compress(k_cmp_raw, v_cmp_raw, 0, cos, sin, 0)  # (B, KV, Nc, D)
+        outs = []
+        for lo, first, end in shard.pieces():
+            hi, n_cmp = lo + end - first, num_compressed_blocks(end, cfg.nsa_block_size, cfg.nsa_stride)
+            win = max(0, first - cfg.nsa_window + 1)
+            outs.append(self.sparse_attention(
+                b.q[:, :, lo:hi], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_slc[:, :, :end], v_slc[:, :, :end],
+                k_win[:, :, win:end], v_win[:, :, win:end], b.gates[:, :, lo:hi], cfg, q_start=first, win_start=win,
+                compute=self.compute))
+        out = torch.cat(outs, dim=2)  # (B, H, t, D)
+        if not (self.objective.nsa_score_loss_coef and torch.is_grad_enabled()
+                and (b.q.requires_grad or k_cmp.requires_grad)):
+            return out, None
+        return out, selection_score_loss(b.q, k_cmp, k_slc, cfg, self.compute, self.objective, shard)
 
     @torch.compiler.disable  # opaque to torch.compile: a Python loop over each row's documents (data-dependent)
     def _attend_documents(self, branches: _Branches, doc_start: Tensor, cos: Tensor, sin: Tensor

@@ -80,6 +80,7 @@ from nsa.blocks import (
 if TYPE_CHECKING:
     from modeling.config import ComputeConfig, ModelConfig
     from modeling.objective import Objective
+    from modeling.shard import SequenceShard
 
 
 def _as_is(t: Tensor) -> Tensor:
@@ -127,34 +128,39 @@ class _SelectionScoreLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int, stride: int,
-                offset: int, top: int, random: int, seed: int, target_kind: str, temperature: float) -> Tensor:
-        B, _, T, _ = q.shape
+                offset: int, top: int, random: int, seed: int, target_kind: str, temperature: float,
+                pieces: tuple[tuple[int, int, int], ...], length: int) -> Tensor:
+        B = q.shape[0]
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
-        first = first_choosing_position(l_sel, config.nsa_num_selected) or T
-        rows = B * KV * score_loss_queries(config, T)
-        scored = range(first + offset, T, stride)  # each row with probability 1 / stride over the offsets
+        first = first_choosing_position(l_sel, config.nsa_num_selected) or length
+        rows = B * KV * score_loss_queries(config, length)
         acc = torch.promote_types(q.dtype, torch.float32)
         k_blocks = as_blocks(k_slc.to(acc), l_sel)  # (B, KV, Ns, l', D)
         total = q.new_zeros((), dtype=acc)
         generator = torch.Generator(q.device).manual_seed(seed) if random else None
         grad_q, grad_k = torch.zeros_like(q, dtype=acc), torch.zeros_like(k_cmp, dtype=acc)  # k's summed over chunks
-        for c0 in range(0, len(scored), chunk):
-            positions = scored[c0:c0 + chunk]
-            q_pos = torch.arange(positions.start, positions.stop, positions.step, device=q.device)  # (Q,)
-            n_cmp = num_compressed_blocks(positions[-1] + 1, l, d)
-            # The chunk's own graph lives only in this block: its tensors bypass an enclosing checkpoint's or
-            # offload's saved-tensor hooks (a checkpoint would recompute the whole block to unpack them). Autocast
-            # is off: the loss runs in `acc` in every set-up.
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is), \
-                    torch.autocast(q.device.type, enabled=False):
-                q_c = q.index_select(2, q_pos).detach().to(acc).requires_grad_()  # (B, H, Q, D)
-                k_c = k_cmp[:, :, :n_cmp].detach().to(acc).requires_grad_()
-                kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator,
-                               target_kind, temperature)
-                dq, dk = torch.autograd.grad(kl, (q_c, k_c))
-            total += kl.detach()
-            grad_q.index_copy_(2, q_pos, dq)
-            grad_k[:, :, :n_cmp] += dk
+        for local, span_first, span_end in pieces:
+            start = first + offset  # every stride-th row from there: each with probability 1 / stride
+            if span_first > start:
+                start += -(-(span_first - start) // stride) * stride  # the same rows' first in the span
+            scored = range(start, span_end, stride)
+            for c0 in range(0, len(scored), chunk):
+                positions = scored[c0:c0 + chunk]
+                q_pos = torch.arange(positions.start, positions.stop, positions.step, device=q.device)  # (Q,)
+                n_cmp = num_compressed_blocks(positions[-1] + 1, l, d)
+                # The chunk's own graph lives only in this block: its tensors bypass an enclosing checkpoint's or
+                # offload's saved-tensor hooks (a checkpoint would recompute the whole block to unpack them).
+                # Autocast is off: the loss runs in `acc` in every set-up.
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is), \
+                        torch.autocast(q.device.type, enabled=False):
+                    q_c = q.index_select(2, q_pos - span_first + local).detach().to(acc).requires_grad_()
+                    k_c = k_cmp[:, :, :n_cmp].detach().to(acc).requires_grad_()  # (B, H, Q, D) and (B, KV, n, D)
+                    kl = _chunk_kl(q_c, k_c, k_blocks, q_pos, positions[-1], config, top, random, generator,
+                                   target_kind, temperature)
+                    dq, dk = torch.autograd.grad(kl, (q_c, k_c))
+                total += kl.detach()
+                grad_q.index_copy_(2, q_pos - span_first + local, dq)
+                grad_k[:, :, :n_cmp] += dk
         scale = stride / max(rows, 1)  # the sampled rows' sum, scaled to an unbiased estimate of the mean
         ctx.save_for_backward(grad_q.mul_(scale).to(q.dtype), grad_k.mul_(scale).to(k_cmp.dtype))
         return total * scale
@@ -164,17 +170,20 @@ class _SelectionScoreLoss(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grad_q, grad_k = ctx.saved_tensors
         return (grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype),
-                *([None] * 10))
+                *([None] * 12))
 
 
 @torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
 def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, compute: ComputeConfig,
-                         objective: Objective) -> Tensor:
+                         objective: Objective, shard: SequenceShard | None = None) -> Tensor:
     """The mean KL(target || importance) over the rows where top-n chooses (module docstring).
 
     Args:
-        q: `(B, H, T, D)` rotated queries at positions [0, T).
-        k_cmp: `(B, KV, Nc, D)` compressed keys (all blocks complete within the T positions).
+        q: `(B, H, T, D)` rotated queries at positions [0, T); with `shard` (`modeling.shard.SequenceShard`) the
+            shard's queries (B, H, t, D), and the result is their summed loss over the whole sequence's row count
+            (the shards' results add up to the mean), every shard drawing the same stride offset.
+        k_cmp: `(B, KV, Nc, D)` compressed keys (all blocks complete within the T positions; with a shard, the
+            whole sequence's).
         k_slc: `(B, KV, S, D)` the selection branch's keys at positions [0, S), S >= T; no gradient reaches them
             through the target.
         config: block geometry (`nsa_*` fields).
@@ -194,9 +203,11 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
     stride, top, random = objective.nsa_score_loss_stride, objective.nsa_score_loss_top, objective.nsa_score_loss_random
     offset = int(torch.randint(stride, ())) if stride > 1 else 0  # host draws: no device sync
     seed = int(torch.randint(2**62, ())) if random else 0
+    pieces = ((0, 0, q.shape[2]),) if shard is None else tuple(shard.pieces())
     return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset, top,
                                      random, seed, objective.nsa_score_loss_target,
-                                     objective.nsa_score_loss_temperature)
+                                     objective.nsa_score_loss_temperature, pieces,
+                                     q.shape[2] if shard is None else shard.length)
 
 
 def score_loss_queries(config: ModelConfig, length: int | None = None) -> int:

@@ -1,53 +1,125 @@
-"""Parallelism, applied in one visible place: the process layout (`init_runtime`), and FSDP2 (`fully_shard`) on
-every block and on the root.
+"""Parallelism, applied in one visible place: the process layout (`init_runtime`), FSDP2 (`fully_shard`) on every
+block and on the root, and context parallelism (`context_shard`).
 
-The model code knows nothing about parallelism; `apply_fsdp` is the only function that changes how it runs, and
-`init_sharded_weights` materialises a model that `apply_fsdp` sharded on the meta device.
+The model code knows nothing about parallelism; `apply_fsdp` is the only function that changes how it runs,
+`init_sharded_weights` materialises a model that `apply_fsdp` sharded on the meta device, and `context_shard` is
+the one object through which a forward reads other ranks' positions of its sequence.
+
+Layout: W processes form a (data x context) mesh of W / N x N ranks, N = --context_parallel, rank = data index x N
++ context index. The N ranks of a context group train on the same sequences, each holding 2 of their 2N equal
+chunks (`modeling.shard.balanced_spans`); the W / N groups read different data. FSDP shards parameters, gradients
+and optimizer state over all W ranks (the mesh flattened) and sums gradients over them: each rank's loss is its own
+targets' share of the step's mean, so the sum is the gradient of that mean.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from model import Transformer
+from modeling.shard import SequenceShard, balanced_spans
 from training.run_directory import exit_with_launcher
 
 
 @dataclass
 class Runtime:
-    """Where a process of a run stands: its rank, the number of processes, its device, and the mesh FSDP shards
-    over (None: one process, no FSDP)."""
+    """Where a process of a run stands: its rank, the number of processes, its device, the mesh FSDP shards over
+    (None: one process, no FSDP), and its context group (`context_ranks` processes that split each sequence; None
+    when each process holds whole sequences)."""
 
     rank: int
     world_size: int
     device: torch.device
     mesh: DeviceMesh | None
+    context_ranks: int = 1
+    context_group: dist.ProcessGroup | None = None
+
+    @property
+    def data_rank(self) -> int:
+        """Which sequences this process reads: its context group's index."""
+        return self.rank // self.context_ranks
+
+    @property
+    def data_ranks(self) -> int:
+        """How many processes read different sequences: the context groups."""
+        return self.world_size // self.context_ranks
 
 
-def init_runtime() -> Runtime:
-    """One process per device; under torchrun (WORLD_SIZE > 1) a process group (NCCL on GPU, gloo on CPU)."""
+def init_runtime(context_parallel: int = 1) -> Runtime:
+    """One process per device; under torchrun (WORLD_SIZE > 1) a process group (NCCL on GPU, gloo on CPU), and with
+    `context_parallel` N > 1 a (data x context) mesh whose context groups of N ranks split each sequence."""
     exit_with_launcher()  # first: a worker whose torchrun dies stops (saving first once it trains), even mid-rendezvous
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if not 0 <= rank < world_size:  # a stray RANK: every error would be left to a rank that prints nothing
         os.environ["RANK"] = "0"  # so that this one line is printed
         raise ValueError(f"RANK={rank} with WORLD_SIZE={world_size}: launch under torchrun, or unset RANK")
+    if context_parallel < 1 or world_size % context_parallel:
+        raise ValueError(f"--context_parallel {context_parallel} must divide the {world_size} processes (torchrun "
+                         f"--nproc_per_node x nodes): pass one of "
+                         f"{[n for n in range(1, world_size + 1) if world_size % n == 0]}")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    mesh = None
+    mesh, group = None, None
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        mesh = init_device_mesh(device.type, (world_size,))
-    return Runtime(rank, world_size, device, mesh)
+        if context_parallel == 1:
+            mesh = init_device_mesh(device.type, (world_size,))
+        else:
+            grid = init_device_mesh(device.type, (world_size // context_parallel, context_parallel),
+                                    mesh_dim_names=("data", "context"))
+            mesh, group = grid._flatten("data_context"), grid.get_group("context")  # FSDP's mesh: every rank
+    return Runtime(rank, world_size, device, mesh, context_parallel, group)
+
+
+def context_shard(rt: Runtime, length: int) -> SequenceShard | None:
+    """This process's part of each sequence of `length` tokens under context parallelism
+    (`modeling.shard.SequenceShard`, None without): chunks r and 2N - 1 - r of 2N (`balanced_spans`; ValueError
+    naming the lengths that split), and a `gather` that all-gathers a tensor over the context group in forward and
+    reduce-scatters its gradient in backward."""
+    if rt.context_group is None:
+        return None
+    N, r = rt.context_ranks, rt.rank % rt.context_ranks
+    layouts = [balanced_spans(length, N, rank) for rank in range(N)]
+    return SequenceShard(length, layouts[r], partial(_GatherSequence.apply, group=rt.context_group,
+                                                     layouts=layouts, length=length))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """x (B, X, t, D), this rank's positions (`layouts[rank]`) -> (B, X, T, D), the whole sequence from every rank of
+    `group`; backward: each rank's positions of the gradient summed over the ranks (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, layouts: list[tuple[tuple[int, int], ...]], length: int
+                ) -> Tensor:
+        parts = [torch.empty_like(x) for _ in layouts]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        whole = x.new_empty(*x.shape[:2], length, *x.shape[3:])  # (B, X, T, D)
+        for part, spans in zip(parts, layouts, strict=True):
+            local = 0
+            for first, end in spans:
+                whole[:, :, first:end] = part[:, :, local:local + end - first]
+                local += end - first
+        ctx.group, ctx.layouts = group, layouts
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        parts = [torch.cat([grad[:, :, first:end] for first, end in spans], dim=2) for spans in ctx.layouts]
+        mine = torch.empty_like(parts[dist.get_rank(ctx.group)])
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        return mine, None, None, None
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
