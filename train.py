@@ -21,10 +21,10 @@ from training.trainer import one_line_errors, run_command
 
 def main(argv: list[str] | None = None) -> dict:
     cfg, given = parse_run(argv)
-    return run_command(cfg, init_runtime(), given=given)
+    return run_command(cfg, init_runtime(cfg.context_parallel), given=given)
 
 
 if __name__ == "__main__":
     options, given_options = parse_run()
     with one_line_errors(options.verbose):
-        run_command(options, init_runtime(), given=given_options)
+        run_command(options, init_runtime(options.context_parallel), given=given_options)

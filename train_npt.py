@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     """Parse the options, run (or resume, with the options it recorded) equivalence training; returns the last
     step's metrics."""
     cfg, npt_cfg, given = parse_config(argv)
+    if cfg.context_parallel > 1:
+        raise ValueError("train_npt.py trains on whole sequences: its equivalence loss compares a sequence's "
+                         "outputs with the base's; leave out --context_parallel")
     rt = init_runtime()
     if cfg.resume:
         npt_cfg = continued_npt_options(cfg, npt_cfg, given, rt)

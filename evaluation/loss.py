@@ -20,6 +20,7 @@ from evaluation.registry import EvalTask, Setting
 from model import Transformer
 from modeling.documents import document_starts
 from modeling.loss import IGNORE_INDEX, shift_labels
+from modeling.shard import SequenceShard
 from text.shards import TokenLoader, check_tokenizer, load_index, validation_dir
 
 LOSS_CHUNK = 512  # positions whose logits exist at a time when scoring windows
@@ -74,18 +75,27 @@ def validation_windows(data_dir: str | Path, seq_len: int, max_tokens: int, seed
 
 
 def validation_loss(model: Transformer, windows: tuple[torch.Tensor, torch.Tensor],
-                    autocast: AbstractContextManager, eod_id: int | None = None) -> float:
+                    autocast: AbstractContextManager, eod_id: int | None = None,
+                    shard: SequenceShard | None = None) -> float:
     """Mean next-token loss over the predicted tokens of every rank's validation windows (input ids, labels), each
     (N, T), through the model's own loss path (chunked at long T); with `eod_id`, each token attends within its
-    document only (train.py --document_mask). Reads neither the torch RNG nor a training loader, so evaluating
-    during training changes nothing."""
+    document only (train.py --document_mask); with `shard` (context parallelism), each rank computes its
+    positions of its group's windows. Reads neither the torch RNG nor a training loader, so evaluating during
+    training changes nothing."""
     device = model.embed_tokens.weight.device
     stats = torch.zeros(2, device=device)  # summed token loss, predicted tokens
     with torch.no_grad(), autocast:
         for row, labels in zip(*(w.to(device) for w in windows), strict=True):
             starts = None if eod_id is None else document_starts(row[None], eod_id)  # (1, T)
-            stats[0] += model(row[None], labels[None], loss_normalizer=1.0, doc_start=starts).loss.float()
-            stats[1] += (shift_labels(labels[None]) != IGNORE_INDEX).sum()
+            targets = shift_labels(labels[None])  # (1, T)
+            if shard is None:
+                loss = model(row[None], labels[None], loss_normalizer=1.0, doc_start=starts).loss
+            else:  # this rank's positions, the targets shifted first
+                targets = shard.take(targets)
+                loss = model(shard.take(row[None]), targets, loss_normalizer=1.0, shard=shard,
+                             doc_start=None if starts is None else shard.take(starts)).loss
+            stats[0] += loss.float()
+            stats[1] += (targets != IGNORE_INDEX).sum()
     if dist.is_initialized():
         dist.all_reduce(stats)
     return (stats[0] / stats[1].clamp(min=1)).item()

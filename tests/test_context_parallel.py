@@ -10,15 +10,21 @@ relative error of a few ulps times the number of terms, far below 1e-10.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
+import train
 from model import ModelConfig, Objective, Transformer
 from modeling.documents import document_starts
 from modeling.loss import IGNORE_INDEX, shift_labels
 from modeling.shard import SequenceShard, balanced_spans
+from training import options as train_config
 from training import parallel
 
 T = 128  # tiny preset's NSA: l' = 16, n = 4, so top-n chooses from position 64 on
@@ -102,6 +108,87 @@ def _parity(context_ranks: int) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, context_ranks", [(2, 2), (4, 4), (4, 2)])
-def test_context_parallel_equals_one_process(world: int, context_ranks: int) -> None:
-    run_distributed(_parity, context_ranks, world_size=world)
+@pytest.mark.parametrize("context_ranks", [2, 4])
+def test_context_parallel_equals_one_process(context_ranks: int) -> None:
+    """One sequence over 2 and over 4 processes (data x context layouts with FSDP: the train.py tests below)."""
+    run_distributed(_parity, context_ranks, world_size=context_ranks)
+
+
+# ---- train.py --context_parallel ------------------------------------------------------------------------------
+
+STEPS = 4
+BASE = ["--model_size", "tiny", "--context_length", "32", "--batch_size", "2", "--max_steps", str(STEPS),
+        "--warmup_steps", "2", "--checkpoint_interval", "2", "--log_interval", "100", "--sample_tokens", "0"]
+
+
+def _metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(data_dir: Path, out_dir: Path, *extra: str, world: int = 1) -> None:
+    args = [*BASE, "--data_dir", str(data_dir), "--out_dir", str(out_dir), *extra]
+    if world == 1:
+        train.main(args)
+    else:
+        run_distributed(train.main, args, world_size=world)
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same 4 steps of 4 sequences each: one process (2 x 2 micro-steps); one sequence split over 2 processes
+    (2 x 2 micro-steps); 2 groups of 2 processes (FSDP x context parallelism, 2 sequences a group)."""
+    torch.set_num_threads(1)  # as in each spawned rank
+    out = {name: tmp_path_factory.mktemp(name) for name in ("single", "context2", "grid2x2")}
+    _train(data_dir, out["single"], "--gradient_accumulation_steps", "2")
+    _train(data_dir, out["context2"], "--gradient_accumulation_steps", "2", "--context_parallel", "2", world=2)
+    _train(data_dir, out["grid2x2"], "--context_parallel", "2", world=4)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["context2", "grid2x2"])
+def test_train_with_context_parallel_equals_one_process(runs: dict[str, Path], layout: str) -> None:
+    """The same windows, the same initialisation: losses and gradient norms of every step equal one process's up to
+    float32 sums in another order (the first loss: one step of sums, 1e-6)."""
+    got, single = _metrics(runs[layout]), _metrics(runs["single"])
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert got[0]["loss"] == pytest.approx(single[0]["loss"], rel=1e-6)
+    for a, b in zip(got, single, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_context_parallel_checkpoint_resumes_without_it_and_back(runs: dict[str, Path], data_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """DCP reshards: the 2-process, context-parallel checkpoint of step 2 continues on one process, and the
+    one-process checkpoint on 2 context-parallel processes, each with the losses of the run it left (float32 sums
+    in another order); the record says what changed."""
+    for saved, layout, extra, world in (("context2", "single", (), 1),
+                                        ("single", "context2", ("--context_parallel", "2"), 2)):
+        out = tmp_path / saved
+        shutil.copytree(runs[saved] / "step-2", out / "step-2")
+        _train(data_dir, out, "--gradient_accumulation_steps", "2", "--resume", str(out / "step-2"), *extra,
+               world=world)
+        changed, *steps = _metrics(out)
+        expected = {"world_size": [2, 1], "context_parallel": [2, 1]} if world == 1 else {
+            "world_size": [1, 2], "context_parallel": [1, 2]}
+        assert changed == {"step": 2, "resumed_with": expected}
+        for a, b in zip(steps, _metrics(runs[layout])[2:], strict=True):
+            assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_context_parallel_refusals(swa: type) -> None:
+    """Lengths that do not split, more ranks than processes, NSA's documents in a shard, and an attention type
+    that changes which keys a query sees without saying how a shard does: each a one-line error."""
+    with pytest.raises(ValueError, match="multiple of 4"):
+        train_config.TrainConfig(context_length=30, context_parallel=2)
+    with pytest.raises(ValueError, match=r"--context_parallel 2 must divide the 1 processes.*\[1\]"):
+        parallel.init_runtime(2)
+    ids, _ = _batch(1)
+    shard = SequenceShard(T, ((0, 64), (64, T)), lambda x: x)
+    with pytest.raises(ValueError, match="NSA does not split a sequence shard into documents"):
+        _model("nsa")(ids, doc_start=document_starts(ids, 1), shard=shard)
+    window = Transformer(ModelConfig.from_preset("tiny", attention_type="swa", context_length=T))
+    with pytest.raises(ValueError, match="overrides attend"):
+        window(ids, shard=shard)

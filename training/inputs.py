@@ -48,7 +48,7 @@ def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, source
     ensure_default_data(cfg, rt)
     if cfg.sample_prompt is None:
         cfg = dataclasses.replace(cfg, sample_prompt=DEFAULT_PROMPT if default_corpus(cfg.data_dir) else "")
-    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.rank, rt.world_size, cfg.seed)
+    loader = TokenLoader(cfg.data_dir, cfg.context_length, cfg.batch_size, rt.data_rank, rt.data_ranks, cfg.seed)
     passes = cfg.max_steps * cfg.gradient_accumulation_steps / loader.steps_per_epoch
     if passes > 1 and rt.rank == 0:
         print(f"data: {loader.num_windows} windows of {cfg.context_length} tokens, {loader.steps_per_epoch} "

@@ -313,10 +313,13 @@ def summary(cfg: TrainConfig, model: torch.nn.Module, world_size: int) -> str:
     name, threads = cfg.init_from or cfg.model_size, torch.get_num_threads()
     devices = f"{world_size} GPU{'s' if world_size > 1 else ''}" if torch.cuda.is_available() else (
         f"{world_size} CPU process{'es' if world_size > 1 else ''} (up to {threads} thread{'s' * (threads > 1)} each)")
-    tokens = world_size * cfg.gradient_accumulation_steps * cfg.batch_size * cfg.context_length
+    groups, N = world_size // cfg.context_parallel, cfg.context_parallel  # each sequence split over N processes
+    tokens = groups * cfg.gradient_accumulation_steps * cfg.batch_size * cfg.context_length
+    readers = f"{world_size} process{'es' if world_size > 1 else ''}" if N == 1 else (
+        f"{groups} group{'s' if groups > 1 else ''} of {N} processes, each sequence split over a group")
     return (f"{name}: {model.num_parameters() / 1e6:,.1f}M parameters, {c.attention_type} attention, "
             f"{cfg.finetune} fine-tune, {cfg.dtype}; {cfg.max_steps} steps of {tokens:,} tokens "
-            f"({world_size} process{'es' if world_size > 1 else ''} x {cfg.gradient_accumulation_steps} "
+            f"({readers} x {cfg.gradient_accumulation_steps} "
             f"accumulated x {cfg.batch_size} sequences x {cfg.context_length} tokens) on "
             f"{devices}; writing {cfg.out_dir} (config.json holds every option; --verbose prints them)")
 

@@ -26,6 +26,7 @@ from modeling.config import (
 )
 from modeling.objective import FIELDS as OBJECTIVE_FIELDS
 from modeling.objective import SCORE_LOSS_OPTIONS, SCORE_LOSS_TARGETS, Objective
+from modeling.shard import balanced_spans
 from text.synthetic import RECALL_TASKS, SYNTHETIC_TASKS
 from training.cli import Parser, json_object, numbered
 from training.quantize import QUANTIZED
@@ -92,6 +93,9 @@ class TrainConfig:
                                        "'{\"n_layers\": 8}'")
     gradient_checkpointing: bool | None = option(None, f"recompute blocks in backward (default: on from "
                                                      f"{LONG_CONTEXT} tokens)")
+    context_parallel: int = option(1, "N: processes that split each sequence (context parallelism; torchrun's "
+                                      "processes form groups of N, each rank holding 2 of the sequence's 2N chunks "
+                                      "and gathering the keys of the others): the longest context grows with N")
     finetune: str = option("full", "'full': train every weight; 'lora': LoRA adapters, or 'npt': neuro-plastic FFN "
                                    "layers (npt/), on a frozen base (the --init_from weights; bf16 with --dtype "
                                    "bfloat16 for npt); only the adapters are optimised and checkpointed")
@@ -229,6 +233,8 @@ class TrainConfig:
         if self.sample_tokens is not None and self.sample_tokens >= self.context_length:
             raise ValueError(f"--sample_tokens must be less than --context_length ({self.context_length}), the "
                              f"longest sequence the model generates; got {self.sample_tokens}")
+        if self.context_parallel > 1:
+            balanced_spans(self.context_length, self.context_parallel, 0)  # ValueError naming the lengths that split
         if self.seed > MAX_SEED:
             raise ValueError(f"--seed must be <= {MAX_SEED} (64-bit generators), got {self.seed}")
         for table, zero_allowed in ((POSITIVE, False), (NON_NEGATIVE, True)):
@@ -280,7 +286,7 @@ MINIMUM = {"context_length": 2, "batch_size": 1, "gradient_accumulation_steps": 
            "keep_checkpoints": 1, "lora_rank": 1, "npt_rank": 1, "empty_cache_interval": 0, "sample_tokens": 0,
            "ffn_chunk_size": 0, "attention_query_chunk": 1, "seed": 0, "synthetic_pairs": 1,
            "nsa_score_loss_stride": 1, "nsa_score_loss_top": 0, "nsa_score_loss_random": 0,
-           "nsa_exact_selection_steps": 0}
+           "nsa_exact_selection_steps": 0, "context_parallel": 1}
 MAX_SEED = 2**63 - 1
 # Real options: finite, in (0, high] (POSITIVE) or [0, high] (NON_NEGATIVE).
 POSITIVE = {"lr": 1.0, "max_memory": math.inf, "rope_theta": math.inf, "lora_alpha": math.inf,
@@ -648,7 +654,9 @@ def check_model_size(cfg: TrainConfig, stored: ModelConfig) -> None:
 
 
 def checkpointed_bytes(model_config: ModelConfig, cfg: TrainConfig, world_size: int) -> int:
-    """Bytes of the block inputs gradient checkpointing keeps per rank: n_layers x B x T x dim, in bf16 under FSDP
+    """Bytes of the block inputs gradient checkpointing keeps per rank: n_layers x B x T / N x dim (N:
+    --context_parallel), in bf16 under FSDP
     with bfloat16 compute, else float32 (a single process keeps fp32 weights and runs under autocast)."""
     element = 2 if world_size > 1 and cfg.dtype == "bfloat16" else 4
-    return model_config.n_layers * cfg.batch_size * cfg.context_length * model_config.dim * element
+    tokens = cfg.context_length // cfg.context_parallel  # a rank's share of each sequence
+    return model_config.n_layers * cfg.batch_size * tokens * model_config.dim * element

@@ -33,6 +33,7 @@ from model import Transformer
 from modeling.config import ComputeConfig, GiB, ModelConfig
 from modeling.documents import document_starts
 from modeling.loss import IGNORE_INDEX, shift_labels
+from modeling.shard import SequenceShard
 from nsa.from_dense import FRESH, nsa_state_from_dense
 from nsa.primitive import exact_block_scores
 from storage.checkpoint import (
@@ -82,7 +83,7 @@ from training.options import (
     record,
     resolve_config,
 )
-from training.parallel import Runtime, apply_fsdp, init_sharded_weights
+from training.parallel import Runtime, apply_fsdp, context_shard, init_sharded_weights
 from training.run_directory import RunLock, check_run_directory, clear_unstarted, run_record, start_timeline
 from training.tracking import check_tracker, tracking
 
@@ -158,13 +159,18 @@ Loss = Callable[..., tuple[Tensor, dict[str, Tensor]]]  # (model, input_ids, lab
 
 
 def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Tensor, n_micro: int,
-            doc_start: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+            doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Language modelling: the micro-batch's summed next-token loss divided by `n_tokens`, the predicted tokens of
     the whole step (all micro-batches on all ranks), plus the attention's training-only terms (as `aux_loss`, the
     one extra metric, when there are any: e.g. --nsa_score_loss_coef 0.1), each a mean over
-    its own rows, weighted 1 / (the step's micro-batches on all ranks) whatever the labels."""
+    its own rows, weighted 1 / (the step's micro-batches on all ranks) whatever the labels. With a `shard`
+    (context parallelism) the rows are a shard's part of its sequences (labels already shifted), whose terms add up
+    over the ranks that share them: the weight counts the ranks that read other sequences."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    out = model(input_ids, labels, loss_normalizer=n_tokens, aux_weight=1 / (n_micro * ranks), doc_start=doc_start)
+    if shard is not None:
+        ranks = ranks * shard.tokens // shard.length  # the ranks of a context group hold one sequence together
+    out = model(input_ids, labels, loss_normalizer=n_tokens, aux_weight=1 / (n_micro * ranks), doc_start=doc_start,
+                **({} if shard is None else {"shard": shard}))
     return out.loss, {} if out.aux_loss is None else {"aux_loss": out.aux_loss}
 
 
@@ -188,6 +194,7 @@ class Run:
     val_windows: tuple[Tensor, Tensor] | None  # (input ids, labels) of the validation windows
     export: ExportInfo  # what the exports carry besides the weights (the tokenizer, the base's metadata)
     base: dict | None = None  # a frozen base: {"path", "checksum"} of --init_from (checkpoints hold no base)
+    shard: SequenceShard | None = None  # this rank's part of each sequence under --context_parallel
     step: int = 0
     bad_steps: int = 0
 
@@ -197,8 +204,9 @@ class Run:
 
     @property
     def step_tokens(self) -> int:
-        """Tokens per optimizer step: W ranks x A micro-steps x B sequences x T tokens."""
-        return self.rt.world_size * self.cfg.gradient_accumulation_steps * self.cfg.batch_size * \
+        """Tokens per optimizer step: W / N data-parallel groups x A micro-steps x B sequences x T tokens (N:
+        --context_parallel, the ranks that share a sequence)."""
+        return self.rt.data_ranks * self.cfg.gradient_accumulation_steps * self.cfg.batch_size * \
             self.cfg.context_length
 
     def save_scheduled(self) -> bool:
@@ -332,6 +340,9 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     model_config, compute = build_model_config(cfg, tokenizer.vocab_size, device_memory, rt.world_size,
                                                stored_config)
 
+    if cfg.context_parallel > 1 and cfg.document_mask and model_config.attention_type == "nsa":
+        raise ValueError("--document_mask with --context_parallel needs full attention: NSA does not split a "
+                         "sequence shard into documents")
     model = task.build(model_config, compute, cfg, rt)
     check_vocab(tokenizer, model.config.vocab_size)
     optimizer, scheduler = build_optimizer(model, cfg)
@@ -340,7 +351,7 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
               torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
               else contextlib.nullcontext(), resume_from, {}, None,
-              export_info(cfg, tokenizer, stored_config, adapted), base)
+              export_info(cfg, tokenizer, stored_config, adapted), base, shard=context_shard(rt, cfg.context_length))
     changed = resume(run) if resume_from else {}
     settle_checkpoints(cfg, rt, resume_from)
 
@@ -348,8 +359,8 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory * GiB / device_memory), rt.device)
     run.task_state = task.start(model, cfg) if task.start else {}
     if cfg.eval_interval:
-        run.val_windows = validation_windows(cfg.data_dir, cfg.context_length, cfg.eval_tokens, cfg.seed, rt.rank,
-                                             rt.world_size)
+        run.val_windows = validation_windows(cfg.data_dir, cfg.context_length, cfg.eval_tokens, cfg.seed,
+                                             rt.data_rank, rt.data_ranks)
     if rt.rank == 0:
         start_run(run.out_dir, cfg, model, rt.world_size, resume_from, run.step, run.task_state, changed)
     return run
@@ -424,8 +435,8 @@ def resume(run: Run) -> dict:
     changed = apply_optimizer_options(run.optimizer, run.scheduler, run.cfg, state["config"])
     # What a step is: the tokens it trains on (a checkpoint of W ranks resumes on any number of ranks).
     now = {"batch_size": run.cfg.batch_size, "gradient_accumulation_steps": run.cfg.gradient_accumulation_steps,
-           "world_size": run.rt.world_size}
-    saved = {**state["config"], "world_size": state["world_size"]}
+           "world_size": run.rt.world_size, "context_parallel": run.cfg.context_parallel}
+    saved = {"context_parallel": 1, **state["config"], "world_size": state["world_size"]}
     return {**changed, **{k: [saved.get(k), v] for k, v in now.items() if saved.get(k) != v}}
 
 
@@ -433,20 +444,27 @@ def resume(run: Run) -> dict:
 
 
 def forward_backward(model: Transformer, batches: list[list[Tensor]], autocast: contextlib.AbstractContextManager,
-                     loss_fn: Loss = lm_loss) -> tuple[Tensor, dict[str, Tensor]]:
+                     loss_fn: Loss = lm_loss, shard: SequenceShard | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Accumulate into `.grad` the gradient of the step's loss from this rank's micro-batches `batches`
     (A x [input_ids, labels] each (B, T), and each row's document starts (B, T) with --document_mask: handed to
     `loss_fn`); return this rank's part of the loss and of the extra metrics (0-dim
     tensors; their sums over ranks are the step's values). The predicted-token count of the whole global batch is
-    one all-reduce; FSDP sums the gradients over ranks (apply_fsdp(sum_gradients=True))."""
-    n_tokens = sum((shift_labels(labels) != IGNORE_INDEX).sum() for _, labels, *_ in batches)
+    one all-reduce; FSDP sums the gradients over ranks (apply_fsdp(sum_gradients=True)). With a `shard` (context
+    parallelism: `training.parallel.context_shard`), the rank's positions of every tensor are taken first, the
+    labels shifted before (a shard's tokens are not contiguous), and handed to `loss_fn` with it."""
+    if shard is not None:
+        batches = [[shard.take(ids), shard.take(shift_labels(labels)), *map(shard.take, rest)]
+                   for ids, labels, *rest in batches]
+    n_tokens = sum(((labels if shard is not None else shift_labels(labels)) != IGNORE_INDEX).sum()
+                   for _, labels, *_ in batches)
     if dist.is_initialized():
         dist.all_reduce(n_tokens)
     n_tokens = n_tokens.clamp(min=1).float()
     loss_sum, extras = torch.zeros((), device=n_tokens.device), {}
+    sharded = {} if shard is None else {"shard": shard}
     for input_ids, labels, *doc_start in batches:
         with autocast:
-            loss, metrics = loss_fn(model, input_ids, labels, n_tokens, len(batches), *doc_start)
+            loss, metrics = loss_fn(model, input_ids, labels, n_tokens, len(batches), *doc_start, **sharded)
         loss.backward()
         loss_sum += loss.detach()
         for name, value in metrics.items():
@@ -464,7 +482,7 @@ def train_step(run: Run, batches: list[list[Tensor]], flags: Callable[[], list[b
     warm_up = exact_block_scores() if run.step < cfg.nsa_exact_selection_steps else contextlib.nullcontext()
     try:
         with warm_up:  # NSA's selection by exact block scores for the first steps (--nsa_exact_selection_steps)
-            loss_sum, extras = forward_backward(model, batches, run.autocast, run.task.loss)
+            loss_sum, extras = forward_backward(model, batches, run.autocast, run.task.loss, run.shard)
     except torch.OutOfMemoryError as e:
         raise MemoryBudgetExceeded(f"out of memory at step {run.step + 1}: {memory_advice(cfg)}") from e
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
@@ -535,7 +553,7 @@ def observe(run: Run, step_metrics: dict, dt: float, previous: dict, leaks: Leak
         metrics["mfu"] = flops * run.step_tokens / dt / run.rt.world_size / peak
     if run.val_windows is not None and (run.step % cfg.eval_interval == 0 or run.step == cfg.max_steps):
         metrics["val_loss"] = validation_loss(run.model, run.val_windows, run.autocast,
-                                              run.tokenizer.eod_id if cfg.document_mask else None)
+                                              run.tokenizer.eod_id if cfg.document_mask else None, run.shard)
         metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 700))
     return metrics
 
