@@ -69,12 +69,15 @@ class Block(nn.Module):
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None,
                  doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
-        # an attention type of an older protocol takes neither
-        extra = {} if shard is None else {"shard": shard}
-        if doc_start is not None:
-            extra["doc_start"] = doc_start
-        h = x + self.attn(self.attn_norm(x), cos, sin, start_pos, **extra)
+        h = x + self.attend(x, cos, sin, start_pos, doc_start, shard)
         return h + self.mlp(self.mlp_norm(h))
+
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None, doc_start: Tensor | None,
+               shard: SequenceShard | None) -> Tensor:
+        """The attention branch, attn(attn_norm(x)) (B, T, C); doc_start and shard are passed only when given (an
+        attention type of an older protocol takes neither)."""
+        extra = {name: value for name, value in (("doc_start", doc_start), ("shard", shard)) if value is not None}
+        return self.attn(self.attn_norm(x), cos, sin, start_pos, **extra)
 
     def init_weights(self, config: ModelConfig) -> None:
         self.attn_norm.init_weights()

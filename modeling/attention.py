@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 
 from modeling.config import ComputeConfig, ModelConfig
-from modeling.flash import document_attention, explicit_attention
+from modeling.flash import document_attention, explicit_attention, fused
 from modeling.layers import RMSNorm, apply_rope
 from modeling.shard import SequenceShard
 
@@ -51,10 +52,11 @@ class AttentionLayer(Protocol):
         check_config(config): ValueError naming the field when `config` is impossible for this type.
         flops_per_token(config, seq_len): training FLOPs (forward + backward) per token of one layer, projections
             included, averaged over a causal sequence of seq_len tokens (train.py's MFU).
-        memory_stand_in(config, compute, batch_size, seq_len, dtype, device): a context manager, entered by
+        memory_stand_in(config, compute, batch_size, seq_len, dtype, device[, spans]): a context manager, entered by
             profile_memory.py under FakeTensorMode around a whole training step, that yields a one-line description
             of how this type's memory is modelled (and may swap in a memory double for an operator that would be too
-            slow to run under fake tensors at full size).
+            slow to run under fake tensors at full size); `spans`, passed only under context parallelism: the
+            (first, end) positions of the sequence the profiled rank holds.
     """
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
@@ -75,7 +77,8 @@ class AttentionLayer(Protocol):
 
     @classmethod
     def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
-                        dtype: torch.dtype, device: str) -> AbstractContextManager[str]: ...
+                        dtype: torch.dtype, device: str, spans: tuple[tuple[int, int], ...] | None = None
+                        ) -> AbstractContextManager[str]: ...
 
 
 _aux_losses: ContextVar[list[Tensor] | None] = ContextVar("aux_losses", default=None)
@@ -204,12 +207,22 @@ class FullAttention(nn.Module):
                      ) -> Tensor:
         """`attend` for the queries q (B, H, t, D) of a sequence shard over the whole sequence's keys and values
         k, v (B, KV, T, D): each span of the shard as queries from its first position on, over the keys up to its
-        end (`modeling.flash.document_attention`, from each query's doc_start, else position 0). Returns
-        (B, H, t, D)."""
-        starts = doc_start if doc_start is not None else q.new_zeros(q.shape[0], q.shape[2], dtype=torch.long)
-        parts = [document_attention(q[:, :, lo:lo + end - first], k[:, :, :end], v[:, :, :end],
-                                    starts[:, lo:lo + end - first], first, self.config.head_dim**-0.5)
-                 for lo, first, end in shard.pieces()]
+        end. With doc_start, from each query's start (`modeling.flash.document_attention`'s chunks); without, on
+        the CPU's flash kernels (the keys before the span, then a causal square, merged by log-sum-exp), elsewhere
+        through SDPA with a causal mask aligned to the last key (`causal_lower_right`: CUDA's flash kernel, no
+        (t, T) mask). Returns (B, H, t, D)."""
+        parts, scale = [], self.config.head_dim**-0.5
+        for lo, first, end in shard.pieces():
+            q_span, k_seen, v_seen = q[:, :, lo:lo + end - first], k[:, :, :end], v[:, :, :end]
+            if doc_start is not None:
+                parts.append(document_attention(q_span, k_seen, v_seen, doc_start[:, lo:lo + end - first], first,
+                                                scale))
+            elif fused(q):
+                parts.append(document_attention(q_span, k_seen, v_seen, None, first, scale))
+            else:
+                parts.append(F.scaled_dot_product_attention(q_span, k_seen, v_seen, scale=scale,
+                                                            attn_mask=causal_lower_right(end - first, end),
+                                                            enable_gqa=self.config.n_rep > 1))
         return torch.cat(parts, dim=2)
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype,
@@ -239,7 +252,12 @@ class FullAttention(nn.Module):
 
     @classmethod
     def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
-                        dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
+                        dtype: torch.dtype, device: str, spans: tuple[tuple[int, int], ...] | None = None
+                        ) -> AbstractContextManager[str]:
+        if spans is not None:  # CUDA runs each span through its flash kernel: the CPU's keeps as much
+            return nullcontext("full attention over a sequence shard, each span through the CPU's flash kernels in "
+                               "place of CUDA's (both keep only the output and log-sum-exp for backward: no (t, T) "
+                               "matrix)")
         return _described(explicit_attention(), "full attention, through the CPU's flash SDPA kernel in place of "
                           "CUDA's flash/cuDNN kernels; both keep only the output and log-sum-exp for backward (no "
                           "T x T matrix); with document starts, the explicit chunks CUDA runs")

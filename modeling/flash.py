@@ -112,11 +112,13 @@ _DOCUMENT_MASK_BYTES = 64 * 2**20  # bytes of one query chunk's float32 (Q*H, S)
 _DOCUMENT_CHUNK = 256  # queries per chunk at most: a chunk reads keys up to its last query, so causal work is kept
 
 
-def document_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, q_offset: int, scale: float) -> Tensor:
+def document_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor | None, q_offset: int, scale: float
+                       ) -> Tensor:
     """Causal attention in which each query sees only the keys from its own start on: query t (at position
     q_offset + t) of row b sees keys s with starts[b, t] <= s <= q_offset + t (a packed document's first position,
     or a left-padded row's first real token). q (B, H, T, D), k, v (B, KV, S, D) with S = q_offset + T (GQA: H a
-    multiple of KV), starts (B, T) long, each at most its query's position. Returns (B, H, T, D).
+    multiple of KV), starts (B, T) long, each at most its query's position; None: every key from 0 (the queries
+    continue q_offset earlier positions: one chunk, no mask). Returns (B, H, T, D).
 
     Queries run in chunks of at most _DOCUMENT_CHUNK whose mask (or explicit logits) takes at most
     _DOCUMENT_MASK_BYTES, each chunk over the keys up to its last query (so the work stays about causal attention's)
@@ -126,12 +128,15 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, q_offset
     return _DocumentAttention.apply(q, k, v, starts, q_offset, scale)
 
 
-def _document_chunks(q: Tensor, k: Tensor, starts: Tensor, q_offset: int
+def _document_chunks(q: Tensor, k: Tensor, starts: Tensor | None, q_offset: int
                      ) -> Iterator[tuple[int, int, int, Tensor | None]]:
     """(first query, end query, first key, allowed) of each chunk: allowed (B, 1, Q*G, S') bool, rows t-major (row
     t*G + g), or None when every query of the chunk starts at its first key (one document over the chunk: it then
     runs as unmasked past keys and a causal square, `_DocumentAttention._parts`)."""
     B, H, T, _ = q.shape
+    if starts is None:  # every query from key 0: the keys before the queries unmasked, and a causal square
+        yield 0, T, 0, None
+        return
     G, S = H // k.shape[1], k.shape[2]
     step = max(1, min(T, _DOCUMENT_CHUNK, _DOCUMENT_MASK_BYTES // max(1, 4 * H * S * B)))  # float32 (Q*H, S)
     host = starts.device.type == "cpu" and not is_fake(starts)
@@ -180,7 +185,7 @@ class _DocumentAttention(torch.autograd.Function):
         return (past if low < first else []) + square
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, starts: Tensor, q_offset: int, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, starts: Tensor | None, q_offset: int, scale: float) -> Tensor:
         G = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)  # (B, H, T, D)
         lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))  # (B, H, T)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from model import Block, ModelConfig
 from modeling.offload import OffloadSavedTensors, OffloadStats
+from modeling.shard import SequenceShard
 
 TARGETS = ("gate", "up", "down")
 ResidualMode = Literal["modulate", "additive"]
@@ -141,18 +142,18 @@ class NPBlock(Block):
         self.offload_stats = OffloadStats()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None = None,
-                doc_start: Tensor | None = None) -> Tensor:
+                doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         offload = self.offload and torch.is_grad_enabled()
         with OffloadSavedTensors(self.offload_stats) if offload else nullcontext():
-            return super().forward(x, cos, sin, start_pos, doc_start)
+            return super().forward(x, cos, sin, start_pos, doc_start, shard)
 
     def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, start_pos: int | None,
-                 doc_start: Tensor | None = None) -> Tensor:
+                 doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         if self.mode == "original":
-            return super()._forward(x, cos, sin, start_pos, doc_start)
+            return super()._forward(x, cos, sin, start_pos, doc_start, shard)
         if self.mode not in ("plastic", "static"):
             raise ValueError(f"NPBlock.mode must be 'plastic', 'static' or 'original', got {self.mode!r}")
-        a = self.attn(self.attn_norm(x), cos, sin, start_pos, *(() if doc_start is None else (doc_start,)))  # (B,T,C)
+        a = self.attend(x, cos, sin, start_pos, doc_start, shard)  # (B, T, C)
         h = x + a if self.residual_mode == "additive" else x
         m = self.np(a) if self.mode == "plastic" else None  # (B, T, P, r)
         u = self.mlp_norm(h)

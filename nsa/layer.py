@@ -466,7 +466,8 @@ class NativeSparseAttention(nn.Module):
 
     @classmethod
     def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
-                        dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
+                        dtype: torch.dtype, device: str, spans: tuple[tuple[int, int], ...] | None = None
+                        ) -> AbstractContextManager[str]:
         from nsa.memory_stand_in import sparse_attention_stand_in
 
-        return sparse_attention_stand_in(cls, config, compute, batch_size, seq_len, dtype, device)
+        return sparse_attention_stand_in(cls, config, compute, batch_size, seq_len, dtype, device, spans)

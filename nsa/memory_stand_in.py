@@ -26,6 +26,7 @@ from modeling.config import ComputeConfig, ModelConfig
 from modeling.flash import explicit_attention
 from modeling.layers import RotaryEmbedding
 from modeling.memtrack import LiveBytesTracker
+from modeling.shard import SequenceShard
 from nsa.attention import sparse_attention
 from nsa.primitive import triton_kernels as triton_path
 
@@ -82,19 +83,27 @@ def _measure(args: tuple, kwargs: dict, autocast: AbstractContextManager) -> Spe
 
 
 def _arguments(layer_class: type, config: ModelConfig, compute: ComputeConfig, B: int, T: int, dtype: torch.dtype,
-               device: str, autocast: AbstractContextManager) -> tuple[tuple, dict]:
+               device: str, autocast: AbstractContextManager, first: int = 0) -> tuple[tuple, dict]:
     """The arguments one NSA layer computing in `dtype` passes to its attention for B x T tokens (captured at the
-    layer's seam)."""
+    layer's seam); with `first` > 0, for the queries at positions [first, T) of a sequence shard (context
+    parallelism: the keys before them gathered from other ranks)."""
     captured: list[tuple[tuple, dict]] = []
 
     def capture(q: Tensor, *args: object, **kwargs: object) -> Tensor:
         captured.append(((q, *args), kwargs))
         return torch.zeros_like(q)
 
+    def gather(x: Tensor) -> Tensor:  # what the other ranks' positions add: shape only
+        return x.new_empty(*x.shape[:2], T, *x.shape[3:])  # (B, X, T, D)
+
     with torch.device(device), torch.no_grad(), autocast, _swapped(layer_class, capture):  # fp32 weights, autocast
         layer = layer_class(config, compute)
         cos, sin = RotaryEmbedding(config.head_dim, config.rope_theta, T)(T, 0, torch.device(device))
-        layer(torch.empty(B, T, config.dim), cos, sin)
+        if first == 0:
+            layer(torch.empty(B, T, config.dim), cos, sin)
+        else:
+            shard = SequenceShard(T, ((first, T),), gather).with_rope(cos, sin)
+            layer(torch.empty(B, T - first, config.dim), cos[first:], sin[first:], shard=shard)
     return captured[0]
 
 
@@ -140,22 +149,46 @@ def calibrated_spec(layer_class: type, config: ModelConfig, compute: ComputeConf
             m2[3])
 
 
+def span_spec(layer_class: type, config: ModelConfig, compute: ComputeConfig, batch_size: int, first: int, end: int,
+              dtype: torch.dtype, device: str) -> Spec:
+    """The double's spec for the queries at positions [first, end) of a sequence shard over the keys [0, end)
+    (context parallelism; first > 0): measured at the span itself when it holds at most 8 query chunks, else at 4
+    and 8 chunks ending at `end` (the same keys) and extrapolated linearly in the queries (the memory of a query
+    chunk does not depend on how many came before it)."""
+    Q = compute.attention_query_chunk
+    autocast = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    queries = [end - first] if end - first <= 8 * Q else [4 * Q, 8 * Q]
+    with triton_path() if compute.triton_kernels else explicit_attention():  # what a CUDA run takes
+        measured = [_measure(*_arguments(layer_class, config, compute, batch_size, end, dtype, device, autocast,
+                                         end - n), autocast) for n in queries]
+    if len(queries) == 1:
+        return measured[0]
+    (n1, n2), (m1, m2) = queries, measured
+    return (*(max(0, round(a + (b - a) * (end - first - n1) / (n2 - n1))) for a, b in zip(m1[:3], m2[:3],
+                                                                                         strict=True)), m2[3])
+
+
 @contextmanager
 def sparse_attention_stand_in(layer_class: type, config: ModelConfig, compute: ComputeConfig, batch_size: int,
-                              seq_len: int, dtype: torch.dtype, device: str) -> Iterator[str]:
+                              seq_len: int, dtype: torch.dtype, device: str,
+                              spans: tuple[tuple[int, int], ...] | None = None) -> Iterator[str]:
     """While inside, the attention of every `layer_class` (NativeSparseAttention) layer is `_SparseAttentionDouble`,
     calibrated for `batch_size` x `seq_len` tokens computing in `dtype` on `device` (call it under FakeTensorMode);
-    yields a one-line description."""
+    with `spans`, for each (first, end) span of a sequence shard (context parallelism: the layer calls its attention
+    once a span, `span_spec`), told apart by their first position. Yields a one-line description."""
     points = calibration_lengths(config, compute, seq_len)
-    spec = calibrated_spec(layer_class, config, compute, batch_size, seq_len, dtype, device, points)
+    specs = {first: calibrated_spec(layer_class, config, compute, batch_size, end, dtype, device) if first == 0
+             else span_spec(layer_class, config, compute, batch_size, first, end, dtype, device)
+             for first, end in spans or ((0, seq_len),)}
 
-    def stand_in(*args: object, **kwargs: object) -> Tensor:
-        return _SparseAttentionDouble.apply(spec, *(a for a in args if isinstance(a, Tensor)))
+    def stand_in(*args: object, q_start: int = 0, **kwargs: object) -> Tensor:
+        return _SparseAttentionDouble.apply(specs[q_start], *(a for a in args if isinstance(a, Tensor)))
 
+    where = (f"T = {' and '.join(map(str, points))} (fake tensors), "
+             f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}") if spans is None else (
+        f"each of the rank's spans {', '.join(f'[{a}, {b})' for a, b in spans)} of the sequence (fake tensors, at "
+        "most 8 query chunks each, extrapolated linearly in the queries); ")
     with _swapped(layer_class, stand_in):
         yield (f"NSA, its attention (three gated branches) replaced by a function with the same memory, measured "
-               f"on the real one "
-               f"({'Triton kernels' if compute.triton_kernels else 'explicit path'}, as on CUDA) for one layer at "
-               f"T = {' and '.join(map(str, points))} (fake tensors), "
-               f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}projections, compression and gates run "
-               f"as in training")
+               f"on the real one ({'Triton kernels' if compute.triton_kernels else 'explicit path'}, as on CUDA) "
+               f"for one layer at {where}projections, compression and gates run as in training")

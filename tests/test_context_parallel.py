@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from distributed import run_distributed
 import train
 from model import ModelConfig, Objective, Transformer
 from modeling.documents import document_starts
+from modeling.flash import explicit_attention
 from modeling.loss import IGNORE_INDEX, shift_labels
 from modeling.shard import SequenceShard, balanced_spans
 from training import options as train_config
@@ -68,12 +70,13 @@ def test_one_process_holding_several_spans_equals_the_whole_sequence() -> None:
     position on; the outputs, loss and gradients are the whole sequence's."""
     ids, labels = _batch(2)
     shard = SequenceShard(T, ((0, 40), (40, 97), (97, T)), lambda x: x)
-    for attention in ("full", "nsa"):
+    for attention, path in (("full", nullcontext()), ("full", explicit_attention()), ("nsa", nullcontext())):
         whole, split = _model(attention), _model(attention)
         expected = whole(ids, labels)
         expected.loss.backward()
-        got = split(ids, shift_labels(labels), shard=shard)
-        got.loss.backward()
+        with path:  # full attention: the CPU's flash kernels, or SDPA with a lower-right causal mask (as on CUDA)
+            got = split(ids, shift_labels(labels), shard=shard)
+            got.loss.backward()
         torch.testing.assert_close(got.loss, expected.loss, rtol=1e-12, atol=0)
         for (name, p), q in zip(split.named_parameters(), whole.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=f"{attention} {name}")

@@ -15,6 +15,7 @@ import profile_memory
 from modeling.config import GiB
 from modeling.memtrack import LiveBytesTracker
 from training import estimate as pm
+from training import parallel
 
 STAGES = ("parameters", "after embedding", "after first layer", "after forward", "after loss", "peak during forward",
           "peak during backward", "after backward", "after optimizer step", "peak during optimizer step")
@@ -53,7 +54,7 @@ class LiveBytesProbe:
 
 def real_step_live_bytes(config: pm.StepConfig) -> dict:
     """The step of `config` (world size 1: no FSDP, as train.py) run for real on the CPU, measured by memtrack."""
-    model, optimizer = pm.build(config, "cpu", None)
+    model, optimizer = pm.build(config, parallel.Runtime(0, 1, torch.device("cpu"), None))
     B, T = config.train.batch_size, config.train.context_length
     pm._warm_up(model, optimizer, T, "cpu")
     input_ids = torch.randint(0, model.config.vocab_size, (B, T))
@@ -109,7 +110,8 @@ def test_fsdp_estimate_matches_real_step_and_sharding_arithmetic(dtype):
     rope = 2 * 128 * 16 * 4  # cos and sin tables: 128 positions x head_dim 16, float32
     assert after["parameters"] == 4 * P // 2 + rope
     assert after["gradients"] == 4 * P // 2
-    assert after["optimizer"] == 8 * P // 2 + 4 * len(list(pm.build(config, "meta", None)[0].parameters()))
+    meta = parallel.Runtime(0, 1, torch.device("meta"), None)
+    assert after["optimizer"] == 8 * P // 2 + 4 * len(list(pm.build(config, meta)[0].parameters()))
     assert not dist.is_initialized()  # the fake process group is torn down
 
 
@@ -387,3 +389,37 @@ def test_the_document_mask_adds_only_its_boundaries_to_the_estimate(attention):
                                            batch_size=1, document_mask=mask))["stages"] for mask in (False, True)]
     for name, plain in stages[0].items():
         assert 0 <= stages[1][name]["total"] - plain["total"] <= 16 * T, name
+
+
+def test_context_parallel_traffic_and_per_rank_activations():
+    """Full attention split over N ranks: each rank all-gathers k and v in every layer, sending N - 1 times its part
+    of each (bf16 under FSDP), and the same back in backward; what forward keeps per rank falls as 1/N but for the
+    gathered keys and values a layer holds."""
+    kept = {}
+    for n in (1, 2, 4):
+        config = pm.StepConfig.of(model_size="tiny", context_length=256, attention_type="full", world_size=4,
+                                  context_parallel=n, loss="standard", batch_size=2)
+        result = pm.estimate(config)
+        kept[n] = result["stages"]["after forward"]["activations"]
+        if n == 1:
+            assert "traffic" not in result
+            continue
+        model = config.configs()[0]
+        part = 2 * model.n_kv_heads * (256 // n) * model.head_dim * 2  # B x KV x t x D in bf16
+        assert result["traffic"] == {"gathered": model.n_layers * 2 * (n - 1) * part, "gathers": model.n_layers * 2,
+                                     "scattered": model.n_layers * 2 * (n - 1) * part,
+                                     "scatters": model.n_layers * 2}
+        assert "this rank sends" in pm.report_text(result)
+    for n in (2, 4):
+        assert kept[1] / n <= kept[n] <= 1.25 * kept[1] / n, (n, kept)
+
+
+@pytest.mark.slow
+def test_nsa_double_matches_reference_path_under_context_parallel():
+    """NSA over 2 ranks: the double, measured at the rank's spans [0, 192) and [576, 768) (the second past 8 query
+    chunks of 16: extrapolated from 4 and 8), gives every stage of the step within 2% of running every operator."""
+    config = pm.StepConfig.of(model_size="tiny", context_length=768, attention_type="nsa", world_size=2,
+                              context_parallel=2, loss="standard", attention_query_chunk=16, batch_size=1)
+    double = pm.profile_step(config, stand_in=True)
+    assert "spans [0, 192), [576, 768)" in double["stand_in"]
+    assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])

@@ -50,13 +50,13 @@ import torch.distributed as dist
 import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d collectives: FSDP under FakeTensorMode)
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model import Transformer
 from modeling.config import ComputeConfig, GiB, ModelConfig, attention_class
 from modeling.memtrack import CATEGORIES, HOST, PHASE_CATEGORIES, LiveBytesTracker, track_training_step
 from modeling.offload import simulated
+from modeling.shard import SequenceShard
 from storage.weights import stored_config
 from text.tokenizer import load_tokenizer
 from training import parallel, trainer
@@ -109,6 +109,10 @@ class StepConfig:
             raise ValueError(f"--quantize_base {cfg.quantize_base}: profiled are {', '.join(PROFILED_QUANTIZED)} "
                              "(int4's layout depends on the device: measure it with train.py)")
         finetune_mode(cfg).check(self.world_size)
+        if self.world_size % cfg.context_parallel:
+            raise ValueError(f"--world_size {self.world_size} must be a multiple of --context_parallel "
+                             f"{cfg.context_parallel} (the ranks form groups that split each sequence): pass "
+                             f"--world_size {cfg.context_parallel} or a multiple of it")
         if (layers := self.configs()[0].n_layers) > MAX_LAYERS:  # the architecture and compute settings are valid
             raise ValueError(f"--model_overrides n_layers {layers}: the estimate runs every layer under fake tensors, "
                              f"at most {MAX_LAYERS}")
@@ -141,8 +145,11 @@ class StepConfig:
     def describe(self) -> str:
         cfg, (model, compute) = self.train, self.configs()
         mode = finetune_mode(cfg)
-        return (f"{cfg.model_size if not cfg.init_from else cfg.init_from}, {cfg.batch_size} x {cfg.context_length} "
-                f"tokens per rank, {model.attention_type} attention, world size {self.world_size}, {cfg.dtype} "
+        N = cfg.context_parallel
+        tokens = f"{cfg.context_length} tokens per rank" if N == 1 else (
+            f"{cfg.context_length} tokens per sequence, {cfg.context_length // N} per rank (context parallel {N})")
+        return (f"{cfg.model_size if not cfg.init_from else cfg.init_from}, {cfg.batch_size} x {tokens}, "
+                f"{model.attention_type} attention, world size {self.world_size}, {cfg.dtype} "
                 f"compute, checkpointing {'on' if cfg.gradient_checkpointing else 'off'}"
                 + (f", FFN tiles of {compute.ffn_chunk_size}" if compute.ffn_chunk_size else "")
                 + (", activations offloaded to host memory" if compute.offload_activations else "")
@@ -238,13 +245,12 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def build(config: StepConfig, device: str, mesh: DeviceMesh | None) -> tuple[Transformer, torch.optim.Optimizer]:
+def build(config: StepConfig, rt: parallel.Runtime) -> tuple[Transformer, torch.optim.Optimizer]:
     """Model and optimizer built by train.py's own builders (`trainer.build_model`, `trainer.build_optimizer`) for the
-    run `config` describes: with a mesh, on the meta device, sharded by FSDP2 (bf16 compute copies of fp32 master
-    weights, summed float32 gradient reduction) and materialised on `device`; without, fp32 on `device` (forward
-    then runs under autocast, see `_autocast`)."""
+    run `config` describes, on the process layout `rt`: with a mesh, on the meta device, sharded by FSDP2 (bf16
+    compute copies of fp32 master weights, summed float32 gradient reduction) and materialised on its device;
+    without, fp32 on its device (forward then runs under autocast, see `_autocast`)."""
     cfg = config.train
-    rt = parallel.Runtime(rank=0, world_size=config.world_size, device=torch.device(device), mesh=mesh)
     model = trainer.build_model(*config.configs(), cfg, rt)
     finetune_mode(cfg).initialise(model, cfg.seed)
     return model, trainer.build_optimizer(model, cfg)[0]
@@ -273,11 +279,13 @@ def _warm_up(model: Transformer, optimizer: torch.optim.Optimizer, seq_len: int,
 
 def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_ids: Tensor, labels: Tensor,
                    autocast: AbstractContextManager, probe: Probe, progress: Callable[[str], None] = _quiet,
-                   doc_start: Tensor | None = None) -> tuple[dict[str, dict[str, int]], str]:
+                   doc_start: Tensor | None = None, shard: SequenceShard | None = None
+                   ) -> tuple[dict[str, dict[str, int]], str]:
     """One training step as train.py runs it (forward + loss under `autocast`, backward, gradient clipping, AdamW
     step, zero_grad) with `probe` read at each stage; `progress` is called with each phase's name as it starts.
     `doc_start` (B, T): the document starts of --document_mask (under fake tensors their values change no
-    allocation; a real CPU run attends chunks inside one document without a mask).
+    allocation; a real CPU run attends chunks inside one document without a mask). `shard`: the rank's part of the
+    sequence under context parallelism (input_ids, labels and doc_start are its positions).
 
     Returns ({stage: {"total": bytes, category: bytes, ...}} in time order with the peak of each phase, the loss
     path taken: "standard" or "chunked").
@@ -296,7 +304,7 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
         progress("forward")
         probe.start_phase("forward")
         with autocast:
-            output = model(input_ids, labels=labels, doc_start=doc_start)
+            output = model(input_ids, labels=labels, doc_start=doc_start, **({"shard": shard} if shard else {}))
         loss, loss_path = output.loss, "standard" if output.logits is not None else "chunked"
         del output  # the logits of the standard path are not kept
         stages["after loss"] = probe.current()
@@ -335,32 +343,38 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
     with warnings.catch_warnings(), fake_process_group(config.world_size):
         for message in _HARMLESS_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
+        N = config.train.context_parallel
         # The mesh is made outside FakeTensorMode: it reads its rank map.
-        mesh = init_device_mesh(device, (config.world_size,)) if config.world_size > 1 else None
+        mesh, group = parallel.build_mesh(device, config.world_size, N) if config.world_size > 1 else (None, None)
+        rt = parallel.Runtime(0, config.world_size, torch.device(device), mesh, N, group)
+        traffic = parallel.Traffic()
         with FakeTensorMode() if fake else nullcontext(), ExitStack() as stack:
             model_config, compute = config.configs()
             B, T = config.train.batch_size, config.train.context_length
+            shard = parallel.context_shard(rt, T, traffic)  # rank 0 holds the first and the last chunk
             description = f"{model_config.attention_type} attention: runs as in training (no stand-in)"
             if fake and stand_in:
                 progress(f"calibrating the {model_config.attention_type} attention's stand-in")
                 cls = attention_class(model_config.attention_type)
-                description = stack.enter_context(cls.memory_stand_in(model_config, compute, B, T,
-                                                                      DTYPES[config.train.dtype], device))
+                description = stack.enter_context(cls.memory_stand_in(
+                    model_config, compute, B, T, DTYPES[config.train.dtype], device,
+                    **({"spans": shard.spans} if shard else {})))
             progress("building the model and optimizer")
-            model, optimizer = build(config, device, mesh)
+            model, optimizer = build(config, rt)
             _warm_up(model, optimizer, T, device)
-            input_ids = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
-            labels = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
+            t = T // N  # the rank's tokens of each sequence
+            input_ids = torch.randint(0, model.config.vocab_size, (B, t), device=device)  # (B, t)
+            labels = torch.randint(0, model.config.vocab_size, (B, t), device=device)  # (B, t)
             if device == "cuda" and not fake:
                 probe: Probe = _CudaStats()
             else:
                 probe = _Tracked(model, optimizer, (input_ids, labels))
             with probe:
-                starts = torch.zeros(B, T, dtype=torch.long, device=device) if config.train.document_mask else None
+                starts = torch.zeros(B, t, dtype=torch.long, device=device) if config.train.document_mask else None
                 stages, loss_path = _training_step(model, optimizer, input_ids, labels, _autocast(config, device),
-                                                   probe, progress, starts)
+                                                   probe, progress, starts, shard)
             return {"stages": stages, "loss_path": loss_path, "num_parameters": model.num_parameters(),
-                    "stand_in": description}
+                    "stand_in": description, **({"traffic": dataclasses.asdict(traffic)} if shard else {})}
 
 
 def _summarize(config: StepConfig, profile: dict, seconds: float, method: str) -> dict:
@@ -376,6 +390,7 @@ def _summarize(config: StepConfig, profile: dict, seconds: float, method: str) -
         "stages": stages,
         "peak": {"phase": phase, **stages[f"peak during {phase}"]},
         "seconds": round(seconds, 2),
+        **({"traffic": profile["traffic"]} if "traffic" in profile else {}),
     }
 
 
@@ -551,6 +566,14 @@ def report_text(result: dict, measured: dict | None = None, fit: dict | None = N
              f"{size} parameters, {result['loss_path']} loss, AdamW; {result['method']} ({result['seconds']:.0f} s)",
              f"Attention counted as: {result['stand_in']}",
              "", format_table(result, measured), ""]
+    if traffic := result.get("traffic"):
+        N, layers = config.train.context_parallel, config.configs()[0].n_layers
+        sent, (name, unit) = traffic["gathered"] + traffic["scattered"], _unit(result)
+        lines.append(f"Context parallelism ({N} ranks a sequence, keys and values all-gathered): this rank sends "
+                     f"{sent / unit:.2f} {name} a step, {sent / layers / unit:.3f} {name} a layer: "
+                     f"{traffic['gathers']} all-gathers in forward and recomputation ({traffic['gathered'] / unit:.2f} "
+                     f"{name}), {traffic['scatters']} reduce-scatters of their gradients in backward "
+                     f"({traffic['scattered'] / unit:.2f} {name}); counted as a ring sends them, N - 1 times its part")
     if fit is not None:
         peak = result["peak"]["total"] / GiB
         verdict = "fits" if fit["fits"] else "does NOT fit"

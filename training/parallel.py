@@ -74,26 +74,44 @@ def init_runtime(context_parallel: int = 1) -> Runtime:
     mesh, group = None, None
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        if context_parallel == 1:
-            mesh = init_device_mesh(device.type, (world_size,))
-        else:
-            grid = init_device_mesh(device.type, (world_size // context_parallel, context_parallel),
-                                    mesh_dim_names=("data", "context"))
-            mesh, group = grid._flatten("data_context"), grid.get_group("context")  # FSDP's mesh: every rank
+        mesh, group = build_mesh(device.type, world_size, context_parallel)
     return Runtime(rank, world_size, device, mesh, context_parallel, group)
 
 
-def context_shard(rt: Runtime, length: int) -> SequenceShard | None:
+def build_mesh(device_type: str, world_size: int, context_parallel: int
+               ) -> tuple[DeviceMesh, dist.ProcessGroup | None]:
+    """(the mesh FSDP shards over: every rank, the context group of this rank or None) over the initialised process
+    group: a (data x context) grid of world_size / N x N ranks flattened for FSDP, N = context_parallel."""
+    if context_parallel == 1:
+        return init_device_mesh(device_type, (world_size,)), None
+    grid = init_device_mesh(device_type, (world_size // context_parallel, context_parallel),
+                            mesh_dim_names=("data", "context"))
+    return grid._flatten("data_context"), grid.get_group("context")
+
+
+@dataclass
+class Traffic:
+    """Bytes a rank sends for context parallelism, counted as a ring sends them (N - 1 times its part per
+    collective): all-gathers of keys and values in forward (and in their recomputation under checkpointing), and
+    reduce-scatters of their gradients in backward."""
+
+    gathered: int = 0
+    scattered: int = 0
+    gathers: int = 0
+    scatters: int = 0
+
+
+def context_shard(rt: Runtime, length: int, traffic: Traffic | None = None) -> SequenceShard | None:
     """This process's part of each sequence of `length` tokens under context parallelism
     (`modeling.shard.SequenceShard`, None without): chunks r and 2N - 1 - r of 2N (`balanced_spans`; ValueError
     naming the lengths that split), and a `gather` that all-gathers a tensor over the context group in forward and
-    reduce-scatters its gradient in backward."""
+    reduce-scatters its gradient in backward, counted in `traffic` when given."""
     if rt.context_group is None:
         return None
     N, r = rt.context_ranks, rt.rank % rt.context_ranks
     layouts = [balanced_spans(length, N, rank) for rank in range(N)]
     return SequenceShard(length, layouts[r], partial(_GatherSequence.apply, group=rt.context_group,
-                                                     layouts=layouts, length=length))
+                                                     layouts=layouts, length=length, traffic=traffic))
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -101,17 +119,20 @@ class _GatherSequence(torch.autograd.Function):
     `group`; backward: each rank's positions of the gradient summed over the ranks (reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, layouts: list[tuple[tuple[int, int], ...]], length: int
-                ) -> Tensor:
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, layouts: list[tuple[tuple[int, int], ...]], length: int,
+                traffic: Traffic | None) -> Tensor:
         parts = [torch.empty_like(x) for _ in layouts]
         dist.all_gather(parts, x.contiguous(), group=group)
+        if traffic is not None:
+            traffic.gathered += (len(layouts) - 1) * x.numel() * x.element_size()
+            traffic.gathers += 1
         whole = x.new_empty(*x.shape[:2], length, *x.shape[3:])  # (B, X, T, D)
         for part, spans in zip(parts, layouts, strict=True):
             local = 0
             for first, end in spans:
                 whole[:, :, first:end] = part[:, :, local:local + end - first]
                 local += end - first
-        ctx.group, ctx.layouts = group, layouts
+        ctx.group, ctx.layouts, ctx.traffic = group, layouts, traffic
         return whole
 
     @staticmethod
@@ -119,7 +140,10 @@ class _GatherSequence(torch.autograd.Function):
         parts = [torch.cat([grad[:, :, first:end] for first, end in spans], dim=2) for spans in ctx.layouts]
         mine = torch.empty_like(parts[dist.get_rank(ctx.group)])
         dist.reduce_scatter(mine, parts, group=ctx.group)
-        return mine, None, None, None
+        if ctx.traffic is not None:
+            ctx.traffic.scattered += (len(parts) - 1) * mine.numel() * mine.element_size()
+            ctx.traffic.scatters += 1
+        return mine, None, None, None, None
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
