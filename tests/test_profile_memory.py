@@ -423,3 +423,15 @@ def test_nsa_double_matches_reference_path_under_context_parallel():
     double = pm.profile_step(config, stand_in=True)
     assert "spans [0, 192), [576, 768)" in double["stand_in"]
     assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])
+
+
+@pytest.mark.parametrize("attention", ["full", "nsa"])
+def test_no_rank_holds_a_quadratic_or_logits_sized_tensor_under_context_parallel(attention):
+    """A Qwen3-sized vocabulary at 262,144 tokens over 4 ranks (fake tensors): the peak of a rank's whole step
+    stays far below one (t, T) bf16 score matrix of its queries (t = T / 4) and one rank's float32 logits."""
+    T, N = 262144, 4
+    config = pm.StepConfig.of(model_size="tiny", context_length=T, attention_type=attention, world_size=N,
+                              context_parallel=N, batch_size=1, model_overrides={"vocab_size": 151936})
+    peak = pm.estimate(config)["peak"]["total"]
+    assert config.configs()[1].loss_mode == "chunked"
+    assert peak < min(T // N * T * 2, T // N * 151936 * 4) / 4, peak
