@@ -11,6 +11,7 @@ Notation: B batch, T tokens of the whole sequence, t tokens of this shard, X hea
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,28 +37,40 @@ def balanced_spans(length: int, ranks: int, rank: int) -> tuple[tuple[int, int],
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """This process's part of a sequence of `length` tokens.
+    """One rank's part of a sequence of `length` tokens split over a group of ranks.
 
-    spans: the (first, end) position ranges of the whole sequence this shard holds, ascending and disjoint; the
-        shard's tokens are these ranges one after another (t = their total length).
-    gather: (B, X, t, D) -> (B, X, T, D): a tensor over this shard's tokens, as every shard of the group holds its
-        own, read as the whole sequence's (dim 2), differentiable: its backward gives each shard the sum of every
-        shard's gradient at its positions. Every shard of a group calls it in the same order (a collective).
+    layouts: every rank's spans, by rank: the (first, end) position ranges of the whole sequence it holds,
+        ascending and disjoint, together the whole sequence; a rank's tokens are its ranges one after another.
+    rank: this process's index in `layouts` (`spans` are its ranges; t = their total length).
+    all_gather: x -> (N, *x.shape): x as every rank of the group passes it (the same shape on each), stacked by
+        rank; differentiable: its backward gives each rank the sum of every rank's gradient of its x. Every rank of
+        a group calls it in the same order (a collective). The identity with one rank: `x[None]`.
     rope: the RoPE tables (cos, sin), (T, D) each, of the whole sequence, for what rotates at positions of other
-        shards (NSA's compressed keys); set by the model (`with_rope`).
+        ranks (NSA's compressed keys); set by the model (`with_rope`).
     """
 
     length: int
-    spans: tuple[tuple[int, int], ...]
-    gather: Callable[[Tensor], Tensor]
+    layouts: tuple[tuple[tuple[int, int], ...], ...]
+    rank: int
+    all_gather: Callable[[Tensor], Tensor]
     rope: tuple[Tensor, Tensor] | None = None
 
     def __post_init__(self) -> None:
-        edges = [edge for span in self.spans for edge in span]
-        if not self.spans or edges != sorted(edges) or edges[0] < 0 or edges[-1] > self.length or any(
-                first >= end for first, end in self.spans):
-            raise ValueError(f"spans {self.spans} must be ascending, disjoint, non-empty ranges within [0, "
-                             f"{self.length})")
+        for spans in self.layouts:
+            edges = [edge for span in spans for edge in span]
+            if not spans or edges != sorted(edges) or edges[0] < 0 or edges[-1] > self.length or any(
+                    first >= end for first, end in spans):
+                raise ValueError(f"spans {spans} must be ascending, disjoint, non-empty ranges within [0, "
+                                 f"{self.length})")
+        covered = sorted(span for spans in self.layouts for span in spans)
+        if covered[0][0] != 0 or covered[-1][1] != self.length or any(
+                a[1] != b[0] for a, b in zip(covered, covered[1:], strict=False)):
+            raise ValueError(f"the ranks' spans {self.layouts} must tile the sequence [0, {self.length})")
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """This rank's (first, end) ranges."""
+        return self.layouts[self.rank]
 
     @property
     def tokens(self) -> int:
@@ -86,4 +99,46 @@ class SequenceShard:
     def with_rope(self, cos: Tensor, sin: Tensor) -> SequenceShard:
         """This shard with the whole sequence's RoPE tables (T, D) each."""
         return dataclasses.replace(self, rope=(cos, sin))
+
+    def gather_pieces(self, parts: list[Tensor], size: Callable[[int, int], int]) -> Tensor:
+        """Every rank's pieces, one a span, in position order: parts[i] (B, X, size(first, end), D) is this rank's
+        piece of its i-th span (first, end), every rank's sized by the same `size`; returns them all concatenated
+        along dim 2 in the order of their spans' positions. One `all_gather` (the pieces padded to the largest
+        rank's total); differentiable."""
+        sizes = [[size(first, end) for first, end in spans] for spans in self.layouts]
+        width = max(sum(row) for row in sizes)
+        local = torch.cat(parts, dim=2)
+        pad = local.new_zeros(*local.shape[:2], width - local.shape[2], *local.shape[3:])
+        stacked = self.all_gather(torch.cat([local, pad], dim=2))  # (N, B, X, width, D)
+        pieces = []
+        for rank, (spans, row) in enumerate(zip(self.layouts, sizes, strict=True)):
+            offset = 0
+            for (first, _), n in zip(spans, row, strict=True):
+                pieces.append((first, stacked[rank][:, :, offset:offset + n]))
+                offset += n
+        return torch.cat([piece for _, piece in sorted(pieces, key=lambda item: item[0])], dim=2)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """x (B, X, t, D) over this rank's tokens -> (B, X, T, D), the whole sequence's, from every rank's x
+        (differentiable: each rank gets the sum of every rank's gradient at its positions)."""
+        return self.gather_pieces([x[:, :, lo:lo + end - first] for lo, first, end in self.pieces()],
+                                  lambda first, end: end - first)
+
+    def before(self, x: Tensor, m: int) -> list[Tensor]:
+        """For each of this rank's spans, x at the m positions before it (fewer at the sequence's start): x (B, X, t,
+        D) over this rank's tokens -> [(B, X, min(m, first), D) a span], from the ranks that hold them. Each rank
+        sends the last min(m, length) positions of each span (a whole span when m exceeds it, so that the positions
+        before a span are always among them); differentiable."""
+        def size(first: int, end: int) -> int:
+            return min(m, end - first)
+
+        tails = self.gather_pieces([x[:, :, lo + end - first - size(first, end):lo + end - first]
+                                    for lo, first, end in self.pieces()], size)  # (B, X, sum of sizes, D)
+        spans = sorted(span for row in self.layouts for span in row)
+        positions = [p for first, end in spans for p in range(end - size(first, end), end)]  # the tails', ascending
+        out = []
+        for _, first, _ in self.pieces():
+            low, high = bisect.bisect_left(positions, max(0, first - m)), bisect.bisect_left(positions, first)
+            out.append(tails[:, :, low:high])
+        return out
 

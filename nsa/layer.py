@@ -272,33 +272,67 @@ class NativeSparseAttention(nn.Module):
         return out, selection_score_loss(b.q, k_cmp, b.k_slc, cfg, self.compute, self.objective), rows
 
     def _attend_shard(self, branches: _Branches, shard: SequenceShard) -> tuple[Tensor, Tensor | None]:
-        """The attention of a sequence shard's queries (context parallelism): the whole sequence's keys and values
-        gathered (`shard.gather`, each distinct tensor once), its compressed keys computed once from them, and each
-        span of the shard attended as the queries from its first position on (`sparse_attention`'s q_start) over the
-        keys up to its end, the window from w - 1 keys before it: what the whole sequence gives at those positions.
-        Returns (out (B, H, t, D), the selection-scoring loss of the shard's rows over the whole sequence's row
-        count, so that the shards' add up to the mean, or None)."""
+        """The attention of a sequence shard's queries (context parallelism), each span of the shard as the queries
+        from its first position on over the keys up to its end, blocks and window counted from the sequence's start:
+        what the whole sequence gives at those positions. What crosses ranks: the selection keys and values of the
+        whole sequence (`shard.gather`: top-n may pick any block), the compressed ones (each rank compresses the
+        blocks that end in its spans, from its tokens and the l - 1 before them), and for each span the window's w -
+        1 keys before it (`shard.before`); with one K/V set and the "mean" compressor, the compressed and window keys
+        come from the gathered selection keys. Returns (out (B, H, t, D), the selection-scoring loss of the shard's
+        rows over the whole sequence's row count, so that the shards' add up to the mean, or None)."""
         cfg, b = self.config, branches
-        whole: dict[int, Tensor] = {}
-        for keys in b[1:7]:  # with one K/V set, the compression, selection and window keys are the same tensors
-            if id(keys) not in whole:
-                whole[id(keys)] = shard.gather(keys)  # (B, KV, T, D)
-        k_cmp_raw, v_cmp_raw, k_slc, v_slc, k_win, v_win = (whole[id(keys)] for keys in b[1:7])
+        k_slc, v_slc = shard.gather(b.k_slc), shard.gather(b.v_slc)  # (B, KV, T, D)
         cos, sin = shard.rope
-        k_cmp, v_cmp = self._compress(k_cmp_raw, v_cmp_raw, 0, cos, sin, 0)  # (B, KV, Nc, D)
+        if b.k_cmp_raw is b.k_slc and b.v_cmp_raw is b.v_slc:
+            k_cmp, v_cmp = self._compress(k_slc, v_slc, 0, cos, sin, 0)  # (B, KV, Nc, D)
+        else:
+            k_cmp, v_cmp = self._compress_shard(b.k_cmp_raw, b.v_cmp_raw, shard)
+        shared_window = b.k_win is b.k_slc and b.v_win is b.v_slc
+        if not shared_window:
+            k_before, v_before = (shard.before(x, cfg.nsa_window - 1) for x in (b.k_win, b.v_win))
         outs = []
-        for lo, first, end in shard.pieces():
+        for i, (lo, first, end) in enumerate(shard.pieces()):
             hi, n_cmp = lo + end - first, num_compressed_blocks(end, cfg.nsa_block_size, cfg.nsa_stride)
             win = max(0, first - cfg.nsa_window + 1)
+            if shared_window:
+                k_win, v_win = k_slc[:, :, win:end], v_slc[:, :, win:end]
+            else:  # (B, KV, end - win, D)
+                k_win, v_win = (torch.cat([before[i], x[:, :, lo:hi]], dim=2) for before, x in
+                                ((k_before, b.k_win), (v_before, b.v_win)))
             outs.append(self.sparse_attention(
                 b.q[:, :, lo:hi], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_slc[:, :, :end], v_slc[:, :, :end],
-                k_win[:, :, win:end], v_win[:, :, win:end], b.gates[:, :, lo:hi], cfg, q_start=first, win_start=win,
-                compute=self.compute))
+                k_win, v_win, b.gates[:, :, lo:hi], cfg, q_start=first, win_start=win, compute=self.compute))
         out = torch.cat(outs, dim=2)  # (B, H, t, D)
         if not (self.objective.nsa_score_loss_coef and torch.is_grad_enabled()
                 and (b.q.requires_grad or k_cmp.requires_grad)):
             return out, None
         return out, selection_score_loss(b.q, k_cmp, k_slc, cfg, self.compute, self.objective, shard)
+
+    def _compress_shard(self, k_raw: Tensor, v_raw: Tensor, shard: SequenceShard) -> tuple[Tensor, Tensor]:
+        """The compressed keys and values (B, KV, Nc, D) of the whole sequence from a shard's compression inputs
+        k_raw, v_raw (B, KV, t, D): each rank compresses the blocks whose last position lies in its spans (from the
+        span's tokens and the l - 1 before it, `shard.before`), and the ranks' blocks are gathered in order."""
+        l, d = self.config.nsa_block_size, self.config.nsa_stride
+        cos, sin = shard.rope
+
+        def first_block(first: int) -> int:  # the start of the first block ending at or after `first`
+            return max(0, -(-(first - l + 1) // d)) * d
+
+        befores = [shard.before(x, l - 1) for x in (k_raw, v_raw)]
+        parts: list[list[Tensor]] = [[], []]
+        for i, (lo, first, end) in enumerate(shard.pieces()):
+            raw = [torch.cat([before[i], x[:, :, lo:lo + end - first]], dim=2) for before, x in
+                   zip(befores, (k_raw, v_raw), strict=True)]  # positions [first - l + 1 or 0, end)
+            start, held = first_block(first), end - raw[0].shape[2]  # the first block's start, raw's first position
+            k, v = self._compress(raw[0][:, :, start - held:], raw[1][:, :, start - held:], start, cos, sin, 0)
+            parts[0].append(k)
+            parts[1].append(v)
+
+        def blocks(first: int, end: int) -> int:
+            return num_compressed_blocks(end - first_block(first), l, d)
+
+        k_cmp, v_cmp = (shard.gather_pieces(part, blocks) for part in parts)
+        return k_cmp, v_cmp
 
     @torch.compiler.disable  # opaque to torch.compile: a Python loop over each row's documents (data-dependent)
     def _attend_documents(self, branches: _Branches, doc_start: Tensor, cos: Tensor, sin: Tensor

@@ -93,8 +93,8 @@ def _arguments(layer_class: type, config: ModelConfig, compute: ComputeConfig, B
         captured.append(((q, *args), kwargs))
         return torch.zeros_like(q)
 
-    def gather(x: Tensor) -> Tensor:  # what the other ranks' positions add: shape only
-        return x.new_empty(*x.shape[:2], T, *x.shape[3:])  # (B, X, T, D)
+    def all_gather(x: Tensor) -> Tensor:  # what the rank holding positions [0, first) adds: shapes only
+        return x.new_empty(2, *x.shape)
 
     with torch.device(device), torch.no_grad(), autocast, _swapped(layer_class, capture):  # fp32 weights, autocast
         layer = layer_class(config, compute)
@@ -102,7 +102,7 @@ def _arguments(layer_class: type, config: ModelConfig, compute: ComputeConfig, B
         if first == 0:
             layer(torch.empty(B, T, config.dim), cos, sin)
         else:
-            shard = SequenceShard(T, ((first, T),), gather).with_rope(cos, sin)
+            shard = SequenceShard(T, (((first, T),), ((0, first),)), 0, all_gather).with_rope(cos, sin)
             layer(torch.empty(B, T - first, config.dim), cos[first:], sin[first:], shard=shard)
     return captured[0]
 

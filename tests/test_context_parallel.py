@@ -39,18 +39,39 @@ def test_balanced_spans_pair_early_and_late_chunks() -> None:
         balanced_spans(130, 4, 0)
 
 
+def _alone(length: int, spans: tuple[tuple[int, int], ...]) -> SequenceShard:
+    """One process holding a whole sequence in `spans` (its all-gather the identity)."""
+    return SequenceShard(length, (spans,), 0, lambda x: x[None])
+
+
 def test_a_shard_checks_its_spans_and_takes_its_positions() -> None:
-    shard = SequenceShard(8, ((0, 2), (6, 8)), lambda x: x)
+    shard = SequenceShard(8, (((0, 2), (6, 8)), ((2, 6),)), 0, lambda x: x[None])
     assert shard.tokens == 4 and list(shard.pieces()) == [(0, 0, 2), (2, 6, 8)]
     assert shard.take(torch.arange(8)[None]).tolist() == [[0, 1, 6, 7]] == [shard.positions().tolist()]
     for spans in (((2, 4), (0, 2)), ((0, 3), (2, 4)), ((0, 9),), ((1, 1),)):
         with pytest.raises(ValueError, match="ascending, disjoint"):
-            SequenceShard(8, spans, lambda x: x)
+            _alone(8, spans)
+    with pytest.raises(ValueError, match="must tile"):
+        _alone(8, ((0, 2), (3, 8)))
 
 
-def _model(attention: str) -> Transformer:
+def test_the_positions_before_each_span() -> None:
+    """`before`: the m positions before each span, from the ranks' tails (a whole span when m exceeds it)."""
+    x = torch.arange(16.0).view(1, 1, 16, 1)
+    shard = _alone(16, ((0, 3), (3, 7), (7, 16)))
+    assert [b.flatten().tolist() for b in shard.before(x, 2)] == [[], [1.0, 2.0], [5.0, 6.0]]
+    assert [b.flatten().tolist() for b in shard.before(x, 5)] == [[], [0.0, 1.0, 2.0], [2.0, 3.0, 4.0, 5.0, 6.0]]
+    assert torch.equal(shard.gather(x), x)
+
+
+ONE_SET = {"nsa_separate_kv": False, "nsa_compressor": "mean"}  # the recall recipe's NSA: one K/V set, mean blocks
+
+
+def _model(attention: str, **overrides: object) -> Transformer:
+    """The tiny preset in float64: NSA (three K/V sets, the MLP compressor, unless `overrides` say otherwise) with
+    its selection-scoring loss."""
     torch.manual_seed(0)
-    config = ModelConfig.from_preset("tiny", attention_type=attention, context_length=T)
+    config = ModelConfig.from_preset("tiny", attention_type=attention, context_length=T, **overrides)
     objective = Objective(nsa_score_loss_coef=0.5) if attention == "nsa" else Objective()
     return Transformer(config, objective=objective).double()
 
@@ -69,9 +90,10 @@ def test_one_process_holding_several_spans_equals_the_whole_sequence() -> None:
     """A shard of one process in 3 spans (gather the identity): each span attends as queries from its first
     position on; the outputs, loss and gradients are the whole sequence's."""
     ids, labels = _batch(2)
-    shard = SequenceShard(T, ((0, 40), (40, 97), (97, T)), lambda x: x)
-    for attention, path in (("full", nullcontext()), ("full", explicit_attention()), ("nsa", nullcontext())):
-        whole, split = _model(attention), _model(attention)
+    shard = _alone(T, ((0, 40), (40, 97), (97, T)))
+    for attention, path, overrides in (("full", nullcontext(), {}), ("full", explicit_attention(), {}),
+                                       ("nsa", nullcontext(), {}), ("nsa", nullcontext(), ONE_SET)):
+        whole, split = _model(attention, **overrides), _model(attention, **overrides)
         expected = whole(ids, labels)
         expected.loss.backward()
         with path:  # full attention: the CPU's flash kernels, or SDPA with a lower-right causal mask (as on CUDA)
@@ -90,8 +112,9 @@ def _parity(context_ranks: int) -> None:
     assert shard.spans == balanced_spans(T, context_ranks, rt.rank % context_ranks)
     ids, labels = _batch(2 * rt.data_ranks)
     mine = slice(2 * rt.data_rank, 2 * rt.data_rank + 2)  # this data group's rows
-    for attention, documents in (("full", False), ("full", True), ("nsa", False)):
-        reference, model = _model(attention), _model(attention)
+    for attention, documents, overrides in (("full", False, {}), ("full", True, {}), ("nsa", False, {}),
+                                            ("nsa", False, ONE_SET)):
+        reference, model = _model(attention, **overrides), _model(attention, **overrides)
         starts = document_starts(ids, 1) if documents else None
         expected = reference(ids, labels, doc_start=starts)
         expected.loss.backward()
@@ -107,7 +130,8 @@ def _parity(context_ranks: int) -> None:
         torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-12, atol=0)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             dist.all_reduce(p.grad)
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=f"{attention} {name}")
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14,
+                                       msg=f"{attention} {overrides} {name}")
     dist.destroy_process_group()
 
 
@@ -189,7 +213,7 @@ def test_context_parallel_refusals(swa: type) -> None:
     with pytest.raises(ValueError, match=r"--context_parallel 2 must divide the 1 processes.*\[1\]"):
         parallel.init_runtime(2)
     ids, _ = _batch(1)
-    shard = SequenceShard(T, ((0, 64), (64, T)), lambda x: x)
+    shard = _alone(T, ((0, 64), (64, T)))
     with pytest.raises(ValueError, match="NSA does not split a sequence shard into documents"):
         _model("nsa")(ids, doc_start=document_starts(ids, 1), shard=shard)
     window = Transformer(ModelConfig.from_preset("tiny", attention_type="swa", context_length=T))

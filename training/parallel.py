@@ -104,46 +104,38 @@ class Traffic:
 def context_shard(rt: Runtime, length: int, traffic: Traffic | None = None) -> SequenceShard | None:
     """This process's part of each sequence of `length` tokens under context parallelism
     (`modeling.shard.SequenceShard`, None without): chunks r and 2N - 1 - r of 2N (`balanced_spans`; ValueError
-    naming the lengths that split), and a `gather` that all-gathers a tensor over the context group in forward and
-    reduce-scatters its gradient in backward, counted in `traffic` when given."""
+    naming the lengths that split), whose `all_gather` all-gathers over the context group in forward and
+    reduce-scatters the gradient in backward, counted in `traffic` when given."""
     if rt.context_group is None:
         return None
-    N, r = rt.context_ranks, rt.rank % rt.context_ranks
-    layouts = [balanced_spans(length, N, rank) for rank in range(N)]
-    return SequenceShard(length, layouts[r], partial(_GatherSequence.apply, group=rt.context_group,
-                                                     layouts=layouts, length=length, traffic=traffic))
+    N = rt.context_ranks
+    layouts = tuple(balanced_spans(length, N, rank) for rank in range(N))
+    return SequenceShard(length, layouts, rt.rank % N, partial(_AllGather.apply, group=rt.context_group,
+                                                               traffic=traffic))
 
 
-class _GatherSequence(torch.autograd.Function):
-    """x (B, X, t, D), this rank's positions (`layouts[rank]`) -> (B, X, T, D), the whole sequence from every rank of
-    `group`; backward: each rank's positions of the gradient summed over the ranks (reduce-scatter)."""
+class _AllGather(torch.autograd.Function):
+    """x -> (N, *x.shape): x from every rank of `group`, stacked by rank; backward: each rank's slice of the gradient
+    summed over the ranks (reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, layouts: list[tuple[tuple[int, int], ...]], length: int,
-                traffic: Traffic | None) -> Tensor:
-        parts = [torch.empty_like(x) for _ in layouts]
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> Tensor:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         if traffic is not None:
-            traffic.gathered += (len(layouts) - 1) * x.numel() * x.element_size()
+            traffic.gathered += (len(parts) - 1) * x.numel() * x.element_size()
             traffic.gathers += 1
-        whole = x.new_empty(*x.shape[:2], length, *x.shape[3:])  # (B, X, T, D)
-        for part, spans in zip(parts, layouts, strict=True):
-            local = 0
-            for first, end in spans:
-                whole[:, :, first:end] = part[:, :, local:local + end - first]
-                local += end - first
-        ctx.group, ctx.layouts, ctx.traffic = group, layouts, traffic
-        return whole
+        ctx.group, ctx.traffic = group, traffic
+        return torch.stack(parts)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        parts = [torch.cat([grad[:, :, first:end] for first, end in spans], dim=2) for spans in ctx.layouts]
-        mine = torch.empty_like(parts[dist.get_rank(ctx.group)])
-        dist.reduce_scatter(mine, parts, group=ctx.group)
+        mine = torch.empty_like(grad[0])
+        dist.reduce_scatter(mine, list(grad.unbind(0)), group=ctx.group)
         if ctx.traffic is not None:
-            ctx.traffic.scattered += (len(parts) - 1) * mine.numel() * mine.element_size()
+            ctx.traffic.scattered += (grad.shape[0] - 1) * mine.numel() * mine.element_size()
             ctx.traffic.scatters += 1
-        return mine, None, None, None, None
+        return mine, None, None
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
