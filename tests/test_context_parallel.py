@@ -26,6 +26,7 @@ from modeling.documents import document_starts
 from modeling.flash import explicit_attention
 from modeling.loss import IGNORE_INDEX, shift_labels
 from modeling.shard import SequenceShard, balanced_spans
+from nsa.primitive import exact_block_scores
 from training import options as train_config
 from training import parallel
 
@@ -92,11 +93,12 @@ def test_one_process_holding_several_spans_equals_the_whole_sequence() -> None:
     ids, labels = _batch(2)
     shard = _alone(T, ((0, 40), (40, 97), (97, T)))
     for attention, path, overrides in (("full", nullcontext(), {}), ("full", explicit_attention(), {}),
-                                       ("nsa", nullcontext(), {}), ("nsa", nullcontext(), ONE_SET)):
+                                       ("nsa", nullcontext(), {}), ("nsa", nullcontext(), ONE_SET),
+                                       ("nsa", exact_block_scores(), {})):
         whole, split = _model(attention, **overrides), _model(attention, **overrides)
-        expected = whole(ids, labels)
-        expected.loss.backward()
         with path:  # full attention: the CPU's flash kernels, or SDPA with a lower-right causal mask (as on CUDA)
+            expected = whole(ids, labels)  # NSA: also selecting by exact block scores (--nsa_exact_selection_steps)
+            expected.loss.backward()
             got = split(ids, shift_labels(labels), shard=shard)
             got.loss.backward()
         torch.testing.assert_close(got.loss, expected.loss, rtol=1e-12, atol=0)
