@@ -13,6 +13,8 @@ Sections, each run as its own subprocess (an out-of-memory error or a crash in o
   loss      that layer training with the selection-scoring loss at 32k (nsa/scoring.py's PyTorch path), on
             candidate blocks and with the dense target: the step's time over NSA's without it; above 1.10 for the
             candidate blocks, the loss wants a Triton kernel
+  context   context parallelism's attention on CUDA (full attention's spans through SDPA's lower-right causal mask,
+            NSA's from their first query) against the whole sequence (tests/test_context_parallel.py -m gpu)
   estimate  profile_memory.py --measure against its CPU estimate, 0.6B and 1.7B at 8k (full attention) and 32k (the
             long-context recipe: NSA, checkpointing, tiled FFN, chunked loss); target: within 10% of the measured peak
   train     train.py for 20 steps at 32k on 1.7B with NSA: tokens/s, MFU and peak memory
@@ -190,6 +192,10 @@ SECTIONS = [
             lambda outputs, work: (_table_lines(outputs[0]) or _tail(outputs[0]))
             + "\n\nLast column: the step's time over NSA's without the loss. Above 1.10 for `nsa+loss` (candidate "
               "blocks), the loss's PyTorch path costs more than a tenth of the step: give it a Triton kernel."),
+    Section("context", "Context parallelism's attention on CUDA: a sequence in 3 spans against the whole (bf16)",
+            lambda work: [[sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu",
+                           "tests/test_context_parallel.py"]], _needs_cuda,
+            lambda outputs, work: _tail(outputs[0])),
     Section("estimate", "profile_memory.py: estimate against measured peak",
             lambda work: [_estimate_command(size, T) for size, T in ESTIMATE_RUNS], _needs_cuda,
             _summarise_estimates, timeout_s=1200),
