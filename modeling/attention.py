@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
 from modeling.config import ComputeConfig, ModelConfig
@@ -219,7 +220,12 @@ class FullAttention(nn.Module):
                                                 scale))
             elif fused(q):
                 parts.append(document_attention(q_span, k_seen, v_seen, None, first, scale))
-            else:
+            else:  # only CUDA's flash kernel takes the lower-right mask unmaterialised: refuse what it cannot take
+                if q.device.type == "cuda" and not can_use_flash_attention(SDPAParams(
+                        q_span, k_seen, v_seen, None, 0.0, False, self.config.n_rep > 1)):
+                    raise ValueError("full attention over a sequence shard (--context_parallel) runs on CUDA's "
+                                     "flash kernel, which cannot take these inputs (it needs bfloat16 or float16 "
+                                     "and a head_dim of at most 256): train with --dtype bfloat16")
                 parts.append(F.scaled_dot_product_attention(q_span, k_seen, v_seen, scale=scale,
                                                             attn_mask=causal_lower_right(end - first, end),
                                                             enable_gqa=self.config.n_rep > 1))

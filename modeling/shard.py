@@ -85,10 +85,6 @@ class SequenceShard:
             yield local, first, end
             local += end - first
 
-    def positions(self, device: torch.device | str | None = None) -> Tensor:
-        """(t,) long: the position of each of this shard's tokens in the whole sequence."""
-        return torch.cat([torch.arange(first, end, device=device) for first, end in self.spans])
-
     def take(self, whole: Tensor, dim: int = 1) -> Tensor:
         """This shard's positions of `whole`, a tensor over the whole sequence's T positions along `dim`."""
         if whole.shape[dim] != self.length:
@@ -127,7 +123,7 @@ class SequenceShard:
     def before(self, x: Tensor, m: int) -> list[Tensor]:
         """For each of this rank's spans, x at the m positions before it (fewer at the sequence's start): x (B, X, t,
         D) over this rank's tokens -> [(B, X, min(m, first), D) a span], from the ranks that hold them. Each rank
-        sends the last min(m, length) positions of each span (a whole span when m exceeds it, so that the positions
+        sends the last m positions of each of its spans (the whole span when it is shorter, so that the positions
         before a span are always among them); differentiable."""
         def size(first: int, end: int) -> int:
             return min(m, end - first)

@@ -176,7 +176,7 @@ def sparse_attention_stand_in(layer_class: type, config: ModelConfig, compute: C
     calibrated for `batch_size` x `seq_len` tokens computing in `dtype` on `device` (call it under FakeTensorMode);
     with `spans`, for each (first, end) span of a sequence shard (context parallelism: the layer calls its attention
     once a span, `span_spec`), told apart by their first position. Yields a one-line description."""
-    points = calibration_lengths(config, compute, seq_len)
+    points = calibration_lengths(config, compute, seq_len) if spans is None else []
     specs = {first: calibrated_spec(layer_class, config, compute, batch_size, end, dtype, device) if first == 0
              else span_spec(layer_class, config, compute, batch_size, first, end, dtype, device)
              for first, end in spans or ((0, seq_len),)}

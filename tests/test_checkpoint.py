@@ -159,9 +159,9 @@ def test_metrics_are_strict_json_and_survive_a_cut_line(data_dir: Path, tmp_path
     compute_loss = Transformer.compute_loss
     calls = {"n": 0}
 
-    def nan_once(self, *args):
+    def nan_once(self, *args, **kwargs):
         calls["n"] += 1
-        loss, logits = compute_loss(self, *args)
+        loss, logits = compute_loss(self, *args, **kwargs)
         return (loss * math.nan if calls["n"] == 2 else loss), logits
 
     monkeypatch.setattr(Transformer, "compute_loss", nan_once)

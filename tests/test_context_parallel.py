@@ -28,7 +28,7 @@ from modeling.loss import IGNORE_INDEX, shift_labels
 from modeling.shard import SequenceShard, balanced_spans
 from nsa.primitive import exact_block_scores
 from training import options as train_config
-from training import parallel
+from training import parallel, trainer
 
 T = 128  # tiny preset's NSA: l' = 16, n = 4, so top-n chooses from position 64 on
 
@@ -48,7 +48,7 @@ def _alone(length: int, spans: tuple[tuple[int, int], ...]) -> SequenceShard:
 def test_a_shard_checks_its_spans_and_takes_its_positions() -> None:
     shard = SequenceShard(8, (((0, 2), (6, 8)), ((2, 6),)), 0, lambda x: x[None])
     assert shard.tokens == 4 and list(shard.pieces()) == [(0, 0, 2), (2, 6, 8)]
-    assert shard.take(torch.arange(8)[None]).tolist() == [[0, 1, 6, 7]] == [shard.positions().tolist()]
+    assert shard.take(torch.arange(8)[None]).tolist() == [[0, 1, 6, 7]]
     for spans in (((2, 4), (0, 2)), ((0, 3), (2, 4)), ((0, 9),), ((1, 1),)):
         with pytest.raises(ValueError, match="ascending, disjoint"):
             _alone(8, spans)
@@ -107,8 +107,10 @@ def test_one_process_holding_several_spans_equals_the_whole_sequence() -> None:
 
 
 def _parity(context_ranks: int) -> None:
-    """In each rank of a (data x context) layout: the rank's share of the loss and of every gradient, summed over
-    the ranks, equals one process's over the whole batch (each data group reads its own rows)."""
+    """In each rank of a (data x context) layout, through the trainer's step (`trainer.forward_backward`: the
+    rank's positions taken, the loss's normaliser and NSA's term weighted over the ranks): the rank's share of the
+    loss, of NSA's selection-scoring term and of every gradient, summed over the ranks, equals one process's over
+    the whole batch (each data group reads its own rows). The trainer adds the step's loss in float32."""
     rt = parallel.init_runtime(context_ranks)
     shard = parallel.context_shard(rt, T)
     assert shard.spans == balanced_spans(T, context_ranks, rt.rank % context_ranks)
@@ -120,16 +122,13 @@ def _parity(context_ranks: int) -> None:
         starts = document_starts(ids, 1) if documents else None
         expected = reference(ids, labels, doc_start=starts)
         expected.loss.backward()
-        targets = shard.take(shift_labels(labels[mine]))  # shifted first: a shard's tokens are not contiguous
-        n_tokens = (targets != IGNORE_INDEX).sum().double()
-        dist.all_reduce(n_tokens)  # every rank's targets: the whole batch's
-        got = model(shard.take(ids[mine]), targets, loss_normalizer=n_tokens,
-                    aux_weight=1 / rt.data_ranks, doc_start=None if starts is None else shard.take(starts[mine]),
-                    shard=shard)
-        got.loss.backward()
-        loss = got.loss.detach()
+        batch = [ids[mine], labels[mine], *([] if starts is None else [starts[mine]])]
+        loss, extras = trainer.forward_backward(model, [batch], nullcontext(), shard=shard)
         dist.all_reduce(loss)
-        torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(loss, expected.loss.detach().float(), rtol=1e-6, atol=0)
+        if attention == "nsa":
+            dist.all_reduce(extras["aux_loss"])
+            torch.testing.assert_close(extras["aux_loss"], expected.aux_loss, rtol=1e-12, atol=0)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             dist.all_reduce(p.grad)
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14,

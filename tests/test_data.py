@@ -425,8 +425,8 @@ def test_loader_resume_with_other_world_size(stream_dir):
 
 
 def test_loader_bad_arguments_and_state(stream_dir):
-    with pytest.raises(ValueError, match=r"fewer than one step's 122 \(batch size 61 x 2 processes\): pass "
-                                         r"--batch_size \d+ or less, a shorter --context_length, or prepare more"):
+    with pytest.raises(ValueError, match=r"fewer than one step's 122 \(batch size 61 x 2 data-parallel processes\): "
+                                         r"pass --batch_size \d+ or less, a shorter --context_length, or prepare more"):
         TokenLoader(stream_dir, seq_len=64, batch_size=61, world_size=2)
     with pytest.raises(ValueError, match="rank 2"):
         TokenLoader(stream_dir, seq_len=64, batch_size=1, rank=2, world_size=2)

@@ -342,9 +342,9 @@ def test_non_finite_steps_are_skipped_then_stop(data_dir: Path, tmp_path: Path,
     calls = {"n": 0}
     compute_loss = Transformer.compute_loss
 
-    def poisoned(self: Transformer, *args: object) -> tuple:
+    def poisoned(self: Transformer, *args: object, **kwargs: object) -> tuple:
         calls["n"] += 1
-        loss, logits = compute_loss(self, *args)
+        loss, logits = compute_loss(self, *args, **kwargs)
         return loss * (float("nan") if calls["n"] == 1 or calls["n"] > 2 else 1.0), logits
 
     monkeypatch.setattr(Transformer, "compute_loss", poisoned)

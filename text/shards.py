@@ -502,7 +502,8 @@ class TokenLoader:
             fits = f"--batch_size {self.num_windows // world_size} or less, " if self.num_windows >= world_size else ""
             raise ValueError(f"{data_dir} has {self.num_tokens} tokens = {self.num_windows} windows of {seq_len}, "
                              f"fewer than one step's {world_size * batch_size} (batch size {batch_size} x "
-                             f"{world_size} processes): pass {fits}a shorter --context_length, or prepare more data")
+                             f"{world_size} data-parallel processes): pass {fits}a shorter --context_length, or "
+                             "prepare more data")
         self.epoch = 0
         self.step = 0  # steps taken in the current epoch
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)

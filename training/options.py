@@ -233,8 +233,7 @@ class TrainConfig:
         if self.sample_tokens is not None and self.sample_tokens >= self.context_length:
             raise ValueError(f"--sample_tokens must be less than --context_length ({self.context_length}), the "
                              f"longest sequence the model generates; got {self.sample_tokens}")
-        if self.context_parallel > 1:
-            balanced_spans(self.context_length, self.context_parallel, 0)  # ValueError naming the lengths that split
+        self.check_context_parallel()
         if self.seed > MAX_SEED:
             raise ValueError(f"--seed must be <= {MAX_SEED} (64-bit generators), got {self.seed}")
         for table, zero_allowed in ((POSITIVE, False), (NON_NEGATIVE, True)):
@@ -255,6 +254,15 @@ class TrainConfig:
         if own := sorted(set(self.model_overrides) & set(OWN_OPTION)):
             raise ValueError(f"--model_overrides may not set {', '.join(own)}: pass {OWN_OPTION[own[0]]} instead (the "
                              "option train.py resolves and checks)")
+
+    def check_context_parallel(self) -> None:
+        """ValueError for a --context_parallel the context cannot split (naming the lengths that can), or with
+        --compile."""
+        if self.context_parallel > 1:
+            balanced_spans(self.context_length, self.context_parallel, 0)
+            if self.compile:
+                raise ValueError("--compile with --context_parallel is not supported (the sequence split's "
+                                 "collectives and span loops are untested under torch.compile): leave one out")
 
     def objective(self) -> Objective:
         """What the run minimises besides cross-entropy: the objective options."""
@@ -406,7 +414,9 @@ PATH_OPTIONS = ("data_dir", "tokenizer", "init_from", "adapter")  # a file or a 
 # What a resumed run cannot change: they define its data, and the loader's position is a position in that data
 # (its tokenizer is checked against the checkpoint's: run_data.resolve_tokenizer).
 DATA_OPTIONS = ("data_dir", "seed", "synthetic_mix", "synthetic_task", "synthetic_pairs", "answer_loss")
-NOT_CONTINUED = ("resume", "out_dir", "verbose")  # about one invocation, never taken from the record
+# About one invocation, never taken from the record (the process layout is the launcher's: torchrun's processes and
+# how they split each sequence).
+NOT_CONTINUED = ("resume", "out_dir", "verbose", "context_parallel")
 # What a resumed run cannot change either: the geometry of the adapters its checkpoints hold (rank, scale, places).
 ADAPTER_OPTIONS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "npt_rank", "npt_layers", "npt_targets",
                    "npt_residual_mode")

@@ -120,18 +120,19 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup, traffic: Traffic | None) -> Tensor:
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        N = dist.get_world_size(group)
+        stacked = x.new_empty(N * x.shape[0], *x.shape[1:])  # one buffer, each rank's x in its rows
+        dist.all_gather_single(stacked, x.contiguous(), group=group)
         if traffic is not None:
-            traffic.gathered += (len(parts) - 1) * x.numel() * x.element_size()
+            traffic.gathered += (N - 1) * x.numel() * x.element_size()
             traffic.gathers += 1
         ctx.group, ctx.traffic = group, traffic
-        return torch.stack(parts)
+        return stacked.view(N, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        mine = torch.empty_like(grad[0])
-        dist.reduce_scatter(mine, list(grad.unbind(0)), group=ctx.group)
+        mine = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_single(mine, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
         if ctx.traffic is not None:
             ctx.traffic.scattered += (grad.shape[0] - 1) * mine.numel() * mine.element_size()
             ctx.traffic.scatters += 1

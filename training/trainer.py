@@ -168,7 +168,7 @@ def lm_loss(model: Transformer, input_ids: Tensor, labels: Tensor, n_tokens: Ten
     over the ranks that share them: the weight counts the ranks that read other sequences."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     if shard is not None:
-        ranks = ranks * shard.tokens // shard.length  # the ranks of a context group hold one sequence together
+        ranks //= len(shard.layouts)  # the ranks of a context group hold one sequence together
     out = model(input_ids, labels, loss_normalizer=n_tokens, aux_weight=1 / (n_micro * ranks), doc_start=doc_start,
                 **({} if shard is None else {"shard": shard}))
     return out.loss, {} if out.aux_loss is None else {"aux_loss": out.aux_loss}
@@ -321,6 +321,9 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
        base weights that step 5 filled), before
     7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position; only
        then are checkpoints moved aside or pruned (`settle_checkpoints`)."""
+    if cfg.context_parallel != rt.context_ranks:
+        raise ValueError(f"--context_parallel {cfg.context_parallel}, but the processes were set up for "
+                         f"{rt.context_ranks} a sequence: build the runtime with init_runtime(cfg.context_parallel)")
     mode = finetune_mode(cfg)
     mode.check(rt.world_size)
     check_tracker(cfg.tracker)
