@@ -2,9 +2,9 @@
 
 Under context parallelism every rank of a group holds some positions of one sequence: its tokens, their
 activations, their part of the loss. Attention needs keys of positions other ranks hold, so the model asks the
-shard for them (`gather`) and computes its own queries only. The model never talks to other processes itself: the
-trainer builds a `SequenceShard` whose `gather` is a collective (training/parallel.py, `context_shard`) and hands
-it to `Transformer.forward`.
+shard for them (`gather`: the whole sequence's; `before`: the few before each span) and computes its own queries
+only. The model never talks to other processes itself: the trainer builds a `SequenceShard` whose one collective,
+`all_gather`, comes from training/parallel.py (`context_shard`), and hands it to `Transformer.forward`.
 
 Notation: B batch, T tokens of the whole sequence, t tokens of this shard, X heads, D head dimension.
 """
@@ -125,6 +125,9 @@ class SequenceShard:
         D) over this rank's tokens -> [(B, X, min(m, first), D) a span], from the ranks that hold them. Each rank
         sends the last m positions of each of its spans (the whole span when it is shorter, so that the positions
         before a span are always among them); differentiable."""
+        if m <= 0:
+            return [x[:, :, :0] for _ in self.spans]
+
         def size(first: int, end: int) -> int:
             return min(m, end - first)
 
