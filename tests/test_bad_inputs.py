@@ -684,6 +684,7 @@ OPTION_CANNOT_ACT = {
 }
 OPTIONS_ACT_ALONE = (
     "attention_type", "batch_size", "checkpoint_interval", "checkpoint_minutes", "compile", "context_length",
+    "context_parallel",  # splits each sequence; refused when it does not divide the processes (init_runtime)
     "data_dir", "document_mask", "dtype", "empty_cache_interval", "eval_interval", "ffn_chunk_size", "finetune",
     "grad_clip",
     "gradient_accumulation_steps", "gradient_checkpointing", "heartbeat_seconds", "init_from", "keep_checkpoints",
