@@ -54,6 +54,8 @@ SKIPPED = {  # what a CPU test cannot run, and why
     "--documents docs.jsonl": "the reader's own documents (tests/test_eval.py scores some)",
 }
 SCALED = {"--context_length 131072": "--context_length 256", "--context_length 32768": "--context_length 256",
+          "--context_length 1048576": "--context_length 256", "--nproc_per_node=8": "--nproc_per_node=2",
+          "--context_parallel 8": "--context_parallel 2",
           "--model_size 4B": "--model_size tiny", "~/corpus": "CORPUS"}  # CPU-test scale; CORPUS: a stdlib package
 
 
