@@ -12,8 +12,11 @@ every design; `python benchmarks/nsa_block_sharing.py` measures the union below 
   16-row tile walk the query's n blocks, loading each block's K and V (2 l' D elements) per query, in the forward and
   again for dQ; dK/dV per block over the queries that chose it. Launched per query chunk (`attention_query_chunk`),
   each chunk with its own importance, top-n and CSR list (about LAUNCHES_PER_CHUNK kernels).
-- block-centric, per chunk (today, nsa/triton_path.py): the block-centric selection below and top-n fused with the
-  importance, still launched per query chunk.
+- block-centric, per chunk (the previous kernels): the block-centric selection below and top-n fused with the
+  importance, launched per query chunk.
+- folded + block dK/dV (today, nsa/triton_path.py): the forward and dQ folded as below (each in its own pass,
+  recomputing the probabilities from the lse as flash attention's dQ does), dK and dV block-centric over the pairs
+  that chose each block with no partial results; top-n fused with the importance; whole-sequence launches.
 - folded: R consecutive queries x G heads form one tile of R G rows over the union of their selections (U blocks,
   U = union_over_n x n): each block is loaded once per R queries, the tile also computes the pairs of queries that
   did not choose a block (masked), so FLOPs grow by U / n. dQ, dK and dV in one backward pass over the same tiles.
@@ -41,7 +44,7 @@ from training.cli import Parser  # noqa: E402
 GPUS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12)}  # bf16 dense FLOP/s, B/s
 LAUNCH_SECONDS = 5e-6  # one kernel launch with its host work, a typical small-kernel floor
 LAUNCHES_PER_CHUNK = 65  # today's kernels per query chunk, forward and backward (counted in nsa/attention.py)
-DESIGNS = ("query-centric", "block-centric, per chunk", "folded", "block-centric")
+DESIGNS = ("query-centric", "block-centric, per chunk", "folded", "block-centric", "folded + block dK/dV")
 PER_CHUNK = ("query-centric", "block-centric, per chunk")  # launched per query chunk
 
 
@@ -96,6 +99,13 @@ def nsa(layer: Layer, design: str, union_over_n: float, group: int, chunk: int) 
         union = union_over_n * n
         loads = (T / group) * KV * union * block_bytes  # each block once per group of queries
         costs["selection"] = (7 * 2 * D * sel_pairs * H * union_over_n, 3 * loads)
+    elif design == "folded + block dK/dV":
+        union_loads = (T / group) * KV * union_over_n * n * block_bytes  # forward, and again for dQ
+        block_loads = KV * (T / l_sel) * block_bytes  # dK/dV: each block read once and its gradients written once
+        pair_rows = blocks_chosen * G * D * 2 * e  # dK/dV: each pair's Q and dO rows read
+        # forward 2 products and dQ 3 over the union (masked pairs included); dK/dV 4 over the chosen pairs
+        flops = 2 * D * sel_pairs * H * (5 * union_over_n + 4)
+        costs["selection"] = (flops, 2 * union_loads + 2 * block_loads + pair_rows)
     else:  # block-centric, per chunk or whole
         loads = KV * (T / l_sel) * block_bytes  # each block's K and V once: read forward, read backward, dK dV written
         # per (query, block) pair: Q in (forward), Q and dO in (backward); a float32 partial output and a float32

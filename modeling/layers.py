@@ -133,7 +133,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x * cos + rotate_half(x) * sin for x (B, H, T, D), in (at least) float32, chunk by chunk over T, written into
     a tensor of x's dtype. Under FakeTensorMode nothing is computed, so only the first chunk runs: the memory it
     shows (the output plus one chunk's temporaries) is the loop's, without thousands of operators at long T."""
-    out = torch.empty_like(x)
+    out = x.new_empty(x.shape)  # contiguous (B, H, T, D), whatever x's strides: heads are read whole downstream
     half = x.shape[-1] // 2
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     fake = not torch.compiler.is_compiling() and is_fake(x)  # (is_fake would break a compiled graph)

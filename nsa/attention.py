@@ -16,7 +16,8 @@ the forward (`attend_backward`).
   causal attention over the prefix, with no scores and no top-n.
 - Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
 - On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa/triton_path.py's
-  kernels, which keep no logits and gather no tiles (`_Chunk`).
+  kernels, which keep no logits and gather no tiles (`_Chunk`), and all the queries are one chunk
+  (`_whole_sequence`): a layer is a fixed number of kernel launches whatever T, with no host sync between them.
 
 Threads. On CPU tensors the chunks run on one Python thread per PyTorch intra-op thread, each chunk on a single
 intra-op thread (`_for_each_chunk`): a chunk is hundreds of small operators, and with several threads each of them
@@ -37,10 +38,13 @@ blocks, the peak of one layer's forward+backward, in elements, is
 
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
-The chunk part is what the explicit path materialises: logits and probabilities of one chunk. With the Triton
-kernels (CUDA) it shrinks to the selection's partial results per (query, slot), c_part * B * Q * H * n * D in
-float32 (c_part = 3 in the test; the importance scores never reach memory; one 4B layer at 131k: 17.0 GiB on that
-path against 22.7 GiB explicit, query chunk 2048). For fixed Q the peak is linear in T.
+The chunk part is what the explicit path materialises: logits and probabilities of one chunk. The Triton kernels
+(CUDA) run one chunk of all T queries, and their chunk part is the selection's block lists: each query's n blocks,
+their (query, slot) pairs sorted by block and each tile's union of blocks, about 32 bytes per query, KV head and
+slot (the importance scores, logits and probabilities never reach memory; each branch's output gradient is read
+as gate * dO inside the kernels, and the three branches add their dQ into one tensor). One 4B layer at 131k: 16.3
+GiB on that path against 22.7 GiB explicit with query chunk 2048 (benchmarks/nsa_memory_4b.py). For fixed Q the
+peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
 Q query-chunk length, Nc compressed blocks, Nsb selection blocks of the keys, n selected blocks per query, W window
@@ -75,7 +79,7 @@ from nsa.primitive import exact_scores_active, triton_ready
 
 if TYPE_CHECKING:
     from modeling.config import ModelConfig
-    from nsa.triton_path import TritonSelection
+    from nsa.triton_path import GatedGrad, TritonSelection
 
 
 # ---- selection branch: own block densely, past blocks in tiles ---------------------------------------------------
@@ -129,15 +133,44 @@ def tile_plan(idx: Tensor, current: Tensor, n_blocks: int) -> TilePlan:
     )
 
 
+def _query_major(x: Tensor, Q: int) -> Tensor:
+    """Head-major rows (B, KV, G*Q, *E) -> (B, KV, Q, G, *E)."""
+    B, KV = x.shape[:2]
+    return x.view(B, KV, -1, Q, *x.shape[3:]).transpose(2, 3)
+
+
+def _head_major(x: Tensor) -> Tensor:
+    """(B, KV, Q, G, *E) -> head-major rows (B, KV, G*Q, *E)."""
+    B, KV, Q, G = x.shape[:4]
+    return x.transpose(2, 3).reshape(B, KV, G * Q, *x.shape[4:])
+
+
+def _added(dq: Tensor | None, d: Tensor) -> Tensor:
+    """A branch's query gradient d added into the accumulator dq when there is one (else d itself): the interface
+    of the Triton branches, whose kernels add there directly."""
+    return d if dq is None else dq.add_(d)
+
+
+def _written(result: tuple[Tensor, Tensor], out: Tensor | None, lse: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A branch's (out, lse), copied into the given tensors when there are (the interface of the Triton branches,
+    which write there directly)."""
+    if out is None:
+        return result
+    out.copy_(result[0])
+    lse.copy_(result[1])
+    return out, lse
+
+
 class _Selection:
-    """The selection branch of one chunk: queries q (B, KV, Q, G, D) at positions [q_start, q_start + Q), their
-    selected blocks idx (B, KV, Q, n) (entries >= the own block that are not it: unused slots) among the key/value
-    blocks (B, KV, Nsb, l', D).
+    """The selection branch of one chunk: head-major query rows q (B, KV, G*Q, D) at positions
+    [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) (entries >= the own block that are not it:
+    unused slots) among the key/value blocks (B, KV, Nsb, l', D).
 
     Own block: the chunk's queries, padded to whole blocks, attend their block with a causal (l'*G, l') mask (rows
     ordered query-major, G heads per query). Past blocks: tiles of `tile_plan`, unmasked (every key is visible)."""
 
     def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
+        q = _query_major(q, idx.shape[2])  # (B, KV, Q, G, D)
         B, KV, Q, G, D = q.shape
         l_sel = k_blocks.shape[3]
         self.shape, self.scale = q.shape, scale
@@ -181,8 +214,9 @@ class _Selection:
         x = x.reshape(B, KV, -1, G, *x.shape[3:])  # (B, KV, nb*l', G, *E)
         return x[:, :, self.pad[0]: self.pad[0] + Q]
 
-    def forward(self) -> tuple[Tensor, Tensor]:
-        """Returns (out (B, KV, Q, G, D), lse (B, KV, Q, G)) over each query's selected keys."""
+    def forward(self, out: Tensor | None = None, lse_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q)) over each query's selected keys, written into the given
+        tensors when there are."""
         o_tiles, lse_tiles = attend(self.q_tiles, self.k_tiles, self.v_tiles, None, self.scale)
         o_own, lse_own = attend(self.q_own, self.k_own, self.v_own, self.causal, self.scale)
         o_own, lse_own = self._unown(o_own), self._unown(lse_own)  # (B, KV, Q, G, D), (B, KV, Q, G)
@@ -196,14 +230,16 @@ class _Selection:
         lse = (top + total.log())  # (BKQ + 1, G)
         w_tiles = torch.exp(lse_rows - lse[rows]).view(lse_tiles.shape)[..., None]  # (n_tiles, 1, R*G, 1)
         lse = lse[:-1].view(lse_own.shape)
-        out = o_own * torch.exp(lse_own - lse)[..., None] + self._untile(o_tiles.to(w_tiles.dtype).mul_(w_tiles))
-        return out.to(o_own.dtype), lse
+        merged = o_own * torch.exp(lse_own - lse)[..., None] + self._untile(o_tiles.to(w_tiles.dtype).mul_(w_tiles))
+        return _written((_head_major(merged.to(o_own.dtype)), _head_major(lse)), out, lse_out)
 
-    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
-                 grad_v_blocks: Tensor) -> Tensor:
-        """Given grad_out, out (B, KV, Q, G, D) and lse (B, KV, Q, G) of the branch: adds the blocks' gradients into
-        grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D) and returns the gradient of q (B, KV, Q, G, D)."""
-        B, KV = self.shape[:2]
+    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor, grad_v_blocks: Tensor,
+                 dq: Tensor | None = None) -> Tensor:
+        """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q) of the branch: adds the blocks' gradients into
+        grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D) and returns the gradient of q (B, KV, G*Q, D), added
+        into dq when given."""
+        B, KV, Q = self.shape[:3]
+        grad_out, out, lse = (_query_major(x, Q) for x in (grad_out, out, lse))  # (B, KV, Q, G[, D])
         dq_t, dk_t, dv_t = attend_backward(self._tiles(grad_out), self.q_tiles, self.k_tiles, self.v_tiles,
                                            self._tiles(out), self._tiles(lse), None, self.scale)
         dq_o, dk_o, dv_o = attend_backward(self._own(grad_out), self.q_own, self.k_own, self.v_own, self._own(out),
@@ -212,7 +248,7 @@ class _Selection:
         for grad, d_tiles, d_own in ((grad_k_blocks, dk_t, dk_o), (grad_v_blocks, dv_t, dv_o)):
             grad.flatten(0, 2).index_add_(0, self.plan.tile_block, d_tiles[:, 0])
             grad[:, :, own] += d_own.view(B, KV, self.nb, *d_own.shape[2:])
-        return self._unown(dq_o) + self._untile(dq_t)
+        return _added(dq, _head_major(self._unown(dq_o) + self._untile(dq_t)))
 
 
 class _MaskedAttention:
@@ -223,11 +259,13 @@ class _MaskedAttention:
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> None:
         self.q, self.k, self.v, self.mask, self.scale = q, k, v, mask, scale
 
-    def forward(self) -> tuple[Tensor, Tensor]:
-        return attend(self.q, self.k, self.v, self.mask, self.scale)
+    def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return _written(attend(self.q, self.k, self.v, self.mask, self.scale), out, lse)
 
-    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return attend_backward(grad_out, self.q, self.k, self.v, out, lse, self.mask, self.scale)
+    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, dq: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        d_q, dk, dv = attend_backward(grad_out, self.q, self.k, self.v, out, lse, self.mask, self.scale)
+        return _added(dq, d_q), dk, dv
 
 
 _WINDOW_ROWS = 128  # queries per window piece: each attends its s + w - 1 nearest keys (w in its band)
@@ -288,17 +326,18 @@ class _Window:
             out[:, j * self.s: j * self.s + self.width] += x[j]
         return out[:, self.left: self.left + self.W].view(B, KV, self.W, -1)
 
-    def forward(self) -> tuple[Tensor, Tensor]:
-        """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q))."""
-        out, lse = attend(self.q, self.k, self.v, self.mask, self.scale)
-        return self._merge(out), self._merge(lse)
+    def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q)), written into the given tensors when there are."""
+        o, o_lse = attend(self.q, self.k, self.v, self.mask, self.scale)
+        return _written((self._merge(o), self._merge(o_lse)), out, lse)
 
-    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q): gradients of q (B, KV, G*Q, D) and of k, v
-        (B, KV, W, D)."""
-        dq, dk, dv = attend_backward(self._split(grad_out), self.q, self.k, self.v, self._split(out),
-                                     self._split(lse), self.mask, self.scale)
-        return self._merge(dq), self._unwindows(dk), self._unwindows(dv)
+    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, dq: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q): gradients of q (B, KV, G*Q, D; added into dq
+        when given) and of k, v (B, KV, W, D)."""
+        d_q, dk, dv = attend_backward(self._split(grad_out), self.q, self.k, self.v, self._split(out),
+                                      self._split(lse), self.mask, self.scale)
+        return _added(dq, self._merge(d_q)), self._unwindows(dk), self._unwindows(dv)
 
 
 # ---- one chunk: the three branches ------------------------------------------------------------------------------
@@ -351,26 +390,14 @@ class _Chunk:
                 causal = torch.arange(S, device=q.device) <= q_pos.repeat(G)[:, None]  # (G*Q, S)
                 self.prefix = _MaskedAttention(self.q_heads, k_all, v_all, additive_mask(causal, q.dtype), self.scale)
 
-    def _heads_to_rows(self, x: Tensor) -> Tensor:
-        """(B, KV, G*Q, *E) -> (B, KV, Q, G, *E)."""
-        B, KV, G, Q, _ = self.shape
-        return x.view(B, KV, G, Q, *x.shape[3:]).transpose(2, 3)
-
-    def _rows_to_heads(self, x: Tensor) -> Tensor:
-        """(B, KV, Q, G, *E) -> (B, KV, G*Q, *E)."""
-        B, KV, G, Q, _ = self.shape
-        return x.transpose(2, 3).reshape(B, KV, G * Q, *x.shape[4:])
-
     def _selection(self, idx: Tensor) -> _Selection | TritonSelection:
         """The selection branch over the blocks idx (B, KV, Q, n): `_Selection`, or the Triton kernels
-        (`nsa.triton_path.TritonSelection`, same interface) for real CUDA tensors when Triton is installed and l' is a
-        power of two >= 16 (the smallest tensor-core tile)."""
-        q, l_sel = self._heads_to_rows(self.q_heads), self.k_blocks.shape[3]
-        if self.triton and l_sel >= 16 and l_sel & (l_sel - 1) == 0:
+        (`nsa.triton_path.TritonSelection`, same interface) when they run and l' suits them (`_triton_selects`)."""
+        if self.triton and _triton_selects(self.k_blocks.shape[3]):
             from nsa.triton_path import TritonSelection
 
-            return TritonSelection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
-        return _Selection(q, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
+            return TritonSelection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
+        return _Selection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
 
     def _pooled(self, p: Tensor, n_select: int) -> Tensor:
         """Eqs. 8-10: compression probabilities p (B, KV, G*Q, Nc'), zero where not visible, summed over the group
@@ -382,93 +409,126 @@ class _Chunk:
         return pool_to_selection_blocks(p_cmp, cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size,
                                         n_select)
 
-    def _compression(self, n_select: int | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The compression branch: (out (B, KV, G*Q, D), lse (B, KV, G*Q), and for n_select the importance scores
-        (B, KV, Q, n_select) of `_pooled`, else None). The fused path computes the logits once, explicitly, and
-        takes the output and the scores from the same probabilities (the Triton path's scores never reach memory:
-        `_compression_and_selection`)."""
+    def _compression(self, n_select: int | None, out: Tensor, lse: Tensor) -> Tensor | None:
+        """Writes the compression branch's output into out (B, KV, G*Q, D) and its lse into lse (B, KV, G*Q);
+        returns for n_select the importance scores (B, KV, Q, n_select) of `_pooled`, else None. The fused path
+        computes the logits once, explicitly, and takes the output and the scores from the same probabilities (the
+        Triton path's scores never reach memory: `_compression_and_selection`)."""
         B, KV, G, Q, D = self.shape
         if n_select is not None and exact_scores_active():
-            out, lse, _ = self._compression(None)
+            self._compression(None, out, lse)
             q = self.q_heads.view(B, KV * G, Q, D)  # (B, H, Q, D)
-            return out, lse, best_token_scores(q, self.k_blocks, self.q_pos, n_select)
-        acc = torch.promote_types(self.q_heads.dtype, torch.float32)  # the lse dtype of `attend`
+            return best_token_scores(q, self.k_blocks, self.q_pos, n_select)
         importance = None
         if self.k_cmp.shape[2] == 0:  # no compressed block complete yet anywhere in the chunk
-            out, lse = torch.zeros_like(self.q_heads), self.q_heads.new_zeros(B, KV, G * Q, dtype=acc)
-            if n_select is not None:
-                importance = self.q_heads.new_zeros(B, KV, Q, n_select, dtype=acc)
-            return out, lse, importance
+            out.zero_()
+            lse.zero_()
+            return None if n_select is None else self.q_heads.new_zeros(B, KV, Q, n_select, dtype=lse.dtype)
         if n_select is None:
-            out, lse = self.compression.forward()
+            self.compression.forward(out, lse)
         else:
             c = self.compression
-            out, lse, p = attend_explicit(c.q, c.k, c.v, c.mask, c.scale)  # p (B, KV, G*Q, Nc')
+            o, o_lse, p = attend_explicit(c.q, c.k, c.v, c.mask, c.scale)  # p (B, KV, G*Q, Nc')
+            _written((o, o_lse), out, lse)
             importance = self._pooled(p, n_select)
         out.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
-        return out, lse, importance
+        return importance
 
-    def _compression_and_selection(self, n_select: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The compression branch's (out, lse) of `_compression` and each query's selected blocks among the first
-        n_select, idx (B, KV, Q, n) with unused slots holding Nsb: on the Triton kernels top-n fused with the
+    def _compression_and_selection(self, n_select: int, out: Tensor, lse: Tensor) -> Tensor:
+        """Writes the compression branch as `_compression` does and returns each query's selected blocks among the
+        first n_select, idx (B, KV, Q, n) with unused slots holding Nsb: on the Triton kernels top-n fused with the
         importance scores, which never reach memory (`nsa.triton_path.select_top_blocks`); else `select_blocks`
         of `_compression`'s scores."""
         cfg, n, n_blocks = self.config, self.config.nsa_num_selected, self.k_blocks.shape[2]
         if self.triton and self.k_cmp.shape[2] > 0 and not exact_scores_active():
             from nsa.triton_path import select_top_blocks
 
-            out, lse, _ = self._compression(None)
+            self._compression(None, out, lse)
             geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
-            idx = select_top_blocks(self.q_heads, self.k_cmp, lse, self.n_visible, geometry, n_select, self.q_start,
-                                    n, n_blocks, self.scale)
-            return out, lse, idx
-        out, lse, importance = self._compression(n_select)
+            return select_top_blocks(self.q_heads, self.k_cmp, lse, self.n_visible, geometry, n_select, self.q_start,
+                                     n, n_blocks, self.scale)
+        importance = self._compression(n_select, out, lse)
         idx, valid = select_blocks(importance, self.q_pos, cfg.nsa_select_block_size, n)  # (B, KV, Q, n')
-        return out, lse, F.pad(idx.masked_fill(~valid, n_blocks), (0, n - idx.shape[-1]), value=n_blocks)
+        return F.pad(idx.masked_fill(~valid, n_blocks), (0, n - idx.shape[-1]), value=n_blocks)
 
-    def forward(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns (branch outputs (3, B, KV, G*Q, D), their lse (3, B, KV, G*Q), selected blocks (B, KV, Q, n));
-        unused slots of the selection hold Nsb."""
-        cfg, Q = self.config, self.shape[3]
+    def forward(self, outs: Tensor | None = None, lses: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns (branch outputs (3, B, KV, G*Q, D), their lse (3, B, KV, G*Q), selected blocks (B, KV, Q, n)),
+        the outputs and lse written into the given tensors when there are; unused slots of the selection hold
+        Nsb."""
+        cfg, (B, KV, G, Q, D) = self.config, self.shape
         l_sel, n = cfg.nsa_select_block_size, cfg.nsa_num_selected
         n_blocks = self.k_blocks.shape[2]
+        if outs is None:
+            outs = self.q_heads.new_empty(3, B, KV, G * Q, D)
+            lses = self.q_heads.new_empty(3, B, KV, G * Q, dtype=torch.promote_types(outs.dtype, torch.float32))
         if self.all_selected:
-            o_cmp, lse_cmp, _ = self._compression(None)
+            self._compression(None, outs[0], lses[0])
             slot = torch.arange(n, device=self.q_pos.device)  # (n,): slot s holds block s while it exists
             idx = torch.where(slot <= (self.q_pos // l_sel)[:, None], slot, n_blocks)  # (Q, n)
-            idx = idx.expand(*self.shape[:2], Q, n)
-            o_slc, lse_slc = self.prefix.forward()
+            idx = idx.expand(B, KV, Q, n)
+            self.prefix.forward(outs[1], lses[1])
         else:
-            o_cmp, lse_cmp, idx = self._compression_and_selection((self.q_start + Q - 1) // l_sel + 1)
-            o_slc, lse_slc = self._selection(idx).forward()
-            o_slc, lse_slc = self._rows_to_heads(o_slc), self._rows_to_heads(lse_slc)
-        o_win, lse_win = self.window.forward()
-        outs = torch.stack([o_cmp, o_slc, o_win])  # (3, B, KV, G*Q, D)
-        lses = torch.stack([lse_cmp, lse_slc, lse_win])  # (3, B, KV, G*Q)
+            idx = self._compression_and_selection((self.q_start + Q - 1) // l_sel + 1, outs[0], lses[0])
+            self._selection(idx).forward(outs[1], lses[1])
+        self.window.forward(outs[2], lses[2])
         return outs, lses, idx
 
-    def backward(self, grad_outs: Tensor, outs: Tensor, lses: Tensor, idx: Tensor, grad_blocks: tuple[Tensor, Tensor]
-                 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
-        """Given the gradients of the branch outputs grad_outs, the outputs and lse of `forward` (same layouts) and
-        its selection idx: adds the selection blocks' gradients into grad_blocks (each (B, KV, Nsb, l', D)) and
-        returns the gradients of q (B, KV, G*Q, D), the compressed keys and values (None when there are none) and
-        the window keys and values."""
+    def backward(self, grad_out: Tensor, gates: Tensor, outs: Tensor, lses: Tensor, idx: Tensor,
+                 grad_blocks: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
+        """Given the gradient of the gated output grad_out (B, H, Q, D, any strides), the gates (B, H, Q, 3), the
+        outputs and lse of `forward` and its selection idx: adds the selection blocks' gradients into grad_blocks
+        (each (B, KV, Nsb, l', D)) and returns the gradients of q (B, KV, G*Q, D), the compressed keys and values
+        (None when there are none) and the window keys and values. Each branch's output gradient is made when its
+        backward runs (one of them in memory at a time), and every branch adds its share into one dQ."""
         B, KV, G, Q, D = self.shape
-        dq, dk_cmp, dv_cmp = torch.zeros_like(self.q_heads), None, None
+
+        if self.triton:
+            from nsa.triton_path import GatedGrad, row_offsets
+
+            if grad_out.stride(-1) != 1:  # the kernels read whole rows (an expanded gradient has stride 0)
+                grad_out = grad_out.contiguous()
+            offsets = row_offsets(grad_out)
+
+        def branch_grad(s: int, fused: bool = self.triton) -> Tensor | GatedGrad:
+            """The gradient of branch s's output, gate * grad_out, zero for the rows whose output is a constant:
+            (B, KV, G*Q, D), or for the Triton kernels a `GatedGrad` that they read without forming it."""
+            zero = self.n_empty if s == 0 else 0
+            if fused:
+                gate = gates[..., s].clone(memory_format=torch.contiguous_format)  # (B, H, Q)
+                gate[:, :, :zero] = 0
+                return GatedGrad(grad_out, offsets, gate.flatten())
+            grad = torch.mul(grad_out, gates[..., s, None], out=grad_out.new_empty(B, KV * G, Q, D))
+            grad[:, :, :zero] = 0
+            return grad.view(B, KV, G * Q, D)
+
+        dq = dk_cmp = dv_cmp = None
         if self.k_cmp.shape[2] > 0:
-            grad_cmp = grad_outs[0].clone()
-            grad_cmp.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0  # those rows' output is the constant 0
-            dq, dk_cmp, dv_cmp = self.compression.backward(grad_cmp, outs[0], lses[0])
+            dq, dk_cmp, dv_cmp = self.compression.backward(branch_grad(0), outs[0], lses[0])
         if self.all_selected:
-            dq_slc, dk, dv = self.prefix.backward(grad_outs[1], outs[1], lses[1])
+            dq, dk, dv = self.prefix.backward(branch_grad(1), outs[1], lses[1], dq)
             for grad, d in zip(grad_blocks, (dk, dv), strict=True):
                 grad.flatten(2, 3)[:, :, : d.shape[2]] += d
         else:
-            rows = self._heads_to_rows
-            dq_slc = self._rows_to_heads(self._selection(idx).backward(rows(grad_outs[1]), rows(outs[1]),
-                                                                       rows(lses[1]), *grad_blocks))
-        dq_win, dk_win, dv_win = self.window.backward(grad_outs[2], outs[2], lses[2])
-        return dq + dq_slc + dq_win, dk_cmp, dv_cmp, dk_win, dv_win
+            selection = self._selection(idx)
+            fused = not isinstance(selection, _Selection)
+            dq = selection.backward(branch_grad(1, fused), outs[1], lses[1], *grad_blocks, dq)
+            del selection  # its lists of blocks
+        dq, dk_win, dv_win = self.window.backward(branch_grad(2), outs[2], lses[2], dq)
+        return dq, dk_cmp, dv_cmp, dk_win, dv_win
+
+
+def _triton_selects(l_sel: int) -> bool:
+    """Whether `nsa.triton_path.TritonSelection` takes selection blocks of l' keys: a power of two >= 16, the
+    smallest tensor-core tile."""
+    return l_sel >= 16 and l_sel & (l_sel - 1) == 0
+
+
+def _whole_sequence(q: Tensor, config: ModelConfig, compute: ComputeConfig) -> bool:
+    """Whether `sparse_attention` runs all its queries as one chunk: on the Triton kernels, whose working memory
+    does not grow with the chunk (no scores, no logits, no per-(query, slot) results), so a layer is a fixed
+    number of launches whatever T; not while `exact_block_scores` holds (its scores are (Q, Nsb) in memory)."""
+    return (triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size)
+            and not exact_scores_active())
 
 
 class _Span(NamedTuple):
@@ -482,9 +542,12 @@ class _Span(NamedTuple):
     win_start: int
 
 
-def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig) -> list[_Span]:
-    """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start."""
-    l, d, w, chunk = config.nsa_block_size, config.nsa_stride, config.nsa_window, compute.attention_query_chunk
+def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig,
+           whole: bool = False) -> list[_Span]:
+    """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start:
+    `compute.attention_query_chunk` queries each, or one chunk of all of them when `whole`."""
+    l, d, w = config.nsa_block_size, config.nsa_stride, config.nsa_window
+    chunk = T if whole else compute.attention_query_chunk
     spans = []
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
@@ -546,11 +609,30 @@ def _for_each_chunk(n_chunks: int, workers: int, body: Callable[[int, int], None
         torch.set_num_threads(threads)
 
 
+def _gate_into(out: Tensor, gates: Tensor, branches: Tensor) -> None:
+    """out (B, H, Q, D) = sum over s of gates[..., s] (B, H, Q, 3) times branches[s] (3, B, H, Q, D), with no
+    temporary of the branches' size."""
+    torch.mul(branches[0], gates[..., 0, None], out=out)
+    for s in (1, 2):
+        out.addcmul_(branches[s], gates[..., s, None])
+
+
+def _add_part(total: Tensor | None, like: Tensor, rows: slice, part: Tensor) -> Tensor:
+    """A gradient shaped like `like` (B, KV, N, D), zero at first (None), with `part` added to its rows [rows]
+    (dim 2); a part that covers every row is the gradient itself, with no zeros made."""
+    if total is None:
+        if part.shape == like.shape:
+            return part
+        total = torch.zeros_like(like)
+    total[:, :, rows] += part
+    return total
+
+
 class _SparseAttention(torch.autograd.Function):
-    """`sparse_attention`: forward chunk by chunk, keeping (when gradients are needed) each branch's output and lse
-    and the selected blocks; backward walks the chunks again with `attend_backward` (no recomputation of the
-    forward) and adds each chunk's gradients into the full ones in place (one set of accumulators per worker of
-    `_for_each_chunk`, summed at the end)."""
+    """`sparse_attention`: forward chunk by chunk (one chunk on the Triton kernels: `_whole_sequence`), keeping
+    (when gradients are needed) each branch's output and lse and the selected blocks; backward walks the chunks
+    again with `attend_backward` (no recomputation of the forward) and adds each chunk's gradients into the full
+    ones in place (one set of accumulators per worker of `_for_each_chunk`, summed at the end)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
@@ -560,24 +642,29 @@ class _SparseAttention(torch.autograd.Function):
         KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
         k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
         keep = any(ctx.needs_input_grad)
+        whole = _whole_sequence(q, config, compute)
         out = torch.empty_like(q)  # (B, H, T, D)
         outs = q.new_empty(3, B, H, T, D) if keep else None
         lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
         idx = q.new_empty(B, KV, T, n, dtype=torch.long) if keep else None
-        spans = _spans(T, q_start, win_start, config, compute)
+        spans = _spans(T, q_start, win_start, config, compute, whole)
 
         def run(worker: int, c: int) -> None:
             qs = spans[c].queries
             chunk = _chunk(spans[c], q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, config, compute)
-            o, lse, chunk_idx = chunk.forward()  # (3, B, KV, G*Q, D), (3, B, KV, G*Q), (B, KV, Q, n)
+            # one chunk writes its branches where they are kept; chunks write their own and are copied there
+            into = (outs.view(3, B, KV, -1, D), lses.view(3, B, KV, -1)) if keep and whole else ()
+            o, lse, chunk_idx = chunk.forward(*into)  # (3, B, KV, G*Q, D), (3, B, KV, G*Q), (B, KV, Q, n)
             o, lse = o.view(3, B, H, -1, D), lse.view(3, B, H, -1)
-            out[:, :, qs] = torch.einsum("bhqs,sbhqd->bhqd", gates[:, :, qs], o)
+            _gate_into(out[:, :, qs], gates[:, :, qs], o)
             if keep:
-                outs[:, :, :, qs], lses[:, :, :, qs], idx[:, :, qs] = o, lse, chunk_idx
+                if not whole:
+                    outs[:, :, :, qs], lses[:, :, :, qs] = o, lse
+                idx[:, :, qs] = chunk_idx
 
         _for_each_chunk(len(spans), _workers(q, compute, len(spans)), run)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, outs, lses, idx)
-        ctx.config, ctx.compute, ctx.q_start, ctx.win_start = config, compute, q_start, win_start
+        ctx.config, ctx.compute, ctx.q_start, ctx.win_start, ctx.whole = config, compute, q_start, win_start, whole
         return out
 
     @staticmethod
@@ -587,34 +674,43 @@ class _SparseAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         KV = k_cmp.shape[1]
         k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
-        g_q = torch.empty_like(q)  # the chunks' queries are disjoint: each written once
+        g_q = None if ctx.whole else torch.empty_like(q)  # chunks' queries are disjoint: each written once
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
-        spans = _spans(T, ctx.q_start, ctx.win_start, config, compute)
+        spans = _spans(T, ctx.q_start, ctx.win_start, config, compute, ctx.whole)
         workers = _workers(q, compute, len(spans))
-        sums = [[torch.zeros_like(t) for t in (k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win)]
-                for _ in range(workers)]  # per worker: gradients of k_cmp, v_cmp, the blocks, k_win, v_win
+        # per worker: gradients of k_cmp, v_cmp, k_win, v_win (made by the first chunk: `_add_part`), the blocks'
+        sums: list[list[Tensor | None]] = [[None] * 4 + [torch.zeros_like(t) for t in (k_blocks, v_blocks)]
+                                           for _ in range(workers)]
 
         def run(worker: int, c: int) -> None:
+            nonlocal g_q
             qs, n_cmp, ws = spans[c].queries, spans[c].n_cmp, spans[c].window
-            g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = sums[worker]
+            mine = sums[worker]
             chunk = _chunk(spans[c], q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, config, compute)
-            g_gates[:, :, qs] = torch.einsum("bhqd,sbhqd->bhqs", grad_out[:, :, qs], outs[:, :, :, qs])
-            grad_outs = torch.einsum("bhqs,bhqd->sbhqd", gates[:, :, qs], grad_out[:, :, qs])  # (3, B, H, Q, D)
+            for s in range(3):
+                g_gates[:, :, qs, s] = torch.einsum("bhqd,bhqd->bhq", grad_out[:, :, qs], outs[s, :, :, qs])
             dq, dk_cmp, dv_cmp, dk_win, dv_win = chunk.backward(
-                grad_outs.reshape(3, B, KV, -1, D), outs[:, :, :, qs].reshape(3, B, KV, -1, D),
-                lses[:, :, :, qs].reshape(3, B, KV, -1), idx[:, :, qs], (g_kb, g_vb))
-            g_q[:, :, qs] = dq.reshape(B, H, -1, D)
-            if dk_cmp is not None:
-                g_kc[:, :, :n_cmp] += dk_cmp
-                g_vc[:, :, :n_cmp] += dv_cmp
-            g_kw[:, :, ws] += dk_win
-            g_vw[:, :, ws] += dv_win
+                grad_out[:, :, qs], gates[:, :, qs], outs[:, :, :, qs].reshape(3, B, KV, -1, D),
+                lses[:, :, :, qs].reshape(3, B, KV, -1), idx[:, :, qs], (mine[4], mine[5]))
+            if ctx.whole:  # the one chunk's gradient is the whole
+                g_q = dq.reshape(B, H, T, D)
+            else:
+                g_q[:, :, qs] = dq.reshape(B, H, -1, D)
+            parts = ((0, k_cmp, slice(0, n_cmp), dk_cmp), (1, v_cmp, slice(0, n_cmp), dv_cmp),
+                     (2, k_win, ws, dk_win), (3, v_win, ws, dv_win))
+            for i, like, rows, part in parts:
+                if part is not None:
+                    mine[i] = _add_part(mine[i], like, rows, part)
 
         _for_each_chunk(len(spans), workers, run)
-        g_kc, g_vc, g_kb, g_vb, g_kw, g_vw = sums[0]
+        totals = sums[0]
         for other in sums[1:]:
-            for total, part in zip(sums[0], other, strict=True):
-                total += part
+            for i, part in enumerate(other):
+                if part is not None:
+                    totals[i] = part if totals[i] is None else totals[i].add_(part)
+        g_kc, g_vc, g_kw, g_vw = (torch.zeros_like(like) if t is None else t
+                                  for t, like in zip(totals[:4], (k_cmp, v_cmp, k_win, v_win), strict=True))
+        g_kb, g_vb = totals[4:]
         S = k_slc.shape[2]
         g_kb, g_vb = (g.flatten(2, 3)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
         return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None

@@ -63,7 +63,7 @@ def as_blocks(x: Tensor, block: int) -> Tensor:
     """x (B, KV, S, D) -> contiguous (B, KV, ceil(S / block), block, D), zero-padded at the end (a view when x is
     contiguous and S is a multiple of block, as for the KV cache)."""
     B, KV, S, D = x.shape
-    x = F.pad(x, (0, 0, 0, -S % block)).contiguous()
+    x = (F.pad(x, (0, 0, 0, -S % block)) if S % block else x).contiguous()  # F.pad copies even with no padding
     return x.view(B, KV, x.shape[2] // block, block, D)
 
 

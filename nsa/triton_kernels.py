@@ -36,10 +36,18 @@ def _online_softmax(m, denom, acc, logits, v, ACC: tl.constexpr):
 
 
 @triton.jit
-def _backward_rows(Q, DO, LSE, DELTA, off, io_mask, row, row_ok):
-    """A tile of query rows for backward: q and dO at offsets off (masked by io_mask), lse and delta = rowsum(dO * O)
-    at row (masked by row_ok)."""
-    return (tl.load(Q + off, mask=io_mask, other=0.0), tl.load(DO + off, mask=io_mask, other=0.0),
+def _gated_grad(DO, DO_ROW, GATE, row, row_ok, cols, io_mask):
+    """The rows' output gradient (rows, BLOCK_D), gate * dO: the gated output's gradient dO read at the rows'
+    offsets DO_ROW (any strides) times each row's gate, in dO's dtype."""
+    do = tl.load(DO + tl.load(DO_ROW + row, mask=row_ok, other=0)[:, None] + cols[None, :], mask=io_mask, other=0.0)
+    return (do * tl.load(GATE + row, mask=row_ok, other=0.0)[:, None]).to(do.dtype)
+
+
+@triton.jit
+def _backward_rows(Q, DO, DO_ROW, GATE, LSE, DELTA, off, io_mask, row, row_ok, cols):
+    """A tile of query rows for backward: q at offsets off (masked by io_mask), the branch's output gradient
+    (`_gated_grad`), lse and delta = rowsum(dO * O) at row (masked by row_ok)."""
+    return (tl.load(Q + off, mask=io_mask, other=0.0), _gated_grad(DO, DO_ROW, GATE, row, row_ok, cols, io_mask),
             tl.load(LSE + row, mask=row_ok, other=0.0), tl.load(DELTA + row, mask=row_ok, other=0.0))
 
 
@@ -57,6 +65,14 @@ def _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC: tl.constexpr):
 
 
 @triton.jit
+def _store_dq(DQ, off, mask, dq, ADD: tl.constexpr):
+    """Store a tile of query gradients, added to what DQ holds when ADD (the branches' shares of one dQ)."""
+    if ADD:
+        dq += tl.load(DQ + off, mask=mask, other=0.0).to(dq.dtype)
+    tl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _key_block(K, V, bh, S, k0, cols, col_ok, D: tl.constexpr, BLOCK_N: tl.constexpr):
     """Positions k0 + [0, BLOCK_N), their offsets into (BKV, S, D) and mask (nothing past S), and their keys and
     values (BLOCK_N, BLOCK_D)."""
@@ -67,75 +83,124 @@ def _key_block(K, V, bh, S, k0, cols, col_ok, D: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _pair_rows(PAIR, base, end, bh, q_start, NQ, N_SEL, r, cols, col_ok, G: tl.constexpr, D: tl.constexpr,
-               QB: tl.constexpr):
-    """The rows of up to QB (query, slot) pairs PAIR[base:end] of one key block, G head rows each (row r: pair
-    r // G, head r % G): (pair index into the BKV * NQ * N_SEL slots, row ok, each row's query position t, offsets
-    of the rows into (BKV * NQ * G, D) and their mask, the rows' index among the BKV * NQ * G rows)."""
-    slot = base + r // G
-    ok = (r < QB * G) & (slot < end)
-    pair = tl.load(PAIR + slot, mask=ok, other=0)
-    query = pair // N_SEL  # index into the (BKV * NQ) queries
-    row = query * G + r % G
-    return pair, ok, q_start + query - bh * NQ, row[:, None] * D + cols[None, :], ok[:, None] & col_ok[None, :], row
+def _tile_rows(tile, NQ, bh, r, cols, col_ok, G: tl.constexpr, D: tl.constexpr, QB: tl.constexpr):
+    """The rows of the tile of queries tile * QB + [0, QB), G head rows each (row r: query r // G, head r % G), in
+    head-major (BKV, G, NQ, D) tensors: (each row's query, row ok, the row's index among the BKV * G * NQ rows, its
+    offsets into (BKV * G * NQ, D) and their mask)."""
+    qi = tile * QB + r // G
+    ok = (r < QB * G) & (qi < NQ)
+    row = (bh * G + r % G) * NQ + qi
+    return qi, ok, row, row[:, None] * D + cols[None, :], ok[:, None] & col_ok[None, :]
 
 
 @triton.jit
-def selection_forward_kernel(Q, K, V, PTR, PAIR, O_PART, LSE_PART, q_start, NQ, S, NB, N_SEL, scale,
+def _chosen_blocks(IDX, bh, qi, ok, NQ, N_SEL, BLOCK_N: tl.constexpr):
+    """Each row's selected blocks (BLOCK_R, BLOCK_N) from IDX (BKV, NQ, N_SEL); -1 in slots past N_SEL."""
+    slot = tl.arange(0, BLOCK_N)
+    return tl.load(IDX + (bh * NQ + qi[:, None]) * N_SEL + slot[None, :], mask=ok[:, None] & (slot < N_SEL)[None, :],
+                   other=-1)
+
+
+@triton.jit
+def _union_block(UNION, K, V, bh, tile, NT, U_MAX, u, chosen, ok, t, S, cols, col_ok, D: tl.constexpr,
+                 L_SEL: tl.constexpr):
+    """Entry u of the tile's union of selected blocks: its keys and values (L_SEL, BLOCK_D) and which of them each
+    row sees (BLOCK_R, L_SEL): the rows whose query selected the block, keys at or before the query."""
+    b = tl.load(UNION + (bh * NT + tile) * U_MAX + u)
+    pos, _, _, k, v = _key_block(K, V, bh, S, b * L_SEL, cols, col_ok, D, L_SEL)
+    chose = tl.sum((chosen == b).to(tl.int32), 1) > 0
+    return k, v, (chose & ok)[:, None] & (pos[None, :] <= t[:, None])
+
+
+@triton.jit
+def selection_forward_kernel(Q, K, V, IDX, UNION, COUNT, O, LSE, q_start, NQ, NT, U_MAX, S, N_SEL, scale,
                              G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    qi, ok, row, off, io_mask = _tile_rows(tile, NQ, bh, r, cols, col_ok, G, D, QB)
+    chosen = _chosen_blocks(IDX, bh, qi, ok, NQ, N_SEL, BLOCK_N)
+    q = tl.load(Q + off, mask=io_mask, other=0.0)
+    m = tl.full([BLOCK_R], float("-inf"), ACC)
+    denom = tl.zeros([BLOCK_R], ACC)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
+    for u in range(0, tl.load(COUNT + bh * NT + tile)):  # the union of the tile's blocks, each loaded once
+        k, v, visible = _union_block(UNION, K, V, bh, tile, NT, U_MAX, u, chosen, ok, q_start + qi, S, cols,
+                                     col_ok, D, L_SEL)
+        logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
+        m, denom, acc = _online_softmax(m, denom, acc, logits, v, ACC)
+    denom = tl.where(ok, denom, 1.0)  # every real row sees its own block's first key
+    tl.store(O + off, (acc / denom[:, None]).to(O.dtype.element_ty), mask=io_mask)
+    tl.store(LSE + row, m + tl.log(denom), mask=ok)
+
+
+@triton.jit
+def selection_dq_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, IDX, UNION, COUNT, DQ, q_start, NQ, NT, U_MAX, S,
+                        N_SEL, scale,
+                        G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr,
+                        ACC: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    qi, ok, row, off, io_mask = _tile_rows(tile, NQ, bh, r, cols, col_ok, G, D, QB)
+    chosen = _chosen_blocks(IDX, bh, qi, ok, NQ, N_SEL, BLOCK_N)
+    q, do, lse, delta = _backward_rows(Q, DO, DO_ROW, GATE, LSE, DELTA, off, io_mask, row, ok, cols)
+    dq = tl.zeros([BLOCK_R, BLOCK_D], ACC)
+    for u in range(0, tl.load(COUNT + bh * NT + tile)):
+        k, v, visible = _union_block(UNION, K, V, bh, tile, NT, U_MAX, u, chosen, ok, q_start + qi, S, cols,
+                                     col_ok, D, L_SEL)
+        _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
+        dq += _dot(ds.to(k.dtype), k, ACC)
+    _store_dq(DQ, off, io_mask, dq * scale, ADD)
+
+
+@triton.jit
+def selection_dkdv_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, PTR, PAIR, DK, DV, q_start, NQ, S, NB, N_SEL, scale,
+                          G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     jb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     start = tl.load(PTR + bh * NB + jb)  # the block's (query, slot) pairs: PAIR[start:end]
     end = tl.load(PTR + bh * NB + jb + 1)
-    if start < end:
+    if start < end:  # a block no query chose has no gradient to add
         r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
         col_ok = cols < D
-        pos, _, _, k, v = _key_block(K, V, bh, S, jb * L_SEL, cols, col_ok, D, L_SEL)  # loaded once
-        for base in range(start, end, QB):  # QB queries, G rows each: a full tile at G = 4
-            pair, ok, t, off, io_mask, row = _pair_rows(PAIR, base, end, bh, q_start, NQ, N_SEL, r, cols, col_ok,
-                                                        G, D, QB)
-            q = tl.load(Q + off, mask=io_mask, other=0.0)
-            visible = ok[:, None] & (pos[None, :] <= t[:, None])  # (BLOCK_R, L_SEL): the block's first key always
-            logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
-            m = tl.where(ok, tl.max(logits, 1), 0.0)
-            p = tl.exp(logits - m[:, None])
-            denom = tl.where(ok, tl.sum(p, 1), 1.0)
-            part = pair * G + r % G  # the row's partial among the BKV * NQ * N_SEL * G
-            tl.store(O_PART + part[:, None] * D + cols[None, :], _dot(p.to(v.dtype), v, ACC) / denom[:, None],
-                     mask=io_mask)
-            tl.store(LSE_PART + part, m + tl.log(denom), mask=ok)
-
-
-@triton.jit
-def selection_backward_kernel(Q, K, V, DO, LSE, DELTA, PTR, PAIR, DK, DV, DQ_PART, q_start, NQ, S, NB, N_SEL, scale,
-                              G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    jb = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    start = tl.load(PTR + bh * NB + jb)
-    end = tl.load(PTR + bh * NB + jb + 1)
-    if start < end:
-        r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, jb * L_SEL, cols, col_ok, D, L_SEL)
+        pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, jb * L_SEL, cols, col_ok, D, L_SEL)  # loaded once
         dk = tl.zeros([L_SEL, BLOCK_D], ACC)
         dv = tl.zeros([L_SEL, BLOCK_D], ACC)
-        for base in range(start, end, QB):
-            pair, ok, t, off, io_mask, row = _pair_rows(PAIR, base, end, bh, q_start, NQ, N_SEL, r, cols, col_ok,
-                                                        G, D, QB)
-            q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, off, io_mask, row, ok)
-            visible = ok[:, None] & (pos[None, :] <= t[:, None])  # (BLOCK_R, L_SEL)
+        for base in range(start, end, QB):  # QB queries, G rows each: a full tile at G = 4
+            slot = base + r // G
+            ok = (r < QB * G) & (slot < end)
+            qi = tl.load(PAIR + slot, mask=ok, other=0) // N_SEL - bh * NQ  # the pair's query
+            row = (bh * G + r % G) * NQ + qi  # head-major
+            off, io_mask = row[:, None] * D + cols[None, :], ok[:, None] & col_ok[None, :]
+            q, do, lse, delta = _backward_rows(Q, DO, DO_ROW, GATE, LSE, DELTA, off, io_mask, row, ok, cols)
+            visible = ok[:, None] & (pos[None, :] <= q_start + qi[:, None])  # (BLOCK_R, L_SEL)
             p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
             dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
             dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
-            part = pair * G + r % G
-            tl.store(DQ_PART + part[:, None] * D + cols[None, :], _dot(ds.to(k.dtype), k, ACC) * scale,
-                     mask=io_mask)  # this block's share of the row's dQ
         dk_old = tl.load(DK + kv_off, mask=kv_mask, other=0.0)
         dv_old = tl.load(DV + kv_off, mask=kv_mask, other=0.0)
         tl.store(DK + kv_off, (dk_old + dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(DV + kv_off, (dv_old + dv).to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def delta_kernel(DO, DO_ROW, GATE, O, DELTA, NR, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                 ACC: tl.constexpr):
+    """The backward's DELTA[r] = rowsum(dO * O) in ACC for rows pid * BLOCK_M + [0, BLOCK_M) of the (NR, D) output
+    O, dO the branch's output gradient (`_gated_grad`)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    ok = rows < NR
+    mask = ok[:, None] & (cols < D)[None, :]
+    do = _gated_grad(DO, DO_ROW, GATE, rows, ok, cols, mask).to(ACC)
+    o = tl.load(O + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(ACC)
+    tl.store(DELTA + rows, tl.sum(do * o, 1), mask=ok)
 
 
 # ---- attention over a contiguous key range per query: the compression and window branches ----------------------
@@ -184,27 +249,27 @@ def range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
 
 
 @triton.jit
-def range_dq_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, DQ, NR, NQ, S, scale,
+def range_dq_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, DQ, NR, NQ, S, scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ACC: tl.constexpr):
+                     ADD: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
-    q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok)
+    q, do, lse, delta = _backward_rows(Q, DO, DO_ROW, GATE, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok, cols)
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for k0 in range(start, end, BLOCK_N):
         pos, _, _, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
         visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
         _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
         dq += _dot(ds.to(k.dtype), k, ACC)
-    tl.store(DQ + io_off, (dq * scale).to(DQ.dtype.element_ty), mask=io_mask)
+    _store_dq(DQ, io_off, io_mask, dq * scale, ADD)
 
 
 @triton.jit
-def range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, S, scale,
+def range_dkdv_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, QA, QB, DK, DV, NR, NQ, S, scale,
                        G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     kb = tl.program_id(0)
@@ -222,7 +287,8 @@ def range_dkdv_kernel(Q, K, V, LO, HI, DO, LSE, DELTA, QA, QB, DK, DV, NR, NQ, S
             row_ok = qi < q_last
             rows = g * NQ + qi
             io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
-            q, do, lse, delta = _backward_rows(Q, DO, LSE, DELTA, io_off, io_mask, bh * NR + rows, row_ok)
+            q, do, lse, delta = _backward_rows(Q, DO, DO_ROW, GATE, LSE, DELTA, io_off, io_mask, bh * NR + rows,
+                                               row_ok, cols)
             lo = tl.load(LO + qi, mask=row_ok, other=0)
             hi = tl.load(HI + qi, mask=row_ok, other=0)
             visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])  # (BLOCK_M, BLOCK_N)

@@ -4,15 +4,16 @@ grid); the kernels themselves are in nsa/triton_kernels.py, imported only to lau
 tensors this path runs without Triton, allocating what it allocates on a GPU (profile_memory.py's estimate). No
 kernel writes logits or probabilities to memory.
 
-Selection (paper section 3.4; `TritonSelection`), block-centric: the (query, slot) pairs are grouped by the block
-they select (`_pairs_by_block`, one sort), and one program per (key block, batch x KV head) loads the block's l'
-keys and values once and walks its pairs 64 rows at a time (16 queries x G = 4 heads: full tensor-core tiles, where
-a query-centric walk pads each query's G rows to 16 and reloads every block for every query that selects it).
-- Forward: each pair's softmax over its block, written as a partial output and log-sum-exp (B, KV, Q, n, G[, D]) in
-  the accumulator dtype; the partials merge over the query's slots by their lse (torch: logsumexp, one einsum).
-- Backward, in one kernel: the pair's probabilities recomputed from the merged lse (flash-attention backward,
-  dS = P * (dP - rowsum(dO * O))); dK and dV summed over the block's pairs (each block has one writer, so no
-  atomics) and each pair's share of dQ written beside it, summed over the slots after.
+Selection (paper section 3.4; `TritonSelection`) in tiles of whole queries, 64 rows a tile (16 queries x G = 4
+heads: full tensor-core tiles, where one program per query pads its G rows to 16).
+- Forward: one program per (tile of queries, batch x KV head) walks the union of the blocks its queries selected
+  (`_union_by_tile`: one sorted list per tile, each block once), loading a block's l' keys and values once for all
+  the tile's rows; a row sees a block's keys only if its query selected it. Online softmax, as flash attention:
+  the output and lse are written once, with no partial results per (query, slot) in memory.
+- Backward: dQ the same way (a program per tile over its union, the probabilities recomputed from the lse, as
+  flash attention's backward: dS = P * (dP - rowsum(dO * O))); dK and dV by one program per key block walking the
+  (query, slot) pairs that chose it (`_pairs_by_block`, one sort), 64 rows a step, so each block has one writer
+  and no atomics are needed.
 A key at position p is visible to the query at t iff p <= t and p lies in one of the query's selected blocks; slots
 whose block lies after the query's own block are unused (the padding of `nsa.blocks.select_blocks`).
 
@@ -38,7 +39,7 @@ query, NB blocks a query of the call can select.
 
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -79,71 +80,126 @@ def _tile(n: int) -> int:
     return max(16, _next_power_of_2(n))
 
 
-def _backward_inputs(grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The flash backward's per-row inputs for an attention's grad_out and out (..., D) and lse (...):
-    (grad_out contiguous, lse and delta = rowsum(dO * O), both contiguous in the accumulator dtype)."""
-    acc = _acc_dtype(grad_out)
-    return grad_out.contiguous(), lse.to(acc).contiguous(), (grad_out.to(acc) * out.to(acc)).sum(-1)
+class GatedGrad(NamedTuple):
+    """The gradient of one branch's output, gate * dO, as the backward kernels read it without forming it: the
+    gated output's gradient dO (any strides, its last dimension contiguous), the offsets of its rows (R,) int64 in
+    the branch's head-major row order (row (b * H + h) * Q + t) and each row's gate (R,) (0 where the branch's output
+    is a constant)."""
+
+    grad_out: Tensor
+    offsets: Tensor
+    gate: Tensor
+
+
+def row_offsets(grad_out: Tensor) -> Tensor:
+    """The element offsets (B*H*Q,) int64 of the rows of grad_out (B, H, Q, D), head-major, whatever its strides."""
+    B, H, Q, _ = grad_out.shape
+    sb, sh, sq, sd = grad_out.stride()
+    if sd != 1:
+        raise ValueError(f"the kernels read rows of a gradient whose last dimension is contiguous, got {sd}")
+    idx = [torch.arange(n, device=grad_out.device) * st for n, st in ((B, sb), (H, sh), (Q, sq))]
+    return (idx[0][:, None, None] + idx[1][None, :, None] + idx[2][None, None, :]).flatten()
+
+
+def _gated(grad: Tensor | GatedGrad) -> GatedGrad:
+    """A branch's output gradient as `GatedGrad`: a tensor (B, KV, G*Q, D) is its own dO, gate 1."""
+    if isinstance(grad, GatedGrad):
+        return grad
+    grad = grad.contiguous()
+    rows = grad.numel() // grad.shape[-1]
+    offsets = torch.arange(rows, device=grad.device) * grad.shape[-1]
+    return GatedGrad(grad, offsets, grad.new_ones(rows))
+
+
+def _backward_inputs(grad: Tensor | GatedGrad, out: Tensor, lse: Tensor) -> tuple[GatedGrad, Tensor, Tensor]:
+    """The flash backward's per-row inputs for an attention's output gradient (a tensor (B, KV, G*Q, D) or
+    `GatedGrad`), out (B, KV, G*Q, D) and lse (B, KV, G*Q): (the gradient as `GatedGrad`, lse and
+    delta = rowsum(dO * O), both contiguous in the accumulator dtype; delta by a kernel, with no copy of dO)."""
+    grad, acc = _gated(grad), _acc_dtype(out)
+    delta = out.new_empty(out.shape[:-1], dtype=acc)
+    D = out.shape[-1]
+    _launch("delta_kernel", (_cdiv(delta.numel(), _RANGE_BLOCK),), *grad, out.contiguous(), delta, delta.numel(),
+            D=D, BLOCK_M=_RANGE_BLOCK, BLOCK_D=_tile(D), acc=acc)
+    return grad, lse.to(acc).contiguous(), delta
 
 
 def _precision(t: Tensor) -> dict:
-    """Launch parameters set by the inputs' dtype: the accumulator type, and 2 pipeline stages instead of Triton's 3
-    for float32 / float64 inputs (their D = 128 tiles would otherwise need up to 215 KB of shared memory, more than
-    an A100's 164 KB; compiled for sm_80: at most 148 KB)."""
+    """Launch parameters set by the inputs' dtype: the accumulator type, and for float32 / float64 inputs (checks,
+    not training) one pipeline stage instead of Triton's 3: their D = 128 tiles would otherwise need more shared
+    memory than an A100's 164 KB (the range dK/dV kernel 193 KB at 2 stages, compiled for sm_80)."""
     wide = t.element_size() >= 4
-    return dict(acc=_acc_dtype(t), num_stages=2 if wide else 3)
+    return dict(acc=_acc_dtype(t), num_stages=1 if wide else 3)
 
 
 class TritonSelection:
-    """Drop-in for `nsa.attention._Selection` on the Triton kernels: queries q (B, KV, Q, G, D) at positions
+    """`nsa.attention._Selection` on the Triton kernels: head-major query rows q (B, KV, G*Q, D) at positions
     [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) among the key/value blocks k_blocks, v_blocks
-    (B, KV, Nsb, l', D) (contiguous, as `nsa.blocks.as_blocks` makes them). Block-centric: the (query, slot) pairs
-    are grouped by block once (`_pairs_by_block`), and every kernel walks a block's pairs."""
+    (B, KV, Nsb, l', D) (contiguous, as `nsa.blocks.as_blocks` makes them); a slot whose block lies after the
+    query's own block is unused. Forward and dQ walk each query tile's union of blocks (`_union_by_tile`); dK and
+    dV walk each block's (query, slot) pairs (`_pairs_by_block`)."""
 
     def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
-        B, KV, Q, G, D = q.shape
-        self.shape, self.q_start, self.scale, self.n = q.shape, q_start, scale, idx.shape[-1]
-        l_sel = k_blocks.shape[3]
-        self.q = q.contiguous().view(B * KV, Q, G, D)
+        B, KV, NR, D = q.shape
+        Q, n, l_sel = idx.shape[2], idx.shape[3], k_blocks.shape[3]
+        G = NR // Q
+        self.q_start, self.scale, self.n, self.Q = q_start, scale, n, Q
+        self.q = q.contiguous()
         self.k = k_blocks.view(B * KV, -1, D)  # (BKV, S, D), S = Nsb * l'
         self.v = v_blocks.view(B * KV, -1, D)
+        self.idx = idx.contiguous()
         self.n_blocks = (q_start + Q - 1) // l_sel + 1  # blocks a query of this call can select
-        self.ptr, self.pair = _pairs_by_block(idx, q_start, l_sel, self.n_blocks)
-        qb = max(1, _PAIR_ROWS // G)  # whole queries of G rows per step
+        qb = max(1, _PAIR_ROWS // G)  # whole queries of G rows per tile: 16 x 4 = 64 rows at G = 4
+        self.union, self.count = _union_by_tile(idx, q_start, l_sel, qb)
         self.meta = dict(G=G, D=D, L_SEL=l_sel, QB=qb, BLOCK_R=_tile(qb * G), BLOCK_D=_tile(D), **_precision(q))
+        self.grid = (self.union.shape[1], B * KV)
 
-    def _partials(self, last: int, fill: float) -> Tensor:
-        """A (BKV, Q, n, G, *last) buffer of the pairs' partial results in the accumulator dtype, filled with
-        `fill` (what an unused slot contributes)."""
-        B, KV, Q, G, D = self.shape
-        return torch.full((B * KV, Q, self.n, G, *last), fill, dtype=_acc_dtype(self.q), device=self.q.device)
+    def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Writes and returns (out (B, KV, G*Q, D), lse (B, KV, G*Q) in float32, float64 for float64 inputs), into
+        the given tensors when there are: one kernel, a program per tile of queries."""
+        out = torch.empty_like(self.q) if out is None else out
+        lse = self.q.new_empty(self.q.shape[:3], dtype=_acc_dtype(self.q)) if lse is None else lse
+        _launch("selection_forward_kernel", self.grid, self.q, self.k, self.v, self.idx, self.union, self.count, out,
+                lse, *self._sizes(), self.scale, BLOCK_N=_next_power_of_2(self.n), **self.meta)
+        return out, lse
 
-    def forward(self) -> tuple[Tensor, Tensor]:
-        """Returns (out (B, KV, Q, G, D), lse (B, KV, Q, G) in float32, float64 for float64 inputs): each pair's
-        attention over its block (one kernel, a program per block), merged over the query's slots by their lse."""
-        B, KV, Q, G, D = self.shape
-        o_part, lse_part = self._partials((D,), 0.0), self._partials((), -math.inf)
-        _launch("selection_forward_kernel", (self.n_blocks, B * KV), self.q, self.k, self.v, self.ptr, self.pair,
-                o_part, lse_part, self.q_start, Q, self.k.shape[1], self.n_blocks, self.n, self.scale, **self.meta)
-        lse = lse_part.logsumexp(2)  # (BKV, Q, G): every query attends at least its own block
-        weights = torch.exp(lse_part - lse[:, :, None])  # (BKV, Q, n, G), 0 for unused slots
-        out = torch.einsum("bqng,bqngd->bqgd", weights, o_part).to(self.q.dtype)  # (BKV, Q, G, D)
-        return out.view(self.shape), lse.view(B, KV, Q, G)
+    def _sizes(self) -> tuple[int, ...]:
+        """The forward and dQ kernels' (q_start, NQ, NT, U_MAX, S, N_SEL)."""
+        return self.q_start, self.Q, self.union.shape[1], self.union.shape[2], self.k.shape[1], self.n
 
-    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
-                 grad_v_blocks: Tensor) -> Tensor:
-        """Given grad_out, out (B, KV, Q, G, D) and lse (B, KV, Q, G) of the branch: adds the blocks' gradients into
-        grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D, contiguous) and returns the gradient of q
-        (B, KV, Q, G, D). One kernel, a program per block (its dK and dV have one writer: no atomics), writes each
-        pair's share of dQ; the shares are summed over the query's slots."""
-        B, KV, Q, G, D = self.shape
-        grad_out, lse, delta = _backward_inputs(grad_out, out, lse)  # (B, KV, Q, G, D), (B, KV, Q, G) x 2
-        S = self.k.shape[1]
-        dq_part = self._partials((D,), 0.0)
-        _launch("selection_backward_kernel", (self.n_blocks, B * KV), self.q, self.k, self.v, grad_out, lse, delta,
-                self.ptr, self.pair, grad_k_blocks.view(B * KV, S, D), grad_v_blocks.view(B * KV, S, D), dq_part,
-                self.q_start, Q, S, self.n_blocks, self.n, self.scale, **self.meta)
-        return dq_part.sum(2).to(self.q.dtype).view(self.shape)
+    def backward(self, grad_out: Tensor | GatedGrad, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
+                 grad_v_blocks: Tensor, dq: Tensor | None = None) -> Tensor:
+        """Given grad_out (B, KV, G*Q, D, or `GatedGrad`), out (B, KV, G*Q, D) and lse (B, KV, G*Q) of the branch:
+        adds the blocks' gradients into grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D, contiguous) and returns
+        the gradient of q (B, KV, G*Q, D), added into dq (contiguous) when given. dQ by query tiles over their
+        unions; dK and dV by blocks over their pairs (each block has one writer: no atomics)."""
+        grad, lse, delta = _backward_inputs(grad_out, out, lse)  # GatedGrad, (B, KV, G*Q) x 2
+        add, dq = dq is not None, torch.empty_like(self.q) if dq is None else dq
+        _launch("selection_dq_kernel", self.grid, self.q, self.k, self.v, *grad, lse, delta, self.idx,
+                self.union, self.count, dq, *self._sizes(), self.scale, BLOCK_N=_next_power_of_2(self.n), ADD=add,
+                **self.meta)
+        B, KV = self.q.shape[:2]
+        S, D = self.k.shape[1:]
+        ptr, pair = _pairs_by_block(self.idx, self.q_start, self.meta["L_SEL"], self.n_blocks)
+        _launch("selection_dkdv_kernel", (self.n_blocks, B * KV), self.q, self.k, self.v, *grad, lse, delta,
+                ptr, pair, grad_k_blocks.view(B * KV, S, D), grad_v_blocks.view(B * KV, S, D), self.q_start, self.Q,
+                S, self.n_blocks, self.n, self.scale, **self.meta)
+        return dq
+
+
+def _union_by_tile(idx: Tensor, q_start: int, l_sel: int, qb: int) -> tuple[Tensor, Tensor]:
+    """For idx (B, KV, Q, n): the union of the used slots' blocks of each tile of qb consecutive queries, as
+    (union (B*KV, NT, qb*n) int32, ascending with the tile's count (B*KV, NT) int32 of distinct blocks first). No
+    host sync: two sorts, in place where it can (int32 halves them)."""
+    B, KV, Q, n = idx.shape
+    nt, none = _cdiv(Q, qb), torch.iinfo(torch.int32).max
+    own = (torch.arange(q_start, q_start + Q, device=idx.device, dtype=torch.int32) // l_sel)[:, None]  # (Q, 1)
+    used = idx.new_full((B * KV, nt * qb, n), none, dtype=torch.int32)
+    used[:, :Q] = idx.view(B * KV, Q, n)
+    used[:, :Q].masked_fill_(used[:, :Q] > own, none)  # unused slots
+    blocks = used.view(B * KV, nt, qb * n).sort(-1).values
+    del used
+    first = F.pad(blocks[..., 1:] != blocks[..., :-1], (1, 0), value=True) & (blocks != none)  # a block's first copy
+    return blocks.masked_fill_(~first, none).sort(-1).values, first.sum(-1, dtype=torch.int32)
 
 
 def _pairs_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> tuple[Tensor, Tensor]:
@@ -172,21 +228,25 @@ class RangeAttention:
         self.sizes = (NR, lo.shape[0], k.shape[2])  # rows, queries, keys
         self.grid = (_cdiv(NR, _RANGE_BLOCK), B * KV)
 
-    def forward(self) -> tuple[Tensor, Tensor]:
-        """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q) in float32, float64 for float64 inputs)."""
-        out = torch.empty_like(self.q)
-        lse = torch.empty(self.q.shape[:3], dtype=_acc_dtype(self.q), device=self.q.device)
+    def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Writes and returns (out (B, KV, G*Q, D), lse (B, KV, G*Q) in float32, float64 for float64 inputs), into
+        the given tensors when there are."""
+        out = torch.empty_like(self.q) if out is None else out
+        lse = self.q.new_empty(self.q.shape[:3], dtype=_acc_dtype(self.q)) if lse is None else lse
         _launch("range_forward_kernel", self.grid, self.q, self.k, self.v, self.lo, self.hi, out, lse, *self.sizes,
                 self.scale, **self.meta)
         return out, lse
 
-    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q) of this attention: gradients of q
-        (B, KV, G*Q, D) and of k, v (B, KV, S, D)."""
-        grad_out, lse, delta = _backward_inputs(grad_out, out, lse)  # (B, KV, G*Q, D), (B, KV, G*Q) x 2
-        dq, dk, dv = torch.empty_like(self.q), torch.empty_like(self.k), torch.empty_like(self.v)
-        args = (self.q, self.k, self.v, self.lo, self.hi, grad_out, lse, delta)
-        _launch("range_dq_kernel", self.grid, *args, dq, *self.sizes, self.scale, **self.meta)
+    def backward(self, grad_out: Tensor | GatedGrad, out: Tensor, lse: Tensor, dq: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """Given grad_out (B, KV, G*Q, D, or `GatedGrad`), out (B, KV, G*Q, D) and lse (B, KV, G*Q) of this
+        attention: gradients of q (B, KV, G*Q, D; added into dq, contiguous, when given) and of k, v
+        (B, KV, S, D)."""
+        grad, lse, delta = _backward_inputs(grad_out, out, lse)  # GatedGrad, (B, KV, G*Q) x 2
+        add, dq = dq is not None, torch.empty_like(self.q) if dq is None else dq
+        dk, dv = torch.empty_like(self.k), torch.empty_like(self.v)
+        args = (self.q, self.k, self.v, self.lo, self.hi, *grad, lse, delta)
+        _launch("range_dq_kernel", self.grid, *args, dq, *self.sizes, self.scale, ADD=add, **self.meta)
         S = self.k.shape[2]
         first = torch.arange(0, S, _RANGE_BLOCK, device=self.q.device, dtype=torch.int32)  # (n_key_blocks,)
         q_first = torch.searchsorted(self.hi, first, right=True).to(torch.int32)  # first query with hi > block start

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelConfig, Transformer
 from modeling.attention import FullAttention
@@ -473,6 +474,12 @@ def dense_selected(q, k, v, idx, q_start, ls):
     return torch.einsum("bkqgs,bksd->bkqgd", p, v)
 
 
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """Query-major (B, KV, Q, G, D) -> the selection branches' head-major rows (B, KV, G*Q, D)."""
+    B, KV, Q, G, D = x.shape
+    return x.transpose(2, 3).reshape(B, KV, G * Q, D)
+
+
 def distinct_selection(B, KV, Q, q_start, n_blocks, ls, n):
     """Random top-n-like indices (B, KV, Q, n): n distinct blocks per query, its own block among them, blocks after
     it replaced by the unused-slot value n_blocks."""
@@ -508,16 +515,15 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
         with explicit_attention() if impl == "explicit" else contextlib.nullcontext():
             blocks = [as_blocks(t.detach(), ls) for t in (k, v)]
             if impl == "triton":
-                from nsa.triton_path import TritonSelection
-
-                sel = TritonSelection(q.detach(), *blocks, idx, q_start, D**-0.5)
+                from nsa.triton_path import TritonSelection as selection
             else:
-                sel = nsa_attention._Selection(q.detach(), *blocks, idx, q_start, D**-0.5)
+                selection = nsa_attention._Selection
+            sel = selection(head_major(q.detach()), *blocks, idx, q_start, D**-0.5)
             out, lse = sel.forward()
             grad_blocks = [torch.zeros_like(b) for b in blocks]
-            dq = sel.backward(grad, out, lse, *grad_blocks)
-        torch.testing.assert_close(out, ref, **F64)
-        torch.testing.assert_close(dq, ref_grads[0], **F64)
+            dq = sel.backward(head_major(grad), out, lse, *grad_blocks)
+        torch.testing.assert_close(out, head_major(ref), **F64)
+        torch.testing.assert_close(dq, head_major(ref_grads[0]), **F64)
         for g, ref_g in zip(grad_blocks, ref_grads[1:], strict=True):
             torch.testing.assert_close(g.flatten(2, 3)[:, :, :S], ref_g, **F64)
 
@@ -592,6 +598,45 @@ def test_triton_matches_naive(H, KV):
     with triton_kernels():
         torch.testing.assert_close(sparse_attention(*inputs, config, compute=compute), naive_nsa(*inputs, config),
                                    **F64)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts operators that read a tensor's value back to the host (`.item()`, `.tolist()`, `bool(t)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow
+def test_triton_launches_do_not_grow_with_length(monkeypatch):
+    """On the Triton kernels a layer's attention is one chunk whatever T: forward + backward launch the same kernels
+    the same number of times at T = 100 and T = 300 (query chunk 16, where chunks would launch 7 and 19 times as
+    many), and no operator reads a value back to the host (no sync between launches on a GPU)."""
+    pytest.importorskip("triton")
+    from nsa import triton_kernels as kernels
+
+    launches: dict[int, list[str]] = {}
+    launch = kernels.launch
+
+    def counted(kernel: str, *args, **kwargs) -> None:
+        launches[T].append(kernel)
+        launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "launch", counted)
+    config = nsa_config()
+    for T in (100, 300):
+        launches[T] = []
+        leaves = [t.requires_grad_() for t in random_inputs(1, 4, 2, T, 8, config)]
+        with triton_kernels(), _HostReads() as reads:
+            sparse_attention(*leaves, config, compute=ComputeConfig(attention_query_chunk=16)).sum().backward()
+        assert reads.count == 0, T
+    assert sorted(launches[100]) == sorted(launches[300]), launches
+    assert len(launches[100]) == 13, launches  # forward: 4 (compression, top-n, selection, window); backward: 3 each
 
 
 @pytest.mark.slow
@@ -698,7 +743,7 @@ def test_triton_selection_half_precision():
     results = []
     for cls, dtype in ((nsa_attention._Selection, torch.float32), (TritonSelection, torch.float16)):
         blocks = [as_blocks(t.to(dtype), ls) for t in (k, v)]
-        sel = cls(q.to(dtype), *blocks, idx, S - Q, D**-0.5)
+        sel = cls(head_major(q.to(dtype)), *blocks, idx, S - Q, D**-0.5)
         out, lse = sel.forward()
         grad_blocks = [torch.zeros_like(b) for b in blocks]
         dq = sel.backward(torch.ones_like(out), out, lse, *grad_blocks)
@@ -733,23 +778,25 @@ from triton.compiler import ASTSource
 from nsa import triton_kernels as nt
 part, parts = int(sys.argv[1]), int(sys.argv[2])  # this process compiles every parts-th build from the part-th
 builds = []
-types = dict(LSE="*fp32", DELTA="*fp32", PTR="*i64", PAIR="*i64", O_PART="*fp32", LSE_PART="*fp32",
-             DQ_PART="*fp32", N_SEL="i32", IDX="*i64", L_SEL="i32", NO_SLOT="i32", LO="*i32", HI="*i32", QA="*i32",
-             QB="*i32", NVIS="*i32", W="*fp32", q_start="i32", NQ="i32", NR="i32", S="i32", NB="i32",
+types = dict(LSE="*fp32", DELTA="*fp32", PTR="*i64", PAIR="*i64", UNION="*i32", COUNT="*i32", DO_ROW="*i64",
+             N_SEL="i32", IDX="*i64", L_SEL="i32", NO_SLOT="i32", LO="*i32", HI="*i32", QA="*i32", QB="*i32",
+             NVIS="*i32", W="*fp32", q_start="i32", NQ="i32", NR="i32", NT="i32", U_MAX="i32", S="i32", NB="i32",
              NC="i32", NS="i32", scale="fp32")
 for D in (64, 128):
     common = dict(G=4, D=D, L_SEL=64, BLOCK_D=D, ACC=tl.float32)
     ranged = dict(D=D, BLOCK_M=64, BLOCK_N=64, BLOCK_D=D, ACC=tl.float32)
-    for fn, consts in ((nt.selection_forward_kernel, dict(common, QB=16, BLOCK_R=64)),
-                       (nt.selection_backward_kernel, dict(common, QB=16, BLOCK_R=64)),
-                       (nt.range_forward_kernel, ranged), (nt.range_dq_kernel, ranged),
+    for fn, consts in ((nt.selection_forward_kernel, dict(common, QB=16, BLOCK_R=64, BLOCK_N=16)),
+                       (nt.selection_dq_kernel, dict(common, QB=16, BLOCK_R=64, BLOCK_N=16, ADD=True)),
+                       (nt.selection_dkdv_kernel, dict(common, QB=16, BLOCK_R=64)),
+                       (nt.delta_kernel, dict(D=D, BLOCK_M=64, BLOCK_D=D, ACC=tl.float32)),
+                       (nt.range_forward_kernel, ranged), (nt.range_dq_kernel, dict(ranged, ADD=True)),
                        (nt.range_dkdv_kernel, dict(ranged, G=4)),
                        (nt.selection_topn_kernel, dict(G=4, D=D, PER_SEL=4, FIRST=-1, WIDTH=5, J_STEP=15, N_SEL=16,
                                                         BLOCK_M=64, BLOCK_J=16, BLOCK_N=16, BLOCK_C=64, BLOCK_D=D,
                                                         ACC=tl.float32))):
         # bf16 for the H100 (training's dtype); float32 at D = 128, the largest tiles, for the A100 with the
-        # 2 pipeline stages nsa.triton_path._precision gives it
-        for dtype, arch, stages in (("bf16", 90, 3), ("fp32", 80, 2))[: 2 if D == 128 else 1]:
+        # 1 pipeline stage nsa.triton_path._precision gives it
+        for dtype, arch, stages in (("bf16", 90, 3), ("fp32", 80, 1))[: 2 if D == 128 else 1]:
             builds.append((fn, consts, dtype, arch, stages))
 builds.sort(key=lambda build: build[2] != "fp32")  # float32's builds take the longest: dealt out first
 for fn, consts, dtype, arch, stages in builds[part::parts]:
@@ -771,7 +818,7 @@ def run_without_interpreter(args: list[str]) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_triton_kernels_compile_for_gpus():
-    """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all six with
+    """Without a GPU the interpreter checks the kernels' arithmetic, not that they compile: build all eight with
     Triton's own compiler and ptxas (no device needed) in bf16 for sm_90 (H100) at D = 64 and 128, and in float32
     for sm_80 (A100) at D = 128, each within the A100's 164 KB of shared memory; G = 4, l' = 64, n = 16."""
     pytest.importorskip("triton")
@@ -799,8 +846,8 @@ def test_triton_kernels_on_gpu():
 def peak_bound_bytes(config: ModelConfig, chunk: int, B: int, T: int, elem: int, triton: bool = False
                      ) -> tuple[int, int]:
     """(peak bound, largest-tensor bound) in bytes from nsa/attention.py's docstring formula, constants 8 and 6;
-    `chunk`: the query chunk; `triton`: the Triton kernels' path, whose chunk part is the selection's partial
-    results (float32)."""
+    `chunk`: the query chunk; `triton`: the Triton kernels' path, one chunk of all T queries whose chunk part is
+    the selection's block lists (about 32 bytes per query, KV head and slot)."""
     H, KV, D, Q = config.n_heads, config.n_kv_heads, config.head_dim, min(chunk, T)
     n_sets = 3 if config.nsa_separate_kv else 1
     n_cmp = num_compressed_blocks(T, config.nsa_block_size, config.nsa_stride)
@@ -808,7 +855,7 @@ def peak_bound_bytes(config: ModelConfig, chunk: int, B: int, T: int, elem: int,
     n_sel = config.nsa_num_selected * config.nsa_select_block_size
     chunk = B * Q * (6 * H * n_cmp + 6 * KV * n_sel * D + 6 * H * (Q + config.nsa_window - 1))
     if triton:
-        chunk = B * Q * 3 * H * config.nsa_num_selected * D * 4 // elem  # output or dQ shares per (query, slot)
+        chunk = B * T * KV * config.nsa_num_selected * 32 // elem  # idx, its pairs by block, each tile's union
     largest = B * Q * max(H * n_cmp, KV * n_sel * D, H * (Q + config.nsa_window - 1)) * 4  # float32 softmax
     return (linear + chunk) * elem, max(largest, T * B * max(3 * H, 3 * KV * D, config.dim) * elem)
 

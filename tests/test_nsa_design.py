@@ -54,16 +54,30 @@ def test_the_cost_model_counts_as_its_formulas_say():
     per_chunk, whole = (COST["nsa"](layer, d, 2.0, 16, 512) for d in ("block-centric, per chunk", "block-centric"))
     assert per_chunk["selection"] == whole["selection"]  # the same kernels, launched per chunk
     assert per_chunk["importance + top-n"] == whole["importance + top-n"] and "_launch_seconds" in per_chunk
+    hybrid = COST["nsa"](layer, "folded + block dK/dV", 2.0, 16, 512)
+    block_bytes = 2 * layer.l_sel * layer.D * 2
+    union_loads = layer.T / 16 * layer.KV * 2.0 * layer.n * block_bytes
+    block_loads = layer.KV * layer.T / layer.l_sel * block_bytes
+    pair_rows = layer.T * layer.KV * layer.n * layer.G * layer.D * 2 * 2
+    assert hybrid["selection"][1] == pytest.approx(2 * union_loads + 2 * block_loads + pair_rows)
+    assert hybrid["selection"][0] == pytest.approx(folded["selection"][0] * (5 * 2.0 + 4) / (7 * 2.0))
+    assert "_launch_seconds" not in hybrid
 
 
 def test_the_figures_quoted_from_the_cost_model(capsys):
     """docs/gpu.md and benchmarks/results/nsa.md quote these predictions: block-centric 0.92x / 3.12x / 5.10x flash
-    at 16k / 64k / 128k, launched per chunk (today's kernels) 0.59x / 2.12x / 3.69x, and the query-centric kernels
-    0.45x at 64k (4B geometry, H100 at 45%)."""
+    at 16k / 64k / 128k, launched per chunk (the previous kernels) 0.59x / 2.12x / 3.69x, today's kernels (folded
+    forward and dQ, block-centric dK/dV, whole sequence) 1.00x / 3.34x / 5.40x at a union of 2n (1.19x / 3.88x /
+    6.07x at 1.5n), and the
+    query-centric kernels 0.45x at 64k (4B geometry, H100 at 45%)."""
     rows = {row["T"]: row for row in COST["main"]([])}
     ratio = {T: {d: row["flash_ms"] / row[f"{d}_ms"] for d in COST["DESIGNS"]} for T, row in rows.items()}
     assert round(ratio[16384]["block-centric"], 2) == 0.92 and round(ratio[65536]["block-centric"], 2) == 3.12
     assert round(ratio[131072]["block-centric"], 2) == 5.10 and round(ratio[65536]["query-centric"], 2) == 0.45
     assert round(ratio[65536]["folded"], 2) == 2.95
-    today = [round(ratio[T]["block-centric, per chunk"], 2) for T in (16384, 65536, 131072)]
-    assert today == [0.59, 2.12, 3.69]
+    previous = [round(ratio[T]["block-centric, per chunk"], 2) for T in (16384, 65536, 131072)]
+    assert previous == [0.59, 2.12, 3.69]
+    today = [round(ratio[T]["folded + block dK/dV"], 2) for T in (16384, 65536, 131072)]
+    assert today == [1.00, 3.34, 5.40]
+    measured_union = COST["main"](["--union_over_n", "1.5", "--lengths", "16384", "65536", "131072"])
+    assert [round(r["flash_ms"] / r["folded + block dK/dV_ms"], 2) for r in measured_union] == [1.19, 3.88, 6.07]
