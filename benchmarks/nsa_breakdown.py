@@ -1,8 +1,8 @@
 """Where NSA's time goes, on CPU: (1) forward and backward seconds of each branch's attention kernel calls
-(`attend` / `attend_backward` of modeling/flash.py as nsa/attention.py calls them, grouped by the rows per call)
+(`attend` / `attend_backward` of modeling/flash.py as nsa/torch_path.py calls them, grouped by the rows per call)
 inside one forward+backward of the benchmark layer of bench_nsa.py; (2) the fused CPU flash kernels on selection
 tiles of 64 and 128 rows (R = 16 and 32 queries of 4 heads) at equal total rows, the measurement behind
-`nsa.attention._SMALL_TILE_COST`.
+`nsa.torch_path._SMALL_TILE_COST`.
 
     MALLOC_TRIM_THRESHOLD_=1099511627776 MALLOC_MMAP_THRESHOLD_=33554432 python benchmarks/nsa_breakdown.py   # ~1 min
 
@@ -29,13 +29,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_nsa  # noqa: E402
 
-from nsa import attention as nsa_attention  # noqa: E402
+from nsa import torch_path  # noqa: E402
 
 
 def kernel_seconds(T: int) -> tuple[float, dict[tuple[str, int], float]]:
     """(total seconds of one forward+backward at T, kernel seconds per (direction, rows per call))."""
     seconds: collections.Counter = collections.Counter()
-    attend, attend_backward = nsa_attention.attend, nsa_attention.attend_backward
+    attend, attend_backward = torch_path.attend, torch_path.attend_backward
 
     def timed(fn, direction: str):
         def call(*args):
@@ -49,7 +49,7 @@ def kernel_seconds(T: int) -> tuple[float, dict[tuple[str, int], float]]:
     args = argparse.Namespace(dim=512, heads=8, kv_heads=2, head_dim=64, query_chunk=512)
     torch.manual_seed(0)
     _, run = bench_nsa.build("nsa", args)
-    nsa_attention.attend, nsa_attention.attend_backward = timed(attend, "fwd"), timed(attend_backward, "bwd")
+    torch_path.attend, torch_path.attend_backward = timed(attend, "fwd"), timed(attend_backward, "bwd")
     try:
         run(torch.randn(1, 512, 512, requires_grad=True)).square().mean().backward()  # warm-up
         seconds.clear()
@@ -58,7 +58,7 @@ def kernel_seconds(T: int) -> tuple[float, dict[tuple[str, int], float]]:
         run(x).square().mean().backward()
         total = time.perf_counter() - start
     finally:
-        nsa_attention.attend, nsa_attention.attend_backward = attend, attend_backward
+        torch_path.attend, torch_path.attend_backward = attend, attend_backward
     return total, dict(seconds)
 
 
@@ -66,12 +66,12 @@ def tile_seconds(rows: int, total_rows: int = 131072, keys: int = 64, dim: int =
     """Mean seconds of one forward + backward of the CPU flash kernels over total_rows query rows in tiles of `rows`."""
     n = total_rows // rows
     q, k, v = torch.randn(n, 1, rows, dim), torch.randn(n, 1, keys, dim), torch.randn(n, 1, keys, dim)
-    out, lse = nsa_attention.attend(q, k, v, None, dim**-0.5)
+    out, lse = torch_path.attend(q, k, v, None, dim**-0.5)
     grad = torch.randn_like(out)
 
     def step() -> None:
-        nsa_attention.attend(q, k, v, None, dim**-0.5)
-        nsa_attention.attend_backward(grad, q, k, v, out, lse, None, dim**-0.5)
+        torch_path.attend(q, k, v, None, dim**-0.5)
+        torch_path.attend_backward(grad, q, k, v, out, lse, None, dim**-0.5)
 
     step()
     start = time.perf_counter()

@@ -129,11 +129,12 @@ def yarn_scale_frequencies(inv_freq: Tensor, scaling: dict[str, float | int | st
 ROPE_CHUNK = 4096  # positions rotated at a time: bounds the float32 temporaries to (B, H, ROPE_CHUNK, D)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool = False) -> Tensor:
     """x * cos + rotate_half(x) * sin for x (B, H, T, D), in (at least) float32, chunk by chunk over T, written into
-    a tensor of x's dtype. Under FakeTensorMode nothing is computed, so only the first chunk runs: the memory it
-    shows (the output plus one chunk's temporaries) is the loop's, without thousands of operators at long T."""
-    out = x.new_empty(x.shape)  # contiguous (B, H, T, D), whatever x's strides: heads are read whole downstream
+    a tensor of x's dtype and layout (contiguous (B, H, T, D) when `contiguous`). Under FakeTensorMode nothing is
+    computed, so only the first chunk runs: the memory it shows (the output plus one chunk's temporaries) is the
+    loop's, without thousands of operators at long T."""
+    out = x.new_empty(x.shape) if contiguous else torch.empty_like(x)
     half = x.shape[-1] // 2
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     fake = not torch.compiler.is_compiling() and is_fake(x)  # (is_fake would break a compiled graph)
@@ -153,24 +154,26 @@ class _ApplyRope(torch.autograd.Function):
     opposite angle (the sin table repeats across the two halves, so rotate_half^T(g * sin) = rotate_half(g) * -sin)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin)
+        return _rotate(x, cos, sin, contiguous)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, -sin), None, None
+        return _rotate(grad, cos, -sin), None, None, None
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool = False) -> Tensor:
     """Rotate `x` (B, H, T, D) by the tables `cos`, `sin` (T, D) (rotate-half convention), in (at least) float32.
 
-    Returns a tensor of x's shape and dtype. The float32 work is done `ROPE_CHUNK` positions at a time and nothing
-    of x is saved for backward, so at long T the rotation costs one output tensor, not several float32 copies.
+    Returns a tensor of x's shape, dtype and layout, or with `contiguous` a contiguous (B, H, T, D) one (what
+    NSA's kernels read: head by head; full attention's SDPA takes x's (B, T, H, D) layout). The float32 work is
+    done `ROPE_CHUNK` positions at a time and nothing of x is saved for backward, so at long T the rotation costs
+    one output tensor, not several float32 copies.
     The tables carry no gradient.
     """
-    return _ApplyRope.apply(x, cos, sin)
+    return _ApplyRope.apply(x, cos, sin, contiguous)
 
 
 class FeedForward(nn.Module):

@@ -103,9 +103,9 @@ class SequenceShard:
         rank's total); differentiable."""
         sizes = [[size(first, end) for first, end in spans] for spans in self.layouts]
         width = max(sum(row) for row in sizes)
-        local = torch.cat(parts, dim=2)
-        pad = local.new_zeros(*local.shape[:2], width - local.shape[2], *local.shape[3:])
-        stacked = self.all_gather(torch.cat([local, pad], dim=2))  # (N, B, X, width, D)
+        first = parts[0]
+        pad = first.new_zeros(*first.shape[:2], width - sum(p.shape[2] for p in parts), *first.shape[3:])
+        stacked = self.all_gather(torch.cat([*parts, pad], dim=2))  # (N, B, X, width, D): one copy of the parts
         pieces = []
         for rank, (spans, row) in enumerate(zip(self.layouts, sizes, strict=True)):
             offset = 0

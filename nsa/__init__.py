@@ -2,8 +2,8 @@
 
     reference.py       the paper's algorithm, one query at a time: the oracle of the tests, and the place to start
     layer.py           NativeSparseAttention: projections, gates, block compressor, decoding cache
-    attention.py       sparse_attention: the three gated branches chunk by chunk, custom backward (CPU fused /
-                       explicit)
+    attention.py       sparse_attention: the three gated branches chunk by chunk, custom backward
+    torch_path.py      the branches on PyTorch operators (CPU fused / explicit), for CPU tensors
     primitive.py       the CPU flash-attention call that also returns the log-sum-exp
     blocks.py          block geometry, Eq. 9's score pooling, top-n selection
     triton_path.py     the Triton path of the three branches (host side: allocations, grids), for CUDA tensors

@@ -1,23 +1,21 @@
 """The attention of Native Sparse Attention (nsa/layer.py holds the layer, nsa/blocks.py the block geometry and
 top-n): the three gated branches over given queries, keys and values, chunk by chunk, with a custom backward.
 
-Every branch is one primitive, `attend` (modeling/flash.py): softmax attention over a key set with an additive mask,
-returning its output and each row's log-sum-exp (lse); on CPU tensors PyTorch's fused flash-attention kernel.
-Branch outputs combine through their lse like flash attention's key blocks, and backward needs no recomputation of
-the forward (`attend_backward`).
+Each branch is softmax attention returning its output and each row's log-sum-exp (lse); branch outputs combine
+through their gates, and backward needs no recomputation of the forward (it reuses the saved outputs and lse).
+The branches of one chunk (`_Chunk`) run on nsa/torch_path.py's PyTorch operators (CPU tensors: PyTorch's fused
+flash-attention kernel, via modeling/flash.py) or, on CUDA with Triton installed, on nsa/triton_path.py's kernels.
 
-- Compression: queries (G*Q rows per KV head) against the compressed keys with a visibility mask. Its forward is
-  explicit: one logits matrix gives the branch's output and the probabilities that score the selection blocks
-  (paper Eqs. 8-10); its backward is the fused kernel's.
-- Selection: the query's own block is attended densely, block by block, with a causal (l'*G, l') mask; the other
-  selected (past, fully visible) blocks are grouped by block into tiles of R queries (`tile_plan`), each tile one
-  unmasked attention of its R*G query rows over one l'-key block. The partial results merge through their lse.
-  A chunk whose queries have at most n blocks each (q_start + Q <= n*l') selects them all: there the branch is one
-  causal attention over the prefix, with no scores and no top-n.
-- Sliding window: queries against the chunk's Q + w - 1 window keys with a band mask.
-- On CUDA (with Triton installed) the three branches and the importance scores run instead on nsa/triton_path.py's
-  kernels, which keep no logits and gather no tiles (`_Chunk`), and all the queries are one chunk
-  (`_whole_sequence`): a layer is a fixed number of kernel launches whatever T, with no host sync between them.
+- Compression: queries (G*Q rows per KV head) against the compressed keys with a visibility mask. On the PyTorch
+  path its forward is explicit when the selection needs scores: one logits matrix gives the branch's output and the
+  probabilities that score the selection blocks (paper Eqs. 8-10); the Triton path fuses the scores with top-n.
+- Selection: each query's own block and its other selected blocks (`nsa.torch_path.Selection`: tiles of queries
+  per block; `nsa.triton_path.TritonSelection`: tiles of queries over their blocks' union). A chunk whose queries
+  have at most n blocks each (q_start + Q <= n*l') selects them all: there the branch is one causal attention over
+  the prefix, with no scores and no top-n.
+- Sliding window: each query's last w keys.
+- On the Triton kernels all the queries are one chunk (`_whole_sequence`): a layer is a fixed number of kernel
+  launches whatever T, with no host sync between them.
 
 Threads. On CPU tensors the chunks run on one Python thread per PyTorch intra-op thread, each chunk on a single
 intra-op thread (`_for_each_chunk`): a chunk is hundreds of small operators, and with several threads each of them
@@ -54,7 +52,6 @@ d (`nsa_stride`), l' (`nsa_select_block_size`), n (`nsa_num_selected`), w (`nsa_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple
@@ -66,278 +63,20 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from modeling.config import ComputeConfig
-from modeling.flash import additive_mask, attend, attend_backward, attend_explicit, fused
+from modeling.flash import additive_mask, attend_explicit, fused
 from nsa.blocks import (
     as_blocks,
     best_token_scores,
     num_compressed_blocks,
-    pairs_by_block,
     pool_to_selection_blocks,
     select_blocks,
 )
 from nsa.primitive import exact_scores_active, triton_ready
+from nsa.torch_path import MaskedAttention, Selection, Window, written
 
 if TYPE_CHECKING:
     from modeling.config import ModelConfig
     from nsa.triton_path import GatedGrad, TritonSelection
-
-
-# ---- selection branch: own block densely, past blocks in tiles ---------------------------------------------------
-
-_TILE_ROWS = (16, 32)  # candidate (query, block) pairs per tile; one tile attends R * G query rows over l' keys
-_SMALL_TILE_COST = 1.25  # per-row cost of R = 16 tiles relative to R = 32 (CPU kernels; benchmarks/results/nsa.md)
-
-
-class TilePlan(NamedTuple):
-    """How one chunk's (query, past selected block) pairs are grouped into tiles of R pairs that share one key block
-    (`tile_plan`); padding rows point at the dummy query B*KV*Q."""
-
-    tile_block: Tensor  # (n_tiles,) index of each tile's block among the B*KV*Nsb blocks
-    query_of_row: Tensor  # (n_tiles * R,) query (index into B*KV*Q) of each tile row
-    rows_per_tile: int  # R
-
-
-def _tiles_per_block(counts: Tensor, P: int) -> tuple[int, Tensor, int]:
-    """(R, tiles per block, n_tiles) for pairs-per-block counts: the R of `_TILE_ROWS` with the cheaper padded
-    tiles, read from the device (one host sync per chunk). Fake and meta tensors, whose values are unknown, get the
-    largest R and the worst-case count (profile_memory.py's estimate is then an upper bound)."""
-    small, large = _TILE_ROWS
-    tiles = [(counts + R - 1) // R for R in _TILE_ROWS]
-    if counts.device.type == "meta" or is_fake(counts):
-        return large, tiles[1], P // large + min(counts.numel(), P)
-    n_small, n_large = torch.stack([t.sum() for t in tiles]).tolist()
-    if n_small * small * _SMALL_TILE_COST < n_large * large:
-        return small, tiles[0], n_small
-    return large, tiles[1], n_large
-
-
-@torch.no_grad()
-def tile_plan(idx: Tensor, current: Tensor, n_blocks: int) -> TilePlan:
-    """Group the pairs (query, idx[..., s]) with idx < current (past blocks; idx (B, KV, Q, n), current (Q,) each
-    query's own block) by block into tiles; n_blocks selection blocks per (B, KV). Tiles are made block by block,
-    so n_tiles <= P / R + (distinct blocks selected)."""
-    B, KV, Q, n = idx.shape
-    P, BKQ, n_groups, dev = idx.numel(), B * KV * Q, B * KV * n_blocks, idx.device
-    gid, order, counts = pairs_by_block(idx, idx < current[:, None], n_blocks)  # not past: group n_groups, last
-    R, tiles, n_tiles = _tiles_per_block(counts[:n_groups], P)
-    tile_end = tiles.cumsum(0)
-    g_sorted = gid[order]
-    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[g_sorted]  # rank of a pair within its block
-    first_row = F.pad((tile_end - tiles) * R, (0, 1), value=n_tiles * R)  # (n_groups + 1,); the rest: one spare row
-    row_sorted = torch.minimum(first_row[g_sorted] + rank, torch.tensor(n_tiles * R, device=dev))
-    query_of_row = torch.full((n_tiles * R + 1,), BKQ, device=dev).scatter_(0, row_sorted, order // n)
-    return TilePlan(
-        tile_block=torch.repeat_interleave(torch.arange(n_groups, device=dev), tiles, output_size=n_tiles),
-        query_of_row=query_of_row[:-1],
-        rows_per_tile=R,
-    )
-
-
-def _query_major(x: Tensor, Q: int) -> Tensor:
-    """Head-major rows (B, KV, G*Q, *E) -> (B, KV, Q, G, *E)."""
-    B, KV = x.shape[:2]
-    return x.view(B, KV, -1, Q, *x.shape[3:]).transpose(2, 3)
-
-
-def _head_major(x: Tensor) -> Tensor:
-    """(B, KV, Q, G, *E) -> head-major rows (B, KV, G*Q, *E)."""
-    B, KV, Q, G = x.shape[:4]
-    return x.transpose(2, 3).reshape(B, KV, G * Q, *x.shape[4:])
-
-
-def _added(dq: Tensor | None, d: Tensor) -> Tensor:
-    """A branch's query gradient d added into the accumulator dq when there is one (else d itself): the interface
-    of the Triton branches, whose kernels add there directly."""
-    return d if dq is None else dq.add_(d)
-
-
-def _written(result: tuple[Tensor, Tensor], out: Tensor | None, lse: Tensor | None) -> tuple[Tensor, Tensor]:
-    """A branch's (out, lse), copied into the given tensors when there are (the interface of the Triton branches,
-    which write there directly)."""
-    if out is None:
-        return result
-    out.copy_(result[0])
-    lse.copy_(result[1])
-    return out, lse
-
-
-class _Selection:
-    """The selection branch of one chunk: head-major query rows q (B, KV, G*Q, D) at positions
-    [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) (entries >= the own block that are not it:
-    unused slots) among the key/value blocks (B, KV, Nsb, l', D).
-
-    Own block: the chunk's queries, padded to whole blocks, attend their block with a causal (l'*G, l') mask (rows
-    ordered query-major, G heads per query). Past blocks: tiles of `tile_plan`, unmasked (every key is visible)."""
-
-    def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
-        q = _query_major(q, idx.shape[2])  # (B, KV, Q, G, D)
-        B, KV, Q, G, D = q.shape
-        l_sel = k_blocks.shape[3]
-        self.shape, self.scale = q.shape, scale
-        self.b0 = q_start // l_sel  # first own block of the chunk
-        self.nb = (q_start + Q - 1) // l_sel - self.b0 + 1  # own blocks of the chunk
-        self.pad = (q_start - self.b0 * l_sel, (self.b0 + self.nb) * l_sel - q_start - Q)  # queries before / after
-        current = torch.arange(q_start, q_start + Q, device=q.device) // l_sel  # (Q,)
-        self.plan = tile_plan(idx, current, k_blocks.shape[2])
-        self.k_tiles = k_blocks.flatten(0, 2).index_select(0, self.plan.tile_block)[:, None]  # (n_tiles, 1, l', D)
-        self.v_tiles = v_blocks.flatten(0, 2).index_select(0, self.plan.tile_block)[:, None]
-        own = slice(self.b0, self.b0 + self.nb)
-        self.k_own = k_blocks[:, :, own].flatten(0, 2)[:, None]  # (B*KV*nb, 1, l', D)
-        self.v_own = v_blocks[:, :, own].flatten(0, 2)[:, None]
-        query = torch.arange(l_sel * G, device=q.device) // G  # (l'*G,) query of each own-block row
-        self.causal = additive_mask(torch.arange(l_sel, device=q.device) <= query[:, None], q.dtype)  # (l'*G, l')
-        self.q_tiles, self.q_own = self._tiles(q), self._own(q)
-
-    def _tiles(self, x: Tensor) -> Tensor:
-        """Per-query x (B, KV, Q, G, *E) -> tile rows (n_tiles, 1, R*G, *E); padding rows are zero."""
-        B, KV, Q, G = self.shape[:4]
-        extra = x.shape[4:]
-        rows = F.pad(x.reshape(B * KV * Q, -1), (0, 0, 0, 1))  # (BKQ + 1, G * prod(E)), last row zero
-        return rows.index_select(0, self.plan.query_of_row).view(-1, 1, self.plan.rows_per_tile * G, *extra)
-
-    def _untile(self, x: Tensor) -> Tensor:
-        """Tile rows (n_tiles, 1, R*G, *E) -> per-query sums (B, KV, Q, G, *E) (padding rows dropped)."""
-        B, KV, Q, G = self.shape[:4]
-        rows = x.reshape(self.plan.query_of_row.numel(), G * math.prod(x.shape[3:]))  # (n_tiles * R, G * prod(E))
-        out = rows.new_zeros(B * KV * Q + 1, rows.shape[1]).index_add_(0, self.plan.query_of_row, rows)
-        return out[:-1].view(B, KV, Q, G, *x.shape[3:])
-
-    def _own(self, x: Tensor) -> Tensor:
-        """Per-query x (B, KV, Q, G, *E) -> own-block rows (B*KV*nb, 1, l'*G, *E), zero-padded to whole blocks."""
-        B, KV, _, G = self.shape[:4]
-        pad = [0, 0] * (x.dim() - 3) + list(self.pad)
-        return F.pad(x, pad).reshape(B * KV * self.nb, 1, -1, *x.shape[4:])
-
-    def _unown(self, x: Tensor) -> Tensor:
-        """Own-block rows (B*KV*nb, 1, l'*G, *E) -> (B, KV, Q, G, *E)."""
-        B, KV, Q, G = self.shape[:4]
-        x = x.reshape(B, KV, -1, G, *x.shape[3:])  # (B, KV, nb*l', G, *E)
-        return x[:, :, self.pad[0]: self.pad[0] + Q]
-
-    def forward(self, out: Tensor | None = None, lse_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q)) over each query's selected keys, written into the given
-        tensors when there are."""
-        o_tiles, lse_tiles = attend(self.q_tiles, self.k_tiles, self.v_tiles, None, self.scale)
-        o_own, lse_own = attend(self.q_own, self.k_own, self.v_own, self.causal, self.scale)
-        o_own, lse_own = self._unown(o_own), self._unown(lse_own)  # (B, KV, Q, G, D), (B, KV, Q, G)
-        rows, G = self.plan.query_of_row, self.shape[3]
-        lse_rows = lse_tiles.view(-1, G)  # (n_tiles * R, G)
-        # lse over all parts: stabilised by each query's largest part (padding rows go to the dummy row).
-        top = F.pad(lse_own.reshape(-1, G), (0, 0, 0, 1))  # (BKQ + 1, G)
-        top.scatter_reduce_(0, rows[:, None].expand(-1, G), lse_rows, "amax")
-        total = F.pad(torch.exp(lse_own.reshape(-1, G) - top[:-1]), (0, 0, 0, 1))
-        total.index_add_(0, rows, torch.exp(lse_rows - top[rows]))
-        lse = (top + total.log())  # (BKQ + 1, G)
-        w_tiles = torch.exp(lse_rows - lse[rows]).view(lse_tiles.shape)[..., None]  # (n_tiles, 1, R*G, 1)
-        lse = lse[:-1].view(lse_own.shape)
-        merged = o_own * torch.exp(lse_own - lse)[..., None] + self._untile(o_tiles.to(w_tiles.dtype).mul_(w_tiles))
-        return _written((_head_major(merged.to(o_own.dtype)), _head_major(lse)), out, lse_out)
-
-    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor, grad_v_blocks: Tensor,
-                 dq: Tensor | None = None) -> Tensor:
-        """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q) of the branch: adds the blocks' gradients into
-        grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D) and returns the gradient of q (B, KV, G*Q, D), added
-        into dq when given."""
-        B, KV, Q = self.shape[:3]
-        grad_out, out, lse = (_query_major(x, Q) for x in (grad_out, out, lse))  # (B, KV, Q, G[, D])
-        dq_t, dk_t, dv_t = attend_backward(self._tiles(grad_out), self.q_tiles, self.k_tiles, self.v_tiles,
-                                           self._tiles(out), self._tiles(lse), None, self.scale)
-        dq_o, dk_o, dv_o = attend_backward(self._own(grad_out), self.q_own, self.k_own, self.v_own, self._own(out),
-                                           self._own(lse), self.causal, self.scale)
-        own = slice(self.b0, self.b0 + self.nb)
-        for grad, d_tiles, d_own in ((grad_k_blocks, dk_t, dk_o), (grad_v_blocks, dv_t, dv_o)):
-            grad.flatten(0, 2).index_add_(0, self.plan.tile_block, d_tiles[:, 0])
-            grad[:, :, own] += d_own.view(B, KV, self.nb, *d_own.shape[2:])
-        return _added(dq, _head_major(self._unown(dq_o) + self._untile(dq_t)))
-
-
-class _MaskedAttention:
-    """`attend` of q (B, KV, L, D) over k, v (B, KV, S, D) under an additive mask, with the forward() ->
-    (out, lse) / backward(grad_out, out, lse) -> (dq, dk, dv) interface of `_Window` and
-    `nsa.triton_path.RangeAttention`."""
-
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> None:
-        self.q, self.k, self.v, self.mask, self.scale = q, k, v, mask, scale
-
-    def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        return _written(attend(self.q, self.k, self.v, self.mask, self.scale), out, lse)
-
-    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, dq: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-        d_q, dk, dv = attend_backward(grad_out, self.q, self.k, self.v, out, lse, self.mask, self.scale)
-        return _added(dq, d_q), dk, dv
-
-
-_WINDOW_ROWS = 128  # queries per window piece: each attends its s + w - 1 nearest keys (w in its band)
-
-
-class _Window:
-    """The sliding-window branch of one chunk: queries q (B, KV, G*Q, D) (head-major rows) at positions
-    [q_start, q_start + Q) over keys/values k, v (B, KV, W, D) at positions [k_start, k_start + W) with
-    k_start >= q_start - w + 1. The queries are cut into ns pieces of s = min(`_WINDOW_ROWS`, Q) (the last one
-    zero-padded); piece j attends keys [q_start + j*s - w + 1, q_start + (j+1)*s) under a band mask, so each
-    query meets s + w - 1 keys instead of the chunk's Q + w - 1."""
-
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int, G: int,
-                 scale: float) -> None:
-        B, KV, GQ, D = q.shape
-        self.scale = scale
-        Q, W = GQ // G, k.shape[2]
-        s = min(_WINDOW_ROWS, Q)
-        ns = -(-Q // s)
-        self.shape, self.s, self.ns, self.width = (B, KV, G, Q, D), s, ns, s + window - 1
-        self.left = k_start - (q_start - window + 1)  # key slots before the first key (zero, masked)
-        self.right = ns * s - Q  # padded queries (and key slots) after the chunk
-        self.W = W
-        self.q = self._split(q)
-        self.k, self.v = self._windows(k), self._windows(v)
-        slot = torch.arange(self.width, device=q.device)  # (s + w - 1,)
-        row = torch.arange(G * s, device=q.device) % s  # (G*s,) query of each row within its piece
-        band = (slot >= row[:, None]) & (slot <= row[:, None] + window - 1)  # (G*s, s + w - 1): w keys, own last
-        real = torch.arange(ns, device=q.device)[:, None] * s + slot >= self.left  # (ns, s + w - 1)
-        self.mask = additive_mask(band & real[:, None, None], q.dtype)  # (ns, 1, G*s, s + w - 1)
-
-    def _split(self, x: Tensor) -> Tensor:
-        """Rows (B, KV, G*Q, *E) -> pieces (ns, B*KV, G*s, *E), queries zero-padded to ns * s."""
-        B, KV, G, Q, _ = self.shape
-        x = x.view(B, KV, G, Q, *x.shape[3:])
-        x = F.pad(x, [0, 0] * (x.dim() - 4) + [0, self.right])  # (B, KV, G, ns*s, *E)
-        x = x.view(B * KV, G, self.ns, self.s, *x.shape[4:]).transpose(0, 2)  # (ns, G, B*KV, s, *E)
-        return x.transpose(1, 2).reshape(self.ns, B * KV, G * self.s, *x.shape[4:])
-
-    def _merge(self, x: Tensor) -> Tensor:
-        """Pieces (ns, B*KV, G*s, *E) -> rows (B, KV, G*Q, *E)."""
-        B, KV, G, Q, _ = self.shape
-        x = x.view(self.ns, B * KV, G, self.s, *x.shape[3:]).permute(1, 2, 0, 3, *range(4, x.dim() + 1))
-        return x.reshape(B, KV, G, self.ns * self.s, *x.shape[4:])[:, :, :, :Q].reshape(B, KV, G * Q, *x.shape[4:])
-
-    def _windows(self, x: Tensor) -> Tensor:
-        """Keys (B, KV, W, D) -> each piece's key slots (ns, B*KV, s + w - 1, D)."""
-        B, KV, _, D = x.shape
-        x = F.pad(x, (0, 0, self.left, self.right))  # (B, KV, ns*s + w - 1, D)
-        x = x.unfold(2, self.width, self.s)  # (B, KV, ns, D, s + w - 1)
-        return x.permute(2, 0, 1, 4, 3).reshape(self.ns, B * KV, self.width, D)
-
-    def _unwindows(self, x: Tensor) -> Tensor:
-        """Gradients of the key slots (ns, B*KV, s + w - 1, D) -> of the keys (B, KV, W, D)."""
-        B, KV = self.shape[:2]
-        out = x.new_zeros(B * KV, self.ns * self.s + self.width - self.s, x.shape[-1])
-        for j in range(self.ns):
-            out[:, j * self.s: j * self.s + self.width] += x[j]
-        return out[:, self.left: self.left + self.W].view(B, KV, self.W, -1)
-
-    def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q)), written into the given tensors when there are."""
-        o, o_lse = attend(self.q, self.k, self.v, self.mask, self.scale)
-        return _written((self._merge(o), self._merge(o_lse)), out, lse)
-
-    def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, dq: Tensor | None = None
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-        """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q): gradients of q (B, KV, G*Q, D; added into dq
-        when given) and of k, v (B, KV, W, D)."""
-        d_q, dk, dv = attend_backward(self._split(grad_out), self.q, self.k, self.v, self._split(out),
-                                      self._split(lse), self.mask, self.scale)
-        return _added(dq, self._merge(d_q)), self._unwindows(dk), self._unwindows(dv)
 
 
 # ---- one chunk: the three branches ------------------------------------------------------------------------------
@@ -375,8 +114,8 @@ class _Chunk:
         else:
             block_end = torch.arange(k_cmp.shape[2], device=q.device) * d + l - 1  # (Nc',)
             visible = block_end <= q_pos.clamp(min=l - 1).repeat(G)[:, None]  # (G*Q, Nc')
-            self.compression = _MaskedAttention(self.q_heads, k_cmp, v_cmp, additive_mask(visible, q.dtype), self.scale)
-            self.window = _Window(self.q_heads, k_win, v_win, q_start, win_start, w, G, self.scale)
+            self.compression = MaskedAttention(self.q_heads, k_cmp, v_cmp, additive_mask(visible, q.dtype), self.scale)
+            self.window = Window(self.q_heads, k_win, v_win, q_start, win_start, w, G, self.scale)
         # Until n*l' keys exist every block of every query is selected: the branch is causal attention over the
         # prefix, one call, and needs neither importance scores nor top-n.
         self.all_selected = q_start + Q <= config.nsa_num_selected * config.nsa_select_block_size
@@ -388,16 +127,16 @@ class _Chunk:
                                              self.scale)
             else:
                 causal = torch.arange(S, device=q.device) <= q_pos.repeat(G)[:, None]  # (G*Q, S)
-                self.prefix = _MaskedAttention(self.q_heads, k_all, v_all, additive_mask(causal, q.dtype), self.scale)
+                self.prefix = MaskedAttention(self.q_heads, k_all, v_all, additive_mask(causal, q.dtype), self.scale)
 
-    def _selection(self, idx: Tensor) -> _Selection | TritonSelection:
-        """The selection branch over the blocks idx (B, KV, Q, n): `_Selection`, or the Triton kernels
+    def _selection(self, idx: Tensor) -> Selection | TritonSelection:
+        """The selection branch over the blocks idx (B, KV, Q, n): `Selection`, or the Triton kernels
         (`nsa.triton_path.TritonSelection`, same interface) when they run and l' suits them (`_triton_selects`)."""
         if self.triton and _triton_selects(self.k_blocks.shape[3]):
             from nsa.triton_path import TritonSelection
 
             return TritonSelection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
-        return _Selection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
+        return Selection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
 
     def _pooled(self, p: Tensor, n_select: int) -> Tensor:
         """Eqs. 8-10: compression probabilities p (B, KV, G*Q, Nc'), zero where not visible, summed over the group
@@ -429,7 +168,7 @@ class _Chunk:
         else:
             c = self.compression
             o, o_lse, p = attend_explicit(c.q, c.k, c.v, c.mask, c.scale)  # p (B, KV, G*Q, Nc')
-            _written((o, o_lse), out, lse)
+            written((o, o_lse), out, lse)
             importance = self._pooled(p, n_select)
         out.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
         return importance
@@ -510,7 +249,7 @@ class _Chunk:
                 grad.flatten(2, 3)[:, :, : d.shape[2]] += d
         else:
             selection = self._selection(idx)
-            fused = not isinstance(selection, _Selection)
+            fused = not isinstance(selection, Selection)
             dq = selection.backward(branch_grad(1, fused), outs[1], lses[1], *grad_blocks, dq)
             del selection  # its lists of blocks
         dq, dk_win, dv_win = self.window.backward(branch_grad(2), outs[2], lses[2], dq)

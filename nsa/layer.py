@@ -219,13 +219,13 @@ class NativeSparseAttention(nn.Module):
         if cos.shape != (T, D) or sin.shape != (T, D):
             raise ValueError(f"cos/sin must be ({T}, {D}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        q = apply_rope(self.q_norm(q), cos, sin)
+        q = apply_rope(self.q_norm(q), cos, sin, contiguous=True)  # the kernels read heads whole
         # nb sets of (B, KV, T, D); unbind, not indexing: its backward stacks the sets' gradients once
         k = self.k_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
         v = self.v_proj(x).view(B, T, self.n_sets, KV, D).permute(2, 0, 3, 1, 4).unbind(0)
         gates = torch.sigmoid(self.branch_gate(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # (B, H, T, 3)
         def rotated(keys: Tensor) -> Tensor:  # normed, then rotated at each token's position
-            return apply_rope(self.k_norm(keys), cos, sin)
+            return apply_rope(self.k_norm(keys), cos, sin, contiguous=True)
 
         k_slc, v_slc = rotated(k[self.n_sets // 2]), v[self.n_sets // 2]
         k_cmp_raw, v_cmp_raw = k[0], v[0]
@@ -255,6 +255,12 @@ class NativeSparseAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
         return self.o_proj(out)
 
+    def _trains_scores(self, q: Tensor, k_cmp: Tensor) -> bool:
+        """Whether this forward adds the selection-scoring loss: the objective asks for it and gradients flow to
+        the queries or the compressed keys."""
+        return bool(self.objective.nsa_score_loss_coef) and torch.is_grad_enabled() and (
+            q.requires_grad or k_cmp.requires_grad)
+
     def _attend(self, branches: _Branches, first: int, cos: Tensor, sin: Tensor
                 ) -> tuple[Tensor, Tensor | None, int]:
         """The attention of one sequence without cache: `branches` (`_Branches`) for positions [first, first + T),
@@ -265,8 +271,7 @@ class NativeSparseAttention(nn.Module):
         k_cmp, v_cmp = self._compress(b.k_cmp_raw, b.v_cmp_raw, first, cos, sin, 0)
         out = self.sparse_attention(b.q, k_cmp, v_cmp, b.k_slc, b.v_slc, b.k_win, b.v_win, b.gates, cfg,
                                     compute=self.compute)
-        if not (self.objective.nsa_score_loss_coef and torch.is_grad_enabled()
-                and (b.q.requires_grad or k_cmp.requires_grad)):
+        if not self._trains_scores(b.q, k_cmp):
             return out, None, 0
         rows = b.q.shape[0] * cfg.n_kv_heads * score_loss_queries(cfg, b.q.shape[2])
         return out, selection_score_loss(b.q, k_cmp, b.k_slc, cfg, self.compute, self.objective), rows
@@ -303,8 +308,7 @@ class NativeSparseAttention(nn.Module):
                 b.q[:, :, lo:hi], k_cmp[:, :, :n_cmp], v_cmp[:, :, :n_cmp], k_slc[:, :, :end], v_slc[:, :, :end],
                 k_win, v_win, b.gates[:, :, lo:hi], cfg, q_start=first, win_start=win, compute=self.compute))
         out = torch.cat(outs, dim=2)  # (B, H, t, D)
-        if not (self.objective.nsa_score_loss_coef and torch.is_grad_enabled()
-                and (b.q.requires_grad or k_cmp.requires_grad)):
+        if not self._trains_scores(b.q, k_cmp):
             return out, None
         return out, selection_score_loss(b.q, k_cmp, k_slc, cfg, self.compute, self.objective, shard)
 

@@ -132,7 +132,7 @@ def _precision(t: Tensor) -> dict:
 
 
 class TritonSelection:
-    """`nsa.attention._Selection` on the Triton kernels: head-major query rows q (B, KV, G*Q, D) at positions
+    """`nsa.torch_path.Selection` on the Triton kernels: head-major query rows q (B, KV, G*Q, D) at positions
     [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) among the key/value blocks k_blocks, v_blocks
     (B, KV, Nsb, l', D) (contiguous, as `nsa.blocks.as_blocks` makes them); a slot whose block lies after the
     query's own block is unused. Forward and dQ walk each query tile's union of blocks (`_union_by_tile`); dK and
@@ -217,7 +217,7 @@ class RangeAttention:
     memory): rows q (B, KV, G*Q, D) head-major (row g*Q + i is head g of query i) over keys/values k, v
     (B, KV, S, D); query i sees keys [lo[i], hi[i]) with lo, hi (Q,) non-decreasing in i and hi > lo. NSA's
     compression (lo = 0, hi = the visible compressed blocks) and window (the last w keys) are such ranges.
-    Interface of `nsa.attention._Window`: forward() -> (out, lse); backward(grad_out, out, lse) -> (dq, dk, dv)."""
+    Interface of `nsa.torch_path.Window`: forward() -> (out, lse); backward(grad_out, out, lse) -> (dq, dk, dv)."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float) -> None:
         B, KV, NR, D = q.shape

@@ -27,7 +27,8 @@ from modeling.flash import additive_mask, attend, attend_backward, explicit_atte
 from modeling.layers import RotaryEmbedding, apply_rope
 from modeling.memtrack import LiveBytesTracker
 from nsa import attention as nsa_attention
-from nsa.attention import sparse_attention, tile_plan
+from nsa import torch_path
+from nsa.attention import sparse_attention
 from nsa.blocks import as_blocks, num_compressed_blocks, pool_to_selection_blocks, select_blocks, selection_pool_weights
 from nsa.layer import NativeSparseAttention
 from nsa.primitive import exact_block_scores, triton_kernels
@@ -440,11 +441,11 @@ def test_tile_plan_structure(monkeypatch, small_tile_cost):
     """Every (query, past block) pair sits in exactly one tile row, of its own query, in a tile of its own block;
     own-block and unused slots (idx >= the own block) are in none; tiles are as few as per-block packing allows
     (sum of ceil(pairs / R)); padding rows read the dummy query B*KV*Q."""
-    monkeypatch.setattr(nsa_attention, "_SMALL_TILE_COST", small_tile_cost)
+    monkeypatch.setattr(torch_path, "_SMALL_TILE_COST", small_tile_cost)
     B, KV, Q, n, n_blocks = 2, 2, 40, 3, 9
     idx = torch.stack([torch.randperm(n_blocks)[:n] for _ in range(B * KV * Q)]).view(B, KV, Q, n)
     current = torch.randint(0, n_blocks, (Q,))
-    plan = tile_plan(idx, current, n_blocks)
+    plan = torch_path.tile_plan(idx, current, n_blocks)
     R = plan.rows_per_tile
     assert plan.rows_per_tile == (16 if small_tile_cost == 0.0 else 32)
     query = torch.arange(B * KV * Q).view(B, KV, Q, 1).expand_as(idx)
@@ -503,7 +504,7 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
     program in Python; the two KV heads still offset every index)."""
     if impl == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setattr(nsa_attention, "_SMALL_TILE_COST", small_tile_cost)
+    monkeypatch.setattr(torch_path, "_SMALL_TILE_COST", small_tile_cost)
     B, KV, G, Q, D, S, ls, n = 1 if impl == "triton" else 2, 2, 3, 37, 8, 192, 16, 4
     for q_start in (0, 5, S - Q):
         q = torch.randn(B, KV, Q, G, D, dtype=torch.float64, requires_grad=True)
@@ -517,7 +518,7 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
             if impl == "triton":
                 from nsa.triton_path import TritonSelection as selection
             else:
-                selection = nsa_attention._Selection
+                selection = torch_path.Selection
             sel = selection(head_major(q.detach()), *blocks, idx, q_start, D**-0.5)
             out, lse = sel.forward()
             grad_blocks = [torch.zeros_like(b) for b in blocks]
@@ -560,7 +561,7 @@ def test_attend_backward_is_a_share_of_the_larger_attention(explicit):
 def test_window_pieces_and_explicit_path_match_naive(monkeypatch, window_rows):
     """Whole kernel against the brute-force reference with the window cut into pieces of 1, 5 or the whole chunk,
     on the fused CPU and the explicit (CUDA) paths, plus gradcheck of the explicit path's backward."""
-    monkeypatch.setattr(nsa_attention, "_WINDOW_ROWS", window_rows)
+    monkeypatch.setattr(torch_path, "_WINDOW_ROWS", window_rows)
     config, compute = nsa_config(nsa_window=12), ComputeConfig(attention_query_chunk=24)
     inputs = random_inputs(1, 4, 2, 90, 8, config)
     ref = naive_nsa(*inputs, config)
@@ -741,7 +742,7 @@ def test_triton_selection_half_precision():
     k, v = (torch.randn(B, KV, S, D) for _ in range(2))
     idx = distinct_selection(B, KV, Q, S - Q, S // ls, ls, n)
     results = []
-    for cls, dtype in ((nsa_attention._Selection, torch.float32), (TritonSelection, torch.float16)):
+    for cls, dtype in ((torch_path.Selection, torch.float32), (TritonSelection, torch.float16)):
         blocks = [as_blocks(t.to(dtype), ls) for t in (k, v)]
         sel = cls(head_major(q.to(dtype)), *blocks, idx, S - Q, D**-0.5)
         out, lse = sel.forward()
