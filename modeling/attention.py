@@ -28,7 +28,8 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
 from modeling.config import ComputeConfig, ModelConfig
-from modeling.flash import document_attention, explicit_attention, fused
+from modeling.documents import document_spans
+from modeling.flash import document_attention, explicit_attention, fused, packed_attention, varlen_ready
 from modeling.layers import RMSNorm, apply_rope
 from modeling.shard import SequenceShard
 
@@ -194,9 +195,11 @@ class FullAttention(nn.Module):
         k, v (B, KV, S, D) at positions [0, S), S = offset + T: causal, from each query's `doc_start` on when given.
         Returns (B, H, T, D). A variant that changes which keys a query sees overrides this alone
         (examples/sliding_window_attention.py)."""
-        T = q.shape[2]
+        T, scale = q.shape[2], self.config.head_dim**-0.5
         if doc_start is not None:  # each query from its document's start on: no (T, S) mask (modeling/flash.py)
-            return document_attention(q, k, v, doc_start, offset, self.config.head_dim**-0.5)
+            if offset == 0 and varlen_ready(q):  # each document one sequence of the flash varlen kernel
+                return packed_attention(q, k, v, document_spans(doc_start), scale)
+            return document_attention(q, k, v, doc_start, offset, scale)
         mask = None
         if offset > 0 and T > 1:  # continuing a cache with several tokens: query i sees keys <= offset + i
             pos_q = torch.arange(offset, offset + T, device=q.device)

@@ -7,6 +7,10 @@ other devices, or within `explicit_attention()`, an explicit computation of the 
 Outputs over disjoint key sets combine through their lse like flash attention's key blocks, and backward needs no
 recomputation of the forward: `attend_backward` given the output and lse of a larger attention yields this key set's
 share of its gradients (the flash-attention backward identity dS = P * (dO V^T - rowsum(dO * O))).
+
+`document_attention`: causal attention in which each query sees only its own packed document (or a left-padded
+row's real tokens), chunk by chunk with no (T, T) mask; `packed_attention` the same on PyTorch's flash varlen
+kernel, each document one sequence of it (CUDA, half precision: `varlen_ready`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+
+try:  # PyTorch's flash-attention kernel over variable-length sequences (CUDA)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # an older PyTorch: documents run on `document_attention`
+    varlen_attn = None
 
 _explicit = [False]  # set by `explicit_attention`
 
@@ -126,6 +135,31 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor | None, q
     and on fake tensors); a chunk inside one document needs no mask at all. Masks are rebuilt from `starts` in
     backward, so no (T, S) tensor exists and backward keeps q, k, v, the output and its log-sum-exp only."""
     return _DocumentAttention.apply(q, k, v, starts, q_offset, scale)
+
+
+def varlen_ready(q: Tensor) -> bool:
+    """Whether `packed_attention` runs for q: PyTorch's flash varlen kernel takes CUDA tensors in half precision (not
+    fake ones: profile_memory.py's estimate takes `document_attention`'s chunks, an upper bound)."""
+    return (varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not is_fake(q)
+            and not _explicit[0])
+
+
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, spans: list[list[tuple[int, int]]], scale: float) -> Tensor:
+    """Causal attention of q (B, H, T, D) over k, v (B, KV, T, D) (GQA: H a multiple of KV) inside each document of
+    `spans` (each row's (first, end) position pairs, `modeling.documents.document_spans`): the B rows' documents are
+    the sequences of one call of PyTorch's flash varlen kernel, with no mask and no padding. Returns (B, H, T, D)
+    in q's layout; its backward is the kernel's."""
+    B, H, T, D = q.shape
+    firsts = [b * T + first for b, row in enumerate(spans) for first, _ in row]
+    cu = torch.tensor([*firsts, B * T], dtype=torch.int32).to(q.device, non_blocking=True)  # (N + 1,)
+    longest = max(end - first for row in spans for first, end in row)
+
+    def packed(x: Tensor) -> Tensor:  # (B, X, T, D) -> (B*T, X, D): a view in attention's (B, T, X, D) layout
+        return x.transpose(1, 2).reshape(B * T, x.shape[1], D)
+
+    out = varlen_attn(packed(q), packed(k), packed(v), cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
+                      enable_gqa=k.shape[1] != H)  # (B*T, H, D)
+    return out.view(B, T, H, D).transpose(1, 2)
 
 
 def _document_chunks(q: Tensor, k: Tensor, starts: Tensor | None, q_offset: int

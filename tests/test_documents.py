@@ -53,6 +53,79 @@ def test_document_attention_matches_an_explicit_mask(explicit, mask_bytes, monke
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """PyTorch's flash varlen kernel (CUDA only) by its documented contract: each [cu[i], cu[i + 1]) of the packed
+    (N, heads, D) rows one sequence, causal for window (-1, 0), K/V heads shared by groups of query heads."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    outs = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        assert 0 < b - a <= max_q == max_k
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # (heads, n, D)
+        out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                               enable_gqa=enable_gqa)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)  # (N, H, D)
+
+
+def test_full_attention_runs_documents_as_varlen_sequences_where_the_kernel_is(monkeypatch):
+    """Where PyTorch's flash varlen kernel runs (CUDA, half precision), full attention's document mask sends every
+    document of every row as one sequence of a single call (`modeling.flash.packed_attention`): the same output and
+    q, k, v gradients as `document_attention`, float64, GQA, rows split differently. The kernel is stood in for by
+    its contract here (`reference_varlen`); gpu_check.py runs the real one."""
+    import modeling.attention
+    import modeling.flash
+    from modeling.attention import FullAttention
+
+    calls = []
+
+    def varlen(*args, **kwargs):
+        calls.append(args[3].tolist())
+        return reference_varlen(*args, **kwargs)
+
+    monkeypatch.setattr(modeling.flash, "varlen_attn", varlen)
+    monkeypatch.setattr(modeling.attention, "varlen_ready", lambda q: True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 37, 8, dtype=torch.float64, generator=g, requires_grad=True) for h in (4, 2, 2))
+    starts = torch.tensor([[0] * 10 + [10] * 15 + [25] * 12, [0] * 3 + [3] * 30 + [33] * 4])
+    layer = FullAttention(ModelConfig.from_preset("tiny", n_heads=4, n_kv_heads=2, head_dim=8))
+    out = layer.attend(q, k, v, 0, starts)
+    assert calls == [[0, 10, 25, 37, 40, 70, 74]]  # both rows' documents in one call
+    expected = document_attention(q, k, v, starts, 0, 8**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs PyTorch's flash varlen kernel on CUDA")
+def test_full_attention_on_the_varlen_kernel_on_cuda():
+    """The real varlen kernel (bf16, 4B head geometry, three rows split differently, 4096 tokens) against
+    `document_attention` in float32 on the same device: output and q, k, v gradients within bf16's relative error
+    (norms, 1e-2). gpu_check.py's `documents` section runs it."""
+    from modeling.attention import FullAttention
+    from modeling.flash import varlen_ready
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T = 4096
+    q, k, v = (torch.randn(3, h, T, 128, device="cuda", generator=g) for h in (32, 8, 8))
+    starts = torch.zeros(3, T, dtype=torch.long, device="cuda")
+    starts[1, 1000:], starts[1, 3000:] = 1000, 3000
+    starts[2] = torch.arange(T, device="cuda") // 7 * 7  # many short documents
+    layer = FullAttention(ModelConfig.from_preset("4B"))
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    assert varlen_ready(low[0])
+    out = layer.attend(*low, 0, starts)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = document_attention(*full, starts, 0, 128**-0.5)
+    grad = torch.randn_like(expected)
+    got = [out, *torch.autograd.grad(out, low, grad.bfloat16())]
+    want = [expected, *torch.autograd.grad(expected, full, grad)]
+    for a, b in zip(got, want, strict=True):
+        assert ((a.float() - b).norm() / b.norm()).item() < 1e-2
+
+
 def packed(lengths: list[int], vocab: int, seed: int = 0) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """A row of documents end to end, each but the first (a window that begins inside one) opened by the
     end-of-document id; and each document's (first, end) positions."""

@@ -16,9 +16,9 @@ def test_the_plan_on_an_80_gb_gpu_skips_only_the_140_gb_headline(tmp_path: Path)
     lines: list[str] = []
     text = gpu_check.report(info, gpu_check.SECTIONS, dry_run=True, work=tmp_path, log=lines.append)
     assert lines == ["kernels: would run", "bench: would run", "loss: would run", "context: would run",
-                     "estimate: would run", "train: would run",
+                     "documents: would run", "estimate: would run", "train: would run",
                      "headline: skipped (needs 140 GB of GPU memory, this GPU has 80 GB)"]
-    assert text.count("## ") == 7 and "profile_memory.py --model_size 1.7B --context_length 32768" in text
+    assert text.count("## ") == 8 and "profile_memory.py --model_size 1.7B --context_length 32768" in text
     no_triton = gpu_check.report({**info, "triton": None}, gpu_check.SECTIONS[:1], True, tmp_path, lines.append)
     assert "Skipped: Triton is not installed" in no_triton
 
@@ -28,7 +28,7 @@ def test_without_a_gpu_every_section_is_skipped_and_the_exit_code_says_so(tmp_pa
     with pytest.raises(SystemExit, match="gpu_check: nothing was checked \\(no CUDA device\\)") as exit_info:
         gpu_check.main(["--out", str(tmp_path / "report.md")])
     assert exit_info.value.code != 0
-    assert (tmp_path / "report.md").read_text().count("Skipped: no CUDA device") == 7
+    assert (tmp_path / "report.md").read_text().count("Skipped: no CUDA device") == 8
     assert gpu_check.main(["--out", str(tmp_path / "plan.md"), "--dry_run"])  # the plan: exit 0
 
 
