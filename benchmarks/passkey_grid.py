@@ -1,0 +1,120 @@
+"""The passkey beyond NSA's window over seeds and lengths, as one script: benchmarks/results/recall.md's recipe ("The
+passkey with the loss": a copying model, the passkey at 256 tokens with the selection-scoring loss, then the passkey
+at each length) for NSA with a training form's options and for full attention, then eval.py's passkey grid. Prints
+a row per (type, length, seed): the passkey read beyond the window (depths 0-0.75: the needle more than a window
+before the question), at the question's end (depth 1), at 256 tokens, and the stage's answer loss (the mean over its
+last 50 steps of the loss less the score loss); writes OUT_DIR/grid.json.
+
+    python benchmarks/passkey_grid.py --dry_run                              # the commands, nothing run
+    python benchmarks/passkey_grid.py --lengths 4096 8192 --seeds 0 1 2 3 4  # on one H200: minutes a run
+    python benchmarks/passkey_grid.py --form --nsa_exact_selection_steps 200 --lengths 4096
+
+The NSA model is recall_experiment.py's best-reading variant (one K/V set, mean compressor, blocks of 8, 18 selected;
+copying learned with blocks of 32); `--form` passes its options to every NSA stage after the copying one (default: the
+score loss's dense target at 0.1). A stage whose run directory holds a finished run (its model export) is reused, so
+an interrupted grid continues. Long stages run 400 steps of 8 sequences at lr 3e-3 (`--steps`, `--batch_size`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCKS = {"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8, "nsa_num_selected": 18}
+NSA = {"qk_norm": False, "nsa_separate_kv": False, "nsa_compressor": "mean", **BLOCKS}
+COPY = {"nsa_block_size": 32, "nsa_stride": 16, "nsa_select_block_size": 32, "nsa_num_selected": 6}
+PASSKEY = ["--synthetic_mix", "1.0", "--synthetic_task", "passkey", "--answer_loss", "--checkpoint_interval", "0",
+           "--sample_tokens", "0", "--lr", "3e-3"]
+
+
+def plan(args: argparse.Namespace) -> list[tuple[Path, list[str]]]:
+    """(directory whose model/ marks the step done, command) of every step, in order."""
+    out, py = Path(args.out_dir), sys.executable
+    steps = []
+    for kind in args.types:
+        overrides = dict(NSA) if kind == "nsa" else {"qk_norm": False}
+        base = out / "base"
+        steps.append((base / f"{kind}-seed0" / "copy-T64", [
+            py, "benchmarks/recall_experiment.py", "--types", kind, "--seeds", "0", "--stages", "copy:64:1000",
+            "--samples", "64", "--out_dir", str(base), "--model_overrides", json.dumps(overrides),
+            *(["--copy_overrides", json.dumps(COPY)] if kind == "nsa" else [])]))
+        form = args.form if kind == "nsa" else []
+        short = out / f"{kind}-passkey256"
+        steps.append((short, [py, "train.py", "--init_from", str(base / f"{kind}-seed0" / "copy-T64" / "model"),
+                              "--context_length", "256", "--max_steps", "600", "--batch_size", "32", *PASSKEY,
+                              "--out_dir", str(short), *(["--nsa_score_loss_coef", "0.1", "--model_overrides",
+                                                          json.dumps(BLOCKS)] if kind == "nsa" else [])]))
+        for T in args.lengths:
+            for seed in args.seeds:
+                run = out / f"{kind}-T{T}-seed{seed}"
+                steps.append((run, [py, "train.py", "--init_from", str(short / "model"), "--context_length", str(T),
+                                    "--max_steps", str(args.steps), "--batch_size", str(args.batch_size),
+                                    "--warmup_steps", "20", *PASSKEY, "--seed", str(seed), "--out_dir", str(run),
+                                    *form]))
+                steps.append((run / "eval-model", [py, "eval.py", str(run / "model"), "--tasks", "passkey",
+                                                   "--lengths", "256", str(T - 10), "--samples", str(args.samples)]))
+    return steps
+
+
+def done(directory: Path) -> bool:
+    """Whether a step's output is there: a run's model export, or an evaluation's results."""
+    return (directory / "model" / "config.json").is_file() or (directory / "eval.json").is_file()
+
+
+def answer_loss(run: Path, last: int = 50) -> float:
+    """The mean over a run's last `last` steps of its loss less the score loss (metrics.jsonl)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "grad_norm" in r][-last:]
+    return statistics.mean(r["loss"] - r.get("aux_loss", 0.0) for r in steps)
+
+
+def row(kind: str, T: int, seed: int, run: Path) -> dict:
+    """One line of the grid from a run's eval.json and metrics.jsonl."""
+    passkey = json.loads((run / "eval-model" / "eval.json").read_text())["passkey"]
+    short, long = passkey["accuracy"]  # (depths,) at 256 and at T - 10
+    return {"type": kind, "T": T, "seed": seed, "beyond_window": statistics.mean(long[:-1]), "at_end": long[-1],
+            "at_256": statistics.mean(short), "answer_loss": answer_loss(run)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="runs/passkey_grid")
+    p.add_argument("--types", nargs="+", choices=("nsa", "full"), default=["nsa", "full"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--steps", type=int, default=400, help="steps of each long stage")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences a step of each long stage")
+    p.add_argument("--samples", type=int, default=10, help="prompts a cell of the passkey grid")
+    p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--form", nargs=argparse.REMAINDER, default=["--nsa_score_loss_coef", "0.1"],
+                   help="train.py options of NSA's stages after copying (last on the line)")
+    args = p.parse_args(argv)
+    if min(args.lengths) <= 256 or min(args.steps, args.batch_size, args.samples) < 1:
+        p.error("--lengths must be above 256 (the short passkey stage); --steps, --batch_size, --samples positive")
+    for directory, command in plan(args):
+        if args.dry_run or done(directory):
+            print(("would run: " if args.dry_run else "done: ") + shlex.join(command), flush=True)
+            continue
+        print("running: " + shlex.join(command), flush=True)
+        subprocess.run(command, cwd=ROOT, check=True)
+    if args.dry_run:
+        return []
+    rows = [row(kind, T, seed, Path(args.out_dir) / f"{kind}-T{T}-seed{seed}")
+            for kind in args.types for T in args.lengths for seed in args.seeds]
+    print("| type | T | seed | beyond the window | at the end | 256 tokens | answer loss |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['type']} | {r['T']} | {r['seed']} | {r['beyond_window']:.0%} | {r['at_end']:.0%} | "
+              f"{r['at_256']:.0%} | {r['answer_loss']:.2f} |")
+    (Path(args.out_dir) / "grid.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

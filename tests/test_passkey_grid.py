@@ -1,0 +1,42 @@
+"""benchmarks/passkey_grid.py: its plan (every train.py command one that train.py's parser takes, the form's options
+on NSA's long stages only) and the grid's row from a run's files."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shlex
+from pathlib import Path
+
+import pytest
+
+from training.options import parse_config
+
+GRID = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "passkey_grid.py"))
+
+
+def test_the_plan_is_the_recipe_for_each_type_length_and_seed(capsys):
+    GRID["main"](["--dry_run", "--lengths", "1024", "4096", "--seeds", "3", "--out_dir", "grid", "--form",
+                  "--nsa_exact_selection_steps", "200"])
+    commands = [shlex.split(line.removeprefix("would run: ")) for line in capsys.readouterr().out.splitlines()]
+    assert len(commands) == 2 * (2 + 2 * 2)  # per type: copying, passkey at 256, then a run and its eval per length
+    trains = [c[2:] for c in commands if c[1] == "train.py"]
+    configs = [parse_config(argv) for argv in trains]
+    long = [(c.context_length, c.seed, c.nsa_exact_selection_steps) for c in configs if c.context_length > 256]
+    assert long == [(1024, 3, 200), (4096, 3, 200), (1024, 3, 0), (4096, 3, 0)]  # the form: NSA's stages only
+    assert configs[0].model_overrides == GRID["BLOCKS"] and configs[0].nsa_score_loss_coef == 0.1
+    evals = [c for c in commands if c[1] == "eval.py"]
+    assert evals[0][2:] == ["grid/nsa-T1024-seed3/model", "--tasks", "passkey", "--lengths", "256", "1014",
+                            "--samples", "10"]
+
+
+def test_a_row_reads_the_passkey_grid_and_the_answer_loss(tmp_path: Path):
+    run = tmp_path / "nsa-T1024-seed0"
+    (run / "eval-model").mkdir(parents=True)
+    accuracy = [[1.0, 1.0, 0.9, 1.0, 1.0], [0.5, 1.0, 0.0, 0.5, 1.0]]
+    (run / "eval-model" / "eval.json").write_text(json.dumps({"passkey": {"accuracy": accuracy}}))
+    steps = [{"step": i, "loss": 1.0 + i, "aux_loss": 0.5, "grad_norm": 1.0} for i in range(60)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(s) for s in [{"note": "start"}, *steps]))
+    row = GRID["row"]("nsa", 1024, 0, run)
+    assert row["beyond_window"] == 0.5 and row["at_end"] == 1.0 and row["at_256"] == pytest.approx(0.98)
+    assert row["answer_loss"] == pytest.approx(0.5 + sum(range(10, 60)) / 50)  # the last 50 steps, less the aux
