@@ -41,7 +41,7 @@ The chunk part is what the explicit path materialises: logits and probabilities 
 their (query, slot) pairs sorted by block and each tile's union of blocks, about 32 bytes per query, KV head and
 slot (the importance scores, logits and probabilities never reach memory; each branch's output gradient is read
 as gate * dO inside the kernels, and the three branches add their dQ into one tensor). One 4B layer at 131k: 16.3
-GiB on that path against 22.7 GiB explicit with query chunk 2048 (benchmarks/nsa_memory_4b.py). For fixed Q the
+GiB on that path against 22.3 GiB explicit with query chunk 2048 (benchmarks/nsa_memory_4b.py). For fixed Q the
 peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
