@@ -138,17 +138,20 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor | None, q
 
 
 def varlen_ready(q: Tensor) -> bool:
-    """Whether `packed_attention` runs for q: PyTorch's flash varlen kernel takes CUDA tensors in half precision (not
-    fake ones: profile_memory.py's estimate takes `document_attention`'s chunks, an upper bound)."""
+    """Whether `packed_attention` runs for q (B, H, T, D): PyTorch's flash varlen kernel takes CUDA tensors in half
+    precision on an sm_80 or newer GPU, head dimensions up to 256 in multiples of 8 (not fake tensors:
+    profile_memory.py's estimate takes `document_attention`'s chunks, an upper bound)."""
+    D = q.shape[-1]
     return (varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not is_fake(q)
-            and not _explicit[0])
+            and not _explicit[0] and D <= 256 and D % 8 == 0 and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, spans: list[list[tuple[int, int]]], scale: float) -> Tensor:
     """Causal attention of q (B, H, T, D) over k, v (B, KV, T, D) (GQA: H a multiple of KV) inside each document of
     `spans` (each row's (first, end) position pairs, `modeling.documents.document_spans`): the B rows' documents are
     the sequences of one call of PyTorch's flash varlen kernel, with no mask and no padding. Returns (B, H, T, D)
-    in q's layout; its backward is the kernel's."""
+    as a view of a (B, T, H, D) tensor (the layout full attention's output is read in); its backward is the
+    kernel's."""
     B, H, T, D = q.shape
     firsts = [b * T + first for b, row in enumerate(spans) for first, _ in row]
     cu = torch.tensor([*firsts, B * T], dtype=torch.int32).to(q.device, non_blocking=True)  # (N + 1,)

@@ -85,8 +85,8 @@ if TYPE_CHECKING:
 class _Chunk:
     """The three branches of one query chunk: q (B, H, Q, D) at positions [q_start, q_start + Q); compressed keys
     and values (B, KV, Nc', D) it can see (Nc' >= 0), the selection blocks (B, KV, Nsb, l', D) and its window keys
-    (B, KV, W, D) at positions [win_start, win_start + W). Layouts: compression and window attend q as
-    (B, KV, G*Q, D) rows (head-major); selection as (B, KV, Q, G, D)."""
+    (B, KV, W, D) at positions [win_start, win_start + W). Every branch attends q as (B, KV, G*Q, D) rows
+    (head-major: row g*Q + i is head g of query i)."""
 
     def __init__(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
                  v_win: Tensor, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig) -> None:
@@ -286,7 +286,7 @@ def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, compute: C
     """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start:
     `compute.attention_query_chunk` queries each, or one chunk of all of them when `whole`."""
     l, d, w = config.nsa_block_size, config.nsa_stride, config.nsa_window
-    chunk = T if whole else compute.attention_query_chunk
+    chunk = max(T, 1) if whole else compute.attention_query_chunk
     spans = []
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
@@ -370,8 +370,10 @@ def _add_part(total: Tensor | None, like: Tensor, rows: slice, part: Tensor) -> 
 class _SparseAttention(torch.autograd.Function):
     """`sparse_attention`: forward chunk by chunk (one chunk on the Triton kernels: `_whole_sequence`), keeping
     (when gradients are needed) each branch's output and lse and the selected blocks; backward walks the chunks
-    again with `attend_backward` (no recomputation of the forward) and adds each chunk's gradients into the full
-    ones in place (one set of accumulators per worker of `_for_each_chunk`, summed at the end)."""
+    again, each branch's backward starting from the saved output and lse (no recomputation of the forward), and
+    adds each chunk's gradients into the full ones in place (one set of accumulators per worker of
+    `_for_each_chunk`, summed at the end). As one chunk, a forward without gradients still holds the three branch
+    outputs of all T queries until they are gated (3 GiB for one 4B layer's 131k-token prefill)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
@@ -459,7 +461,8 @@ class _SparseAttention(torch.autograd.Function):
 def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                      v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int = 0, win_start: int = 0,
                      compute: ComputeConfig | None = None) -> Tensor:
-    """The three gated NSA branches for queries at positions [q_start, q_start + T), chunk by chunk.
+    """The three gated NSA branches for queries at positions [q_start, q_start + T), chunk by chunk (one chunk
+    on the Triton kernels).
 
     Args:
         q: `(B, H, T, D)` rotated queries.
@@ -471,8 +474,8 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
             window.
         gates: `(B, H, T, 3)` branch gates (compression, selection, window).
         config: block geometry (`nsa_*` fields).
-        compute: `attention_query_chunk` queries are processed at a time; `triton_kernels` lets CUDA tensors run
-            on nsa/triton_path.py (default: ComputeConfig()).
+        compute: `attention_query_chunk` queries are processed at a time on the PyTorch path; `triton_kernels`
+            lets CUDA tensors run on nsa/triton_path.py, all queries at once (default: ComputeConfig()).
     Returns:
         `(B, H, T, D)`; see `_SparseAttention` for what forward keeps for backward.
     """

@@ -1,5 +1,6 @@
 """NSA's three branches on PyTorch operators: the path of `nsa.attention._Chunk` wherever the Triton kernels do
-not run (CPU tensors, or `ComputeConfig(triton_kernels=False)`), every attention one `attend` call of
+not run (CPU tensors, `ComputeConfig(triton_kernels=False)`; the selection also where l' is not a power of two of at
+least 16, which the Triton selection needs), every attention one `attend` call of
 modeling/flash.py (on CPU tensors PyTorch's fused flash-attention kernel), which also returns each row's
 log-sum-exp, with `attend_backward` reusing the saved output instead of recomputing the forward.
 nsa/triton_path.py has the same classes on Triton kernels.

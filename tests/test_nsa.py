@@ -498,7 +498,7 @@ def distinct_selection(B, KV, Q, q_start, n_blocks, ls, n):
                                                   pytest.param("triton", 0.0, marks=pytest.mark.slow)])
 def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_tile_cost):
     """The selection branch against autograd through a dense masked attention, float64, fixed random indices with
-    unused slots, chunks that start inside a block. `_Selection` (own block dense, past blocks in tiles, partial
+    unused slots, chunks that start inside a block. `Selection` (own block dense, past blocks in tiles, partial
     results merged by lse, the backward from the merged output and lse) with both tile sizes on the fused CPU and
     explicit paths; `nsa.triton_path.TritonSelection` in Triton's interpreter (one sequence: the interpreter runs each
     program in Python; the two KV heads still offset every index)."""
@@ -731,7 +731,7 @@ def test_triton_top_blocks_match_the_reference_rule(l, d, ls, n, ties):
 @pytest.mark.slow
 def test_triton_selection_half_precision():
     """The kernels' low-precision path (half inputs and outputs, probabilities cast to half before P @ V, float32
-    accumulation and lse) at the 4B block geometry (l' = 64, D = 64 here, G = 4), against the float32 `_Selection`:
+    accumulation and lse) at the 4B block geometry (l' = 64, D = 64 here, G = 4), against the float32 `Selection`:
     errors within 2e-3, the size of half rounding on O(1) values. float16 stands in for bfloat16, which Triton's
     interpreter cannot compute (numpy has no bfloat16); both take the same code path in the kernels."""
     pytest.importorskip("triton")
