@@ -65,6 +65,20 @@ def _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC: tl.constexpr):
 
 
 @triton.jit
+def _dq_tile(q, k, v, do, lse, delta, visible, scale, ACC: tl.constexpr):
+    """A key tile's share of its query rows' dQ, before the scale: dS k."""
+    _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
+    return _dot(ds.to(k.dtype), k, ACC)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, q, k, v, do, lse, delta, visible, scale, ACC: tl.constexpr):
+    """A key tile's dK (before the scale) and dV with a tile of query rows' shares added: dS^T q and P^T dO."""
+    p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
+    return dk + _dot(tl.trans(ds).to(q.dtype), q, ACC), dv + _dot(tl.trans(p).to(do.dtype), do, ACC)
+
+
+@triton.jit
 def _store_dq(DQ, off, mask, dq, ADD: tl.constexpr):
     """Store a tile of query gradients, added to what DQ holds when ADD (the branches' shares of one dQ)."""
     if ADD:
@@ -153,8 +167,7 @@ def selection_dq_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, IDX, UNION, COUNT
     for u in range(0, tl.load(COUNT + bh * NT + tile)):
         k, v, visible = _union_block(UNION, K, V, bh, tile, NT, U_MAX, u, chosen, ok, q_start + qi, S, cols,
                                      col_ok, D, L_SEL)
-        _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
-        dq += _dot(ds.to(k.dtype), k, ACC)
+        dq += _dq_tile(q, k, v, do, lse, delta, visible, scale, ACC)
     _store_dq(DQ, off, io_mask, dq * scale, ADD)
 
 
@@ -180,9 +193,7 @@ def selection_dkdv_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, PTR, PAIR, DK, 
             off, io_mask = row[:, None] * D + cols[None, :], ok[:, None] & col_ok[None, :]
             q, do, lse, delta = _backward_rows(Q, DO, DO_ROW, GATE, LSE, DELTA, off, io_mask, row, ok, cols)
             visible = ok[:, None] & (pos[None, :] <= q_start + qi[:, None])  # (BLOCK_R, L_SEL)
-            p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
-            dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
-            dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
+            dk, dv = _dkdv_tile(dk, dv, q, k, v, do, lse, delta, visible, scale, ACC)
         dk_old = tl.load(DK + kv_off, mask=kv_mask, other=0.0)
         dv_old = tl.load(DV + kv_off, mask=kv_mask, other=0.0)
         tl.store(DK + kv_off, (dk_old + dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -263,8 +274,7 @@ def range_dq_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, DQ, NR, NQ, S
     for k0 in range(start, end, BLOCK_N):
         pos, _, _, k, v = _key_block(K, V, bh, S, k0, cols, col_ok, D, BLOCK_N)
         visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
-        _, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
-        dq += _dot(ds.to(k.dtype), k, ACC)
+        dq += _dq_tile(q, k, v, do, lse, delta, visible, scale, ACC)
     _store_dq(DQ, io_off, io_mask, dq * scale, ADD)
 
 
@@ -292,9 +302,7 @@ def range_dkdv_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, QA, QB, DK,
             lo = tl.load(LO + qi, mask=row_ok, other=0)
             hi = tl.load(HI + qi, mask=row_ok, other=0)
             visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])  # (BLOCK_M, BLOCK_N)
-            p, ds = _probs_and_ds(q, k, v, do, lse, delta, visible, scale, ACC)
-            dv += _dot(tl.trans(p).to(do.dtype), do, ACC)
-            dk += _dot(tl.trans(ds).to(q.dtype), q, ACC)
+            dk, dv = _dkdv_tile(dk, dv, q, k, v, do, lse, delta, visible, scale, ACC)
     tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 

@@ -149,7 +149,9 @@ class TritonSelection:
         self.idx = idx.contiguous()
         self.n_blocks = (q_start + Q - 1) // l_sel + 1  # blocks a query of this call can select
         qb = max(1, _PAIR_ROWS // G)  # whole queries of G rows per tile: 16 x 4 = 64 rows at G = 4
-        self.union, self.count = _union_by_tile(idx, q_start, l_sel, qb)
+        own = (torch.arange(q_start, q_start + Q, device=idx.device) // l_sel)[:, None]  # (Q, 1) each query's block
+        self.used = idx <= own  # (B, KV, Q, n): a slot after the query's own block is unused
+        self.union, self.count = _union_by_tile(idx, self.used, qb)
         self.meta = dict(G=G, D=D, L_SEL=l_sel, QB=qb, BLOCK_R=_tile(qb * G), BLOCK_D=_tile(D), **_precision(q))
         self.grid = (self.union.shape[1], B * KV)
 
@@ -179,36 +181,34 @@ class TritonSelection:
                 **self.meta)
         B, KV = self.q.shape[:2]
         S, D = self.k.shape[1:]
-        ptr, pair = _pairs_by_block(self.idx, self.q_start, self.meta["L_SEL"], self.n_blocks)
+        ptr, pair = _pairs_by_block(self.idx, self.used, self.n_blocks)
         _launch("selection_dkdv_kernel", (self.n_blocks, B * KV), self.q, self.k, self.v, *grad, lse, delta,
                 ptr, pair, grad_k_blocks.view(B * KV, S, D), grad_v_blocks.view(B * KV, S, D), self.q_start, self.Q,
                 S, self.n_blocks, self.n, self.scale, **self.meta)
         return dq
 
 
-def _union_by_tile(idx: Tensor, q_start: int, l_sel: int, qb: int) -> tuple[Tensor, Tensor]:
-    """For idx (B, KV, Q, n): the union of the used slots' blocks of each tile of qb consecutive queries, as
-    (union (B*KV, NT, qb*n) int32, ascending with the tile's count (B*KV, NT) int32 of distinct blocks first). No
-    host sync: two sorts, in place where it can (int32 halves them)."""
+def _union_by_tile(idx: Tensor, used: Tensor, qb: int) -> tuple[Tensor, Tensor]:
+    """For idx (B, KV, Q, n) and which of its slots are used (same shape): the union of the used slots' blocks of
+    each tile of qb consecutive queries, as (union (B*KV, NT, qb*n) int32, ascending with the tile's count
+    (B*KV, NT) int32 of distinct blocks first). No host sync: two sorts, in place where it can (int32 halves them)."""
     B, KV, Q, n = idx.shape
     nt, none = _cdiv(Q, qb), torch.iinfo(torch.int32).max
-    own = (torch.arange(q_start, q_start + Q, device=idx.device, dtype=torch.int32) // l_sel)[:, None]  # (Q, 1)
-    used = idx.new_full((B * KV, nt * qb, n), none, dtype=torch.int32)
-    used[:, :Q] = idx.view(B * KV, Q, n)
-    used[:, :Q].masked_fill_(used[:, :Q] > own, none)  # unused slots
-    blocks = used.view(B * KV, nt, qb * n).sort(-1).values
-    del used
+    ids = idx.new_full((B * KV, nt * qb, n), none, dtype=torch.int32)
+    ids[:, :Q] = idx.view(B * KV, Q, n)
+    ids[:, :Q].masked_fill_(~used.view(B * KV, Q, n), none)
+    blocks = ids.view(B * KV, nt, qb * n).sort(-1).values
+    del ids
     first = F.pad(blocks[..., 1:] != blocks[..., :-1], (1, 0), value=True) & (blocks != none)  # a block's first copy
     return blocks.masked_fill_(~first, none).sort(-1).values, first.sum(-1, dtype=torch.int32)
 
 
-def _pairs_by_block(idx: Tensor, q_start: int, l_sel: int, n_blocks: int) -> tuple[Tensor, Tensor]:
-    """For idx (B, KV, Q, n): (ptr (B*KV*n_blocks + 1,), pair (P,)) such that pair[ptr[g]:ptr[g + 1]] are the
-    (query, slot) pairs (indices into idx's B*KV*Q*n entries) whose used slot selects block g % n_blocks of batch x
-    KV head g // n_blocks."""
-    B, KV, Q, n = idx.shape
-    current = (torch.arange(q_start, q_start + Q, device=idx.device) // l_sel)[:, None]  # (Q, 1) own block
-    _, order, counts = pairs_by_block(idx, idx <= current, n_blocks)  # unused slots: the last group
+def _pairs_by_block(idx: Tensor, used: Tensor, n_blocks: int) -> tuple[Tensor, Tensor]:
+    """For idx (B, KV, Q, n) and which of its slots are used (same shape): (ptr (B*KV*n_blocks + 1,), pair (P,))
+    such that pair[ptr[g]:ptr[g + 1]] are the (query, slot) pairs (indices into idx's B*KV*Q*n entries) whose used
+    slot selects block g % n_blocks of batch x KV head g // n_blocks."""
+    B, KV = idx.shape[:2]
+    _, order, counts = pairs_by_block(idx, used, n_blocks)  # unused slots: the last group
     return F.pad(counts.cumsum(0), (1, 0))[: B * KV * n_blocks + 1], order
 
 
