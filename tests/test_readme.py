@@ -98,6 +98,17 @@ def scaled(command: str) -> list[str]:
     return args
 
 
+def failure(proc: subprocess.CompletedProcess) -> str:
+    """What a failed command printed: the ends of its stdout and stderr, and under torchrun every rank's own lines
+    (a rank's one-line error or traceback, which the other ranks' tracebacks push out of the stderr's end)."""
+    lines = f"{proc.stdout}\n{proc.stderr}".splitlines()
+    ranks = sorted({m.group(0) for line in lines if (m := re.match(r"\[rank\d+\]", line))})
+    own = [line for line in lines if line.startswith(("error:", "stopped:"))]
+    for rank in ranks:
+        own += [line for line in lines if line.startswith(rank)][-15:]
+    return "\n".join([proc.stdout[-2000:], proc.stderr[-3000:], "each rank:", *own])
+
+
 @pytest.mark.slow
 def test_every_readme_command_runs_in_sequence_from_a_fresh_clone(tmp_path: Path):
     """A new user's session: each command of README.md and docs/, in order, in a fresh clone (the demo data is
@@ -119,6 +130,6 @@ def test_every_readme_command_runs_in_sequence_from_a_fresh_clone(tmp_path: Path
         if args[1] == "profile_memory.py" and any(scaled(c) == args for c in ran):
             continue  # an estimate the docs print twice reads no state: once is enough
         proc = subprocess.run(args, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"{command}\n{' '.join(args)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, f"{command}\n{' '.join(args)}\n{failure(proc)}"
         ran.append(command)
     assert len(ran) >= 12 and any("torch.distributed.run" in " ".join(scaled(c)) for c in ran)
