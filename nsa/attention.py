@@ -14,8 +14,9 @@ flash-attention kernel, via modeling/flash.py) or, on CUDA with Triton installed
   have at most n blocks each (q_start + Q <= n*l') selects them all: there the branch is one causal attention over
   the prefix, with no scores and no top-n.
 - Sliding window: each query's last w keys.
-- On the Triton kernels all the queries are one chunk (`_whole_sequence`): a layer is a fixed number of kernel
-  launches whatever T, with no host sync between them.
+- On the Triton kernels all the queries of a training forward are one chunk (`_whole_sequence`): a layer is a
+  fixed number of kernel launches whatever T, with no host sync between them. Without gradients (prefill,
+  evaluation) they run in chunks, whose branch outputs are gated before the next chunk runs.
 
 Threads. On CPU tensors the chunks run on one Python thread per PyTorch intra-op thread, each chunk on a single
 intra-op thread (`_for_each_chunk`): a chunk is hundreds of small operators, and with several threads each of them
@@ -37,12 +38,12 @@ blocks, the peak of one layer's forward+backward, in elements, is
 with nb = 3 K/V sets when `nsa_separate_kv` else 1, and small constants c (tests/test_nsa.py checks the bound with
 c_lin = 8, c_cmp = c_sel = c_win = 6; the selection term is loose: tiles hold about G * n * D values per query).
 The chunk part is what the explicit path materialises: logits and probabilities of one chunk. The Triton kernels
-(CUDA) run one chunk of all T queries, and their chunk part is the selection's block lists: each query's n blocks,
-their (query, slot) pairs sorted by block and each tile's union of blocks, about 32 bytes per query, KV head and
-slot (the importance scores, logits and probabilities never reach memory; each branch's output gradient is read
-as gate * dO inside the kernels, and the three branches add their dQ into one tensor). One 4B layer at 131k: 16.3
-GiB on that path against 22.3 GiB explicit with query chunk 2048 (benchmarks/nsa_memory_4b.py). For fixed Q the
-peak is linear in T.
+(CUDA) run one chunk of all T queries in a training forward, and their chunk part is the selection's block lists:
+each query's n blocks, their (query, slot) pairs sorted by block and each tile's union of blocks, about 32 bytes
+per query, KV head and slot (the importance scores, logits and probabilities never reach memory; each branch's
+output gradient is read as gate * dO inside the kernels, and the three branches add their dQ into one tensor).
+One 4B layer at 131k: 16.3 GiB on that path against 22.3 GiB explicit with query chunk 2048
+(benchmarks/nsa_memory_4b.py). For fixed Q the peak is linear in T.
 
 Notation: B batch, T queries, H query heads, KV key/value heads, G = H // KV, D head dimension, C model width,
 Q query-chunk length, Nc compressed blocks, Nsb selection blocks of the keys, n selected blocks per query, W window
@@ -262,11 +263,13 @@ def _triton_selects(l_sel: int) -> bool:
     return l_sel >= 16 and l_sel & (l_sel - 1) == 0
 
 
-def _whole_sequence(q: Tensor, config: ModelConfig, compute: ComputeConfig) -> bool:
+def _whole_sequence(q: Tensor, config: ModelConfig, compute: ComputeConfig, keep: bool) -> bool:
     """Whether `sparse_attention` runs all its queries as one chunk: on the Triton kernels, whose working memory
     does not grow with the chunk (no scores, no logits, no per-(query, slot) results), so a layer is a fixed
-    number of launches whatever T; not while `exact_block_scores` holds (its scores are (Q, Nsb) in memory)."""
-    return (triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size)
+    number of launches whatever T; only when the branch outputs are `keep`t for backward anyway (a forward without
+    gradients goes chunk by chunk, holding one chunk's three branch outputs before they are gated, not all T's);
+    not while `exact_block_scores` holds (its scores are (Q, Nsb) in memory)."""
+    return (keep and triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size)
             and not exact_scores_active())
 
 
@@ -372,8 +375,8 @@ class _SparseAttention(torch.autograd.Function):
     (when gradients are needed) each branch's output and lse and the selected blocks; backward walks the chunks
     again, each branch's backward starting from the saved output and lse (no recomputation of the forward), and
     adds each chunk's gradients into the full ones in place (one set of accumulators per worker of
-    `_for_each_chunk`, summed at the end). As one chunk, a forward without gradients still holds the three branch
-    outputs of all T queries until they are gated (3 GiB for one 4B layer's 131k-token prefill)."""
+    `_for_each_chunk`, summed at the end). A forward without gradients runs in chunks on the Triton kernels too, so
+    that it holds one chunk's branch outputs, not those of all T queries (3 GiB for one 4B layer's 131k prefill)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
@@ -383,7 +386,7 @@ class _SparseAttention(torch.autograd.Function):
         KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
         k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
         keep = any(ctx.needs_input_grad)
-        whole = _whole_sequence(q, config, compute)
+        whole = _whole_sequence(q, config, compute, keep)
         out = torch.empty_like(q)  # (B, H, T, D)
         outs = q.new_empty(3, B, H, T, D) if keep else None
         lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
@@ -462,7 +465,7 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
                      v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int = 0, win_start: int = 0,
                      compute: ComputeConfig | None = None) -> Tensor:
     """The three gated NSA branches for queries at positions [q_start, q_start + T), chunk by chunk (one chunk
-    on the Triton kernels).
+    on the Triton kernels when gradients are needed).
 
     Args:
         q: `(B, H, T, D)` rotated queries.
@@ -474,8 +477,9 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
             window.
         gates: `(B, H, T, 3)` branch gates (compression, selection, window).
         config: block geometry (`nsa_*` fields).
-        compute: `attention_query_chunk` queries are processed at a time on the PyTorch path; `triton_kernels`
-            lets CUDA tensors run on nsa/triton_path.py, all queries at once (default: ComputeConfig()).
+        compute: `attention_query_chunk` queries are processed at a time on the PyTorch path, and on the Triton
+            kernels without gradients; `triton_kernels` lets CUDA tensors run on nsa/triton_path.py, all queries at
+            once when gradients are needed (default: ComputeConfig()).
     Returns:
         `(B, H, T, D)`; see `_SparseAttention` for what forward keeps for backward.
     """

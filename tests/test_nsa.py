@@ -602,15 +602,21 @@ def test_triton_matches_naive(H, KV):
 
 
 class _HostReads(TorchDispatchMode):
-    """Counts operators that read a tensor's value back to the host (`.item()`, `.tolist()`, `bool(t)`)."""
+    """Counts operators that read a tensor's value back to the host (`.item()`, `.tolist()`, `bool(t)`), and keeps
+    the element count of the largest tensor an operator made (not one it wrote in place)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for t in () if func._schema.is_mutable else out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
 
 
 @pytest.mark.slow
@@ -638,6 +644,22 @@ def test_triton_launches_do_not_grow_with_length(monkeypatch):
         assert reads.count == 0, T
     assert sorted(launches[100]) == sorted(launches[300]), launches
     assert len(launches[100]) == 13, launches  # forward: 4 (compression, top-n, selection, window); backward: 3 each
+
+
+@pytest.mark.slow
+def test_triton_forward_without_gradients_runs_in_chunks():
+    """Without gradients the Triton path runs query chunks, gating each chunk's branch outputs before the next: no
+    tensor of the three branch outputs of all T queries (3 x q's size, 3 GiB for a 4B layer's 131k prefill) is
+    made, and the output is the one-chunk training forward's (float64, to rounding)."""
+    pytest.importorskip("triton")
+    config, compute = nsa_config(), ComputeConfig(attention_query_chunk=16)
+    inputs = random_inputs(1, 4, 2, 100, 8, config)
+    with triton_kernels():
+        whole = sparse_attention(*[t.clone().requires_grad_() for t in inputs], config, compute=compute)
+        with torch.no_grad(), _HostReads() as watch:
+            chunked = sparse_attention(*inputs, config, compute=compute)
+    assert watch.largest < 2 * inputs[0].numel(), watch.largest
+    torch.testing.assert_close(chunked, whole.detach(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow
