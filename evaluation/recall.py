@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -125,10 +126,17 @@ class RecallTask(EvalTask):
             check_tokenizer(load_index(setting.data_dir), setting.tokenizer)
             self.before, _ = validation_windows(setting.data_dir, options.after_text,
                                                 options.after_text * options.samples, options.seed)
-        elif options.document_mask and not any(task_class(task) is not RecallTask and "document_mask" in
-                                                task_class(task).reads for task in setting.tasks):
-            raise ValueError("--document_mask: mqar and mqar_text read it only with --after_text (a document alone "
-                             "has no other document to keep apart from)")
+        else:  # options only --after_text makes these tasks read, refused unless another task reads them
+            tokenizer_dir = Path(setting.tokenizer.path).parent.resolve()
+            why = {"document_mask": "a document alone has no other document to keep apart from",
+                   "data_dir": "the held-out text packed before each document"}
+            for option, reason in why.items():
+                given = getattr(options, option) and not (
+                    option == "data_dir" and Path(options.data_dir).resolve() == tokenizer_dir)
+                if given and not any(task_class(task) is not RecallTask and option in task_class(task).reads
+                                     for task in setting.tasks):
+                    raise ValueError(f"--{option}: mqar and mqar_text read it only with --after_text ({reason}): "
+                                     "add --after_text N, or leave it out")
         for length in (n for n in options.lengths or [] if n < needed):
             print(f"{name}: length {length} skipped: the task's text needs {needed} tokens")
         self.lengths = [n for n in options.lengths or [context] if n >= needed]

@@ -219,6 +219,7 @@ def test_document_loglikelihoods_are_the_model_loss_after_the_end_of_document_id
     (["--tasks", "mqar", "--lengths", "64", "--pairs", "40"], "--pairs 40: length 64 is too short for synthetic"),
     (["--tasks", "mqar", "--pairs", "0"], "--pairs must be >= 1"),
     (["--tasks", "mqar", "--document_mask"], "--document_mask: mqar and mqar_text read it only with --after_text"),
+    (["--tasks", "mqar", "--data_dir", "tests"], "--data_dir: mqar and mqar_text read it only with --after_text"),
     (["--tasks", "mqar", "--after_text", "200", "--lengths", "64"],
      "--lengths 64 does not fit the context of 256 tokens after --after_text 200 + 1"),
     (["--tasks", "mqar", "--after_text", "300"], "--after_text 300 leaves 0 of the context's 256 tokens"),
