@@ -221,7 +221,7 @@ def candidate_token_scores(q: Tensor, k_blocks: Tensor, idx: Tensor, valid: Tens
     q_groups = q.to(acc).view(B, KV, H // KV, Q, D)  # (B, KV, G, Q, D)
     flat = k_blocks.reshape(B * KV * Ns, l_sel * D)  # (B*KV*Ns, l'*D): a block's keys a row
     rows = idx + (torch.arange(B * KV, device=idx.device) * Ns).view(B, KV, 1, 1)  # (B, KV, Q, K) rows of flat
-    step = max(1, _GATHER_BYTES // (B * KV * Q * l_sel * D * flat.element_size()))
+    step = max(1, _GATHER_BYTES // (B * KV * Q * l_sel * D * acc.itemsize))  # the gathered keys, cast to acc
     best = []
     for s0 in range(0, K, step):
         keys = flat.index_select(0, rows[..., s0:s0 + step].reshape(-1)).view(B, KV, Q, -1, D)  # (B, KV, Q, s*l', D)

@@ -135,7 +135,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
         first = first_choosing_position(l_sel, config.nsa_num_selected) or length
         rows = B * KV * score_loss_queries(config, length)
         acc = torch.promote_types(q.dtype, torch.float32)
-        k_blocks = as_blocks(k_slc.to(acc), l_sel)  # (B, KV, Ns, l', D)
+        k_blocks = as_blocks(k_slc, l_sel)  # (B, KV, Ns, l', D) in k_slc's dtype: cast to acc a tile at a time
         total = q.new_zeros((), dtype=acc)
         generator = torch.Generator(q.device).manual_seed(seed) if random else None
         grad_q, grad_k = torch.zeros_like(q, dtype=acc), torch.zeros_like(k_cmp, dtype=acc)  # k's summed over chunks

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import Transformer
 from modeling.config import ComputeConfig, ModelConfig
@@ -325,6 +326,43 @@ def test_autocast_does_not_change_the_loss() -> None:
     for plain, autocast in zip(*results, strict=True):
         assert plain.dtype == autocast.dtype == torch.float32
         assert torch.equal(plain, autocast)
+
+
+class _Float32Made(TorchDispatchMode):
+    """The shapes of the float32 tensors operators make (not those they write in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in () if func._schema.is_mutable else out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("top,random", [(0, 0), (3, 2)])
+def test_bfloat16_keys_are_cast_to_float32_a_tile_at_a_time(top: int, random: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss runs in float32, but the selection keys (under context parallelism the whole sequence's) are cast a
+    tile at a time where read, never whole: with bfloat16 inputs no float32 tensor of the keys' shape is made
+    (and, as the cast is exact, the loss is that of float32 copies of the inputs)."""
+    config = geometry()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 256, 16, generator=g).bfloat16().requires_grad_()
+    k_cmp = torch.randn(1, 2, num_compressed_blocks(256, 8, 4), 16, generator=g).bfloat16().requires_grad_()
+    k_slc = torch.randn(1, 2, 256, 16, generator=g).bfloat16()
+    form = {"chunk": 32, "nsa_score_loss_top": top, "nsa_score_loss_random": random}
+    monkeypatch.setattr(blocks, "_KEY_TILE", 64)  # tiles of 4 of the 16 blocks
+    torch.manual_seed(0)  # the random candidates' draw
+    with _Float32Made() as made:
+        loss = score_loss(q, k_cmp, k_slc, config, **form)
+    whole = {tuple(k_slc.shape), (1, 2, 256 // config.nsa_select_block_size, config.nsa_select_block_size, 16)}
+    assert made.shapes and not whole & set(made.shapes)
+    torch.manual_seed(0)
+    assert torch.equal(loss, score_loss(q.float(), k_cmp.float(), k_slc.float(), config, **form))
 
 
 @pytest.mark.parametrize("top,random,target", [(0, 0, "scores"), (3, 2, "scores"), (0, 0, "selection")])
