@@ -14,7 +14,8 @@ target (every key, every query); their last column is the step's time over `nsa`
         # a smoke run of this script without a GPU (Triton's interpreter; times meaningless)
 
 Times are medians over --repeats runs after two warm-up runs; peak memory is torch.cuda.max_memory_allocated
-growth over the step (weights and input excluded).
+growth over the step (weights and input excluded). "fwd" is the forward without gradients (inference: NSA's Triton
+path then runs eight query chunks, `nsa.attention._query_chunk`), "fwd+bwd" a training step (one chunk).
 """
 
 from __future__ import annotations

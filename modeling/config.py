@@ -159,8 +159,7 @@ class ComputeConfig:
     suit short sequences; train.py picks the long-context values."""
 
     ffn_chunk_size: int | None = None  # tokens per FFN tile (tiled MLP, recomputed in backward); None: untiled
-    attention_query_chunk: int = 512  # queries NSA's PyTorch path, its score loss and its inference on the Triton
-    # kernels process together (their memory)
+    attention_query_chunk: int = 512  # queries NSA's PyTorch path and score loss process together (their memory)
     triton_kernels: bool = True  # CUDA tensors: run NSA's branches on nsa/triton_path.py when Triton is installed
     # Loss: "auto" chunks when B*T*V*element_size would exceed the threshold (decided from shapes only).
     loss_mode: Literal["auto", "chunked", "standard"] = "auto"

@@ -14,9 +14,9 @@ flash-attention kernel, via modeling/flash.py) or, on CUDA with Triton installed
   have at most n blocks each (q_start + Q <= n*l') selects them all: there the branch is one causal attention over
   the prefix, with no scores and no top-n.
 - Sliding window: each query's last w keys.
-- On the Triton kernels all the queries of a training forward are one chunk (`_whole_sequence`): a layer is a
-  fixed number of kernel launches whatever T, with no host sync between them. Without gradients (prefill,
-  evaluation) they run in chunks, whose branch outputs are gated before the next chunk runs.
+- On the Triton kernels all the queries of a training forward are one chunk (`_query_chunk`): a layer is a fixed
+  number of kernel launches whatever T, with no host sync between them. Without gradients (prefill, evaluation)
+  they run in eight chunks, whose branch outputs are gated before the next chunk runs.
 
 Threads. On CPU tensors the chunks run on one Python thread per PyTorch intra-op thread, each chunk on a single
 intra-op thread (`_for_each_chunk`): a chunk is hundreds of small operators, and with several threads each of them
@@ -263,14 +263,20 @@ def _triton_selects(l_sel: int) -> bool:
     return l_sel >= 16 and l_sel & (l_sel - 1) == 0
 
 
-def _whole_sequence(q: Tensor, config: ModelConfig, compute: ComputeConfig, keep: bool) -> bool:
-    """Whether `sparse_attention` runs all its queries as one chunk: on the Triton kernels, whose working memory
-    does not grow with the chunk (no scores, no logits, no per-(query, slot) results), so a layer is a fixed
-    number of launches whatever T; only when the branch outputs are `keep`t for backward anyway (a forward without
-    gradients goes chunk by chunk, holding one chunk's three branch outputs before they are gated, not all T's);
-    not while `exact_block_scores` holds (its scores are (Q, Nsb) in memory)."""
-    return (keep and triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size)
-            and not exact_scores_active())
+INFERENCE_CHUNKS = 8  # query chunks of a forward without gradients on the Triton kernels (`_query_chunk`)
+
+
+def _query_chunk(q: Tensor, config: ModelConfig, compute: ComputeConfig, keep: bool) -> int:
+    """Queries `sparse_attention` runs together (B, H, T, D = q.shape). On the Triton kernels, whose working memory
+    does not grow with the chunk (no scores, no logits, no per-(query, slot) results): all T when the branch outputs
+    are kept for backward anyway, so a layer is a fixed number of launches whatever T; without gradients
+    INFERENCE_CHUNKS chunks (of at least `attention_query_chunk` queries), whose three branch outputs, held until
+    they are gated, are 3/8 of q's size instead of 3x, for 4 launches a chunk. Elsewhere, and while
+    `exact_block_scores` holds (its scores are (Q, Nsb) in memory), `compute.attention_query_chunk`."""
+    T, Q = q.shape[2], compute.attention_query_chunk
+    if not (triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size) and not exact_scores_active()):
+        return Q
+    return max(T, 1) if keep else max(Q, -(-T // INFERENCE_CHUNKS))
 
 
 class _Span(NamedTuple):
@@ -284,12 +290,10 @@ class _Span(NamedTuple):
     win_start: int
 
 
-def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig,
-           whole: bool = False) -> list[_Span]:
-    """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start:
-    `compute.attention_query_chunk` queries each, or one chunk of all of them when `whole`."""
+def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, chunk: int) -> list[_Span]:
+    """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start,
+    `chunk` queries each."""
     l, d, w = config.nsa_block_size, config.nsa_stride, config.nsa_window
-    chunk = max(T, 1) if whole else compute.attention_query_chunk
     spans = []
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
@@ -371,27 +375,29 @@ def _add_part(total: Tensor | None, like: Tensor, rows: slice, part: Tensor) -> 
 
 
 class _SparseAttention(torch.autograd.Function):
-    """`sparse_attention`: forward chunk by chunk (one chunk on the Triton kernels: `_whole_sequence`), keeping
+    """`sparse_attention`: forward chunk by chunk (one chunk on the Triton kernels: `_query_chunk`), keeping
     (when gradients are needed) each branch's output and lse and the selected blocks; backward walks the chunks
     again, each branch's backward starting from the saved output and lse (no recomputation of the forward), and
     adds each chunk's gradients into the full ones in place (one set of accumulators per worker of
     `_for_each_chunk`, summed at the end). A forward without gradients runs in chunks on the Triton kernels too, so
-    that it holds one chunk's branch outputs, not those of all T queries (3 GiB for one 4B layer's 131k prefill)."""
+    that it holds one chunk's branch outputs, not those of all T queries (3 GiB for one 4B layer's 131k prefill:
+    `_query_chunk`)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                 v_win: Tensor, gates: Tensor, config: ModelConfig, compute: ComputeConfig, q_start: int,
-                win_start: int) -> Tensor:
+                win_start: int, grad_enabled: bool) -> Tensor:
         B, H, T, D = q.shape
         KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
         k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
-        keep = any(ctx.needs_input_grad)
-        whole = _whole_sequence(q, config, compute, keep)
+        keep = grad_enabled and any(ctx.needs_input_grad)  # (forward itself runs with grad mode off)
+        chunk = _query_chunk(q, config, compute, keep)
+        whole = chunk >= T
         out = torch.empty_like(q)  # (B, H, T, D)
         outs = q.new_empty(3, B, H, T, D) if keep else None
         lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
         idx = q.new_empty(B, KV, T, n, dtype=torch.long) if keep else None
-        spans = _spans(T, q_start, win_start, config, compute, whole)
+        spans = _spans(T, q_start, win_start, config, chunk)
 
         def run(worker: int, c: int) -> None:
             qs = spans[c].queries
@@ -408,7 +414,8 @@ class _SparseAttention(torch.autograd.Function):
 
         _for_each_chunk(len(spans), _workers(q, compute, len(spans)), run)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, outs, lses, idx)
-        ctx.config, ctx.compute, ctx.q_start, ctx.win_start, ctx.whole = config, compute, q_start, win_start, whole
+        ctx.config, ctx.compute, ctx.q_start, ctx.win_start = config, compute, q_start, win_start
+        ctx.chunk, ctx.whole = chunk, whole
         return out
 
     @staticmethod
@@ -420,7 +427,7 @@ class _SparseAttention(torch.autograd.Function):
         k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
         g_q = None if ctx.whole else torch.empty_like(q)  # chunks' queries are disjoint: each written once
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
-        spans = _spans(T, ctx.q_start, ctx.win_start, config, compute, ctx.whole)
+        spans = _spans(T, ctx.q_start, ctx.win_start, config, ctx.chunk)
         workers = _workers(q, compute, len(spans))
         # per worker: gradients of k_cmp, v_cmp, k_win, v_win (made by the first chunk: `_add_part`), the blocks'
         sums: list[list[Tensor | None]] = [[None] * 4 + [torch.zeros_like(t) for t in (k_blocks, v_blocks)]
@@ -457,7 +464,7 @@ class _SparseAttention(torch.autograd.Function):
         g_kb, g_vb = totals[4:]
         S = k_slc.shape[2]
         g_kb, g_vb = (g.flatten(2, 3)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
-        return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None
+        return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None, None
 
 
 @torch.compiler.disable  # opaque to torch.compile: the chunk loop and its threads run eagerly between graphs
@@ -477,11 +484,11 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
             window.
         gates: `(B, H, T, 3)` branch gates (compression, selection, window).
         config: block geometry (`nsa_*` fields).
-        compute: `attention_query_chunk` queries are processed at a time on the PyTorch path, and on the Triton
-            kernels without gradients; `triton_kernels` lets CUDA tensors run on nsa/triton_path.py, all queries at
-            once when gradients are needed (default: ComputeConfig()).
+        compute: `attention_query_chunk` queries are processed at a time on the PyTorch path; `triton_kernels`
+            lets CUDA tensors run on nsa/triton_path.py, all queries at once when gradients are needed, else in
+            eight chunks (`_query_chunk`; default: ComputeConfig()).
     Returns:
         `(B, H, T, D)`; see `_SparseAttention` for what forward keeps for backward.
     """
     return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config,
-                                  compute or ComputeConfig(), q_start, win_start)
+                                  compute or ComputeConfig(), q_start, win_start, torch.is_grad_enabled())

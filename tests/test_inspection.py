@@ -31,7 +31,7 @@ def test_reported_selection_is_the_attention_s_own(exact: bool):
     blocks = as_blocks(k, config.nsa_select_block_size)
     with explicit_attention(), exact_block_scores() if exact else contextlib.nullcontext():
         compute = ComputeConfig(attention_query_chunk=T)
-        span, = nsa_attention._spans(T, 0, 0, config, compute)
+        span, = nsa_attention._spans(T, 0, 0, config, T)
         chunk = nsa_attention._chunk(span, q, k_cmp, v_cmp, blocks, blocks, k, k, config, compute)
         _, _, idx = chunk.forward()  # (B, KV, T, n); unused slots hold the number of blocks
     n_blocks = blocks.shape[2]

@@ -309,7 +309,7 @@ def test_exact_block_scores_select_the_blocks_of_the_best_tokens():
     q, k_cmp, v_cmp, k, v, k_win, v_win, _ = random_inputs(B, H, KV, T, D, config)
     blocks = as_blocks(k, ls)
     compute = ComputeConfig(attention_query_chunk=T)
-    span, = nsa_attention._spans(T, 0, 0, config, compute)
+    span, = nsa_attention._spans(T, 0, 0, config, T)
     with exact_block_scores():
         _, _, idx = nsa_attention._chunk(span, q, k_cmp, v_cmp, blocks, as_blocks(v, ls), k_win, v_win, config,
                                                 compute).forward()
@@ -647,18 +647,22 @@ def test_triton_launches_do_not_grow_with_length(monkeypatch):
 
 
 @pytest.mark.slow
-def test_triton_forward_without_gradients_runs_in_chunks():
-    """Without gradients the Triton path runs query chunks, gating each chunk's branch outputs before the next: no
-    tensor of the three branch outputs of all T queries (3 x q's size, 3 GiB for a 4B layer's 131k prefill) is
-    made, and the output is the one-chunk training forward's (float64, to rounding)."""
+def test_triton_forward_without_gradients_runs_in_chunks(monkeypatch):
+    """Without gradients (grad mode off, even for inputs that require them) the Triton path runs eight query chunks
+    of at least attention_query_chunk queries, gating each chunk's branch outputs before the next: no tensor of the
+    three branch outputs of all T queries (3 x q's size, 3 GiB for a 4B layer's 131k prefill) is made, nothing is
+    read back to the host, and the output is the one-chunk training forward's (float64, to rounding)."""
     pytest.importorskip("triton")
-    config, compute = nsa_config(), ComputeConfig(attention_query_chunk=16)
-    inputs = random_inputs(1, 4, 2, 100, 8, config)
+    config, compute = nsa_config(), ComputeConfig(attention_query_chunk=8)
+    leaves = [t.requires_grad_() for t in random_inputs(1, 4, 2, 160, 8, config)]
+    spans, real = [], nsa_attention._spans
+    monkeypatch.setattr(nsa_attention, "_spans", lambda *args: spans.append(real(*args)) or spans[-1])
     with triton_kernels():
-        whole = sparse_attention(*[t.clone().requires_grad_() for t in inputs], config, compute=compute)
+        whole = sparse_attention(*leaves, config, compute=compute)
         with torch.no_grad(), _HostReads() as watch:
-            chunked = sparse_attention(*inputs, config, compute=compute)
-    assert watch.largest < 2 * inputs[0].numel(), watch.largest
+            chunked = sparse_attention(*leaves, config, compute=compute)
+    assert [len(s) for s in spans] == [1, 8]  # the training forward's one chunk, then 8 chunks of 20 queries
+    assert watch.largest < 2 * leaves[0].numel() and watch.count == 0, (watch.largest, watch.count)
     torch.testing.assert_close(chunked, whole.detach(), rtol=1e-12, atol=1e-12)
 
 

@@ -124,8 +124,9 @@ class TrainConfig:
     ffn_chunk_size: int | None = option(None, f"tokens per FFN tile (tiled FFN, recomputed in backward; 0: untiled; "
                                               f"default: {TILED_FFN_CHUNK} from {LONG_CONTEXT} tokens, else untiled)")
     attention_query_chunk: int | None = option(None, "queries NSA processes together on CPU, in its score loss "
-                                                    "and without gradients (bounds their working memory; default "
-                                                    "512; the Triton kernels take all at once in training)")
+                                                    "and during --nsa_exact_selection_steps (bounds their working "
+                                                    "memory; default 512; the Triton kernels take all at once in "
+                                                    "training, an eighth at a time without gradients)")
     compile: bool = option(False, "torch.compile each block")
     dtype: str = option("auto", "'float32' or 'bfloat16' (mixed precision: fp32 master weights, bf16 compute, fp32 "
                               "gradient reduction); 'auto' = bfloat16 on CUDA, float32 on CPU")
