@@ -204,7 +204,7 @@ def selection_target(scores: Tensor, allowed: Tensor, free: int) -> Tensor:
     return chosen / chosen.sum(-1, keepdim=True).clamp(min=1.0)
 
 
-_GATHER_BYTES = 64 * 2**20  # bytes of candidate keys `candidate_token_scores` gathers at a time
+_GATHER_BYTES = 64 * 2**20  # bytes of candidate keys `candidate_token_scores` gathers at a time, once cast to float32
 
 
 def candidate_token_scores(q: Tensor, k_blocks: Tensor, idx: Tensor, valid: Tensor, temperature: float = 1.0

@@ -359,7 +359,8 @@ def test_bfloat16_keys_are_cast_to_float32_a_tile_at_a_time(top: int, random: in
     torch.manual_seed(0)  # the random candidates' draw
     with _Float32Made() as made:
         loss = score_loss(q, k_cmp, k_slc, config, **form)
-    whole = {tuple(k_slc.shape), (1, 2, 256 // config.nsa_select_block_size, config.nsa_select_block_size, 16)}
+    n_blocks, l_sel = 256 // config.nsa_select_block_size, config.nsa_select_block_size
+    whole = {tuple(k_slc.shape), (1, 2, n_blocks, l_sel, 16), (2 * n_blocks, l_sel * 16)}  # the keys, as blocks, rows
     assert made.shapes and not whole & set(made.shapes)
     torch.manual_seed(0)
     assert torch.equal(loss, score_loss(q.float(), k_cmp.float(), k_slc.float(), config, **form))
