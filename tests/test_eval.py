@@ -234,6 +234,20 @@ def test_bad_input_is_one_line_with_exit_code_2(demo_run, args, message, capsys)
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given, tasks", [(["--tasks", "mqar", "--tokenizer", "DATA/tokenizer.model"], ["mqar"]),
+                                          (["--tasks", "mqar", "loss"], ["mqar", "loss"])],
+                         ids=["its-tokenizer", "another-task"])
+def test_mqar_takes_data_dir_for_its_tokenizer_or_for_another_task(demo_run, data_dir, given, tasks, tmp_path):
+    """--data_dir with mqar and no --after_text is accepted where something reads it: the tokenizer used lies there,
+    or another task that runs reads the data (every task prepared, nothing run)."""
+    from evaluation.registry import task_class
+
+    argv = [str(demo_run / "model"), "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "out"),
+            *(arg.replace("DATA", str(data_dir)) for arg in given)]
+    _, setting = eval_cli.check_inputs(eval_cli.build_parser().parse_args(argv))
+    assert [task_class(name)(name, setting).name for name in setting.tasks] == tasks
+
+
 def test_a_task_is_one_file_plus_its_registration(demo_run, monkeypatch, tmp_path, capsys):
     """examples/eval_task.py, registered from here: eval.py lists it, refuses an option it does not read, runs it
     (its table, its line of meaning, its result in eval.json) beside a built-in task."""
