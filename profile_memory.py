@@ -23,7 +23,7 @@ import torch
 import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d collectives: FSDP under FakeTensorMode)
 
 from training.cli import check_writable
-from training.estimate import StepConfig, _quiet, check_fit, estimate, measure, plot, report_text
+from training.estimate import StepConfig, _quiet, check_fit, estimate, measure, plot, report_text, warm_up_step
 from training.options import build_parser as build_train_parser
 from training.options import (
     check_effects,
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     progress = progress_lines()
     result = estimate(config, progress)
-    measured = measure(config) if args["measure"] else None
+    measured = measure(config, warm_up_step(result)) if args["measure"] else None
     log = (lambda msg: print(msg, file=sys.stderr)) if args["json"] else print
     fit = (check_fit(result, args["gpu_memory"], args["reserve"], log, progress) if args["gpu_memory"] is not None
            else None)

@@ -181,6 +181,38 @@ def test_nsa_estimate_is_the_same_without_triton(monkeypatch):
     assert "nsa.triton_kernels" not in sys.modules
 
 
+@pytest.mark.parametrize("warm, later, during", [((300, 100), (200, 200), "during"),
+                                                  ((250, 100), (100, 280), "after")])
+def test_the_exact_selection_warm_up_is_estimated_on_its_own_path(warm, later, during, monkeypatch):
+    """With --nsa_exact_selection_steps the estimate profiles a step of the warm-up (under exact block scores: NSA's
+    attention on another path) beside a later step and reports the one of the larger peak, naming both peaks; the
+    phase peaks that more ranks are derived from are the larger of the two steps' in each phase. (Profiles made up
+    here, forward and backward peaks in MiB: a real tiny step's two peaks are the same.)"""
+    from nsa.primitive import exact_scores_active
+
+    config = pm.StepConfig.of(model_size="tiny", context_length=256, attention_type="nsa", nsa_score_loss_coef=0.1,
+                              nsa_exact_selection_steps=5)
+
+    def profile_step(*args: object, **kwargs: object) -> dict:
+        peaks = (*(warm if exact_scores_active() else later), 10)
+        stages = {f"peak during {phase}": {"total": peak * 2**20, "activations": peak * 2**20}
+                  for phase, peak in zip(pm.PHASES, peaks, strict=True)}
+        return {"stages": stages, "loss_path": "standard", "num_parameters": 1, "stand_in": str(peaks[:2])}
+
+    monkeypatch.setattr(pm, "profile_step", profile_step)
+    result = pm.estimate(config)
+    phases = {"forward": max(warm[0], later[0]), "backward": max(warm[1], later[1]), "optimizer step": 10}
+    assert result["warm_up"] == {"steps": 5, "peak": max(warm) * 2**20, "later_peak": max(later) * 2**20,
+                                 "phase_peaks": {phase: peak * 2**20 for phase, peak in phases.items()}}
+    chosen = warm if during == "during" else later
+    assert result["stand_in"] == str(chosen) and pm.warm_up_step(result) == (during == "during")
+    assert result["peak"]["total"] == max(chosen) * 2**20
+    assert pm.peak_at_world_size({2: result, 4: result}, 8) == max(phases.values()) * 2**20
+    assert (f"The table is the step {during} the first 5 steps (--nsa_exact_selection_steps: selection by exact "
+            f"block scores), the larger: peak {max(warm)}.00 MiB during them, {max(later)}.00 MiB after"
+            ) in pm.report_text(result)
+
+
 # ---- full size: Qwen3-4B geometry, 131,072 tokens, 2 ranks, checkpointing (about 10 s per estimate) --------------
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ operators), which keeps the 4B / 131k / NSA estimate to seconds. Not seen by the
 
 `--measure` (CUDA only) runs the same step for real on the GPU, reads torch.cuda memory statistics at the same
 stages and prints them beside the estimate (with the fake process group, `--world_size N` measures one of N ranks on
-a single GPU).
+a single GPU). With `--nsa_exact_selection_steps`, whose first steps take another attention path, a step of each
+kind is estimated and the one of the larger peak shown (and measured).
 
 Categories: parameters (weights, unsharded compute copies, all-gather buffers, buffers), gradients (`.grad`, with
 reduce-scatter buffers), optimizer (AdamW moments, and what gradient clipping and the step make), activations (made
@@ -57,6 +58,7 @@ from modeling.config import ComputeConfig, GiB, ModelConfig, attention_class
 from modeling.memtrack import CATEGORIES, HOST, PHASE_CATEGORIES, LiveBytesTracker, track_training_step
 from modeling.offload import simulated
 from modeling.shard import SequenceShard
+from nsa.primitive import exact_block_scores
 from storage.weights import stored_config
 from text.tokenizer import load_tokenizer
 from training import parallel, trainer
@@ -391,6 +393,7 @@ def _summarize(config: StepConfig, profile: dict, seconds: float, method: str) -
         "peak": {"phase": phase, **stages[f"peak during {phase}"]},
         "seconds": round(seconds, 2),
         **({"traffic": profile["traffic"]} if "traffic" in profile else {}),
+        **({"warm_up": profile["warm_up"]} if "warm_up" in profile else {}),
     }
 
 
@@ -401,19 +404,39 @@ def estimate(config: StepConfig, progress: Callable[[str], None] = _quiet) -> di
     Returns a JSON-ready dict: "config", "num_parameters", "loss_path" ("standard" | "chunked"), "method",
     "stand_in", "stages" {stage: {"total", "parameters", "gradients", "optimizer", "activations", "temporaries"}} in
     bytes and in time order, "peak" (the highest phase peak, with "phase"), "seconds". Can be called repeatedly.
+    With --nsa_exact_selection_steps K, two steps are profiled: one of the first K (NSA selecting by exact block
+    scores) and a later one; the result is the one of the larger peak, with "warm_up" {"steps": K, "peak",
+    "later_peak", "phase_peaks": {phase: the larger of the two steps'}} (bytes).
     """
     start = time.perf_counter()
     profile = profile_step(config, "cpu", fake=True, progress=progress)
+    steps = config.train.nsa_exact_selection_steps
+    if steps:  # NSA's first steps select by exact block scores, chunk by chunk: another path, its own memory
+        progress(f"the first {steps} steps (--nsa_exact_selection_steps)")
+        with exact_block_scores():
+            first = profile_step(config, "cpu", fake=True, progress=progress)
+        peaks = [{phase: p["stages"][f"peak during {phase}"]["total"] for phase in PHASES} for p in (first, profile)]
+        warm_up = {"steps": steps, "peak": max(peaks[0].values()), "later_peak": max(peaks[1].values()),
+                   "phase_peaks": {phase: max(peaks[0][phase], peaks[1][phase]) for phase in PHASES}}
+        profile = {**(first if warm_up["peak"] >= warm_up["later_peak"] else profile), "warm_up": warm_up}
     method = "estimated on this CPU without allocating (fake tensors, every live byte counted)"
     return _summarize(config, profile, time.perf_counter() - start, method)
 
 
-def measure(config: StepConfig) -> dict:
-    """The same step run for real on the current CUDA device, from torch.cuda memory statistics (totals only)."""
+def warm_up_step(result: dict) -> bool:
+    """Whether the estimate `result` is of a step of --nsa_exact_selection_steps (its peak the larger)."""
+    warm_up = result.get("warm_up")
+    return bool(warm_up) and warm_up["peak"] >= warm_up["later_peak"]
+
+
+def measure(config: StepConfig, exact: bool = False) -> dict:
+    """The same step run for real on the current CUDA device, from torch.cuda memory statistics (totals only);
+    `exact`: a step of --nsa_exact_selection_steps (`warm_up_step` of the estimate)."""
     if not torch.cuda.is_available():
         raise ValueError("--measure needs a CUDA device; without one, use the estimate alone")
     start = time.perf_counter()
-    profile = profile_step(config, "cuda", fake=False)
+    with exact_block_scores() if exact else nullcontext():
+        profile = profile_step(config, "cuda", fake=False)
     return _summarize(config, profile, time.perf_counter() - start, "measured: torch.cuda.memory_allocated")
 
 
@@ -455,8 +478,9 @@ def peak_at_world_size(results: dict[int, dict], world_size: int) -> int:
     moments by it; activations, temporaries and the unsharded compute copies of a block do not change)."""
     (w1, r1), (w2, r2) = results.items()
     peaks = []
-    for phase in PHASES:
-        v1, v2 = (r["stages"][f"peak during {phase}"]["total"] for r in (r1, r2))
+    for phase in PHASES:  # with --nsa_exact_selection_steps, the larger of the two steps' in each phase
+        v1, v2 = (r.get("warm_up", {}).get("phase_peaks", {}).get(phase, r["stages"][f"peak during {phase}"]["total"])
+                  for r in (r1, r2))
         slope = (v1 - v2) / (1 / w1 - 1 / w2)
         peaks.append(v1 + slope * (1 / world_size - 1 / w1))
     return round(max(peaks))
@@ -574,6 +598,12 @@ def report_text(result: dict, measured: dict | None = None, fit: dict | None = N
                      f"{traffic['gathers']} all-gathers in forward and recomputation ({traffic['gathered'] / unit:.2f} "
                      f"{name}), {traffic['scatters']} reduce-scatters of their gradients in backward "
                      f"({traffic['scattered'] / unit:.2f} {name}); counted as a ring sends them, N - 1 times its part")
+    if warm_up := result.get("warm_up"):
+        (name, unit), first = _unit(result), warm_up["peak"] >= warm_up["later_peak"]
+        lines.append(f"The table is the step {'during' if first else 'after'} the first {warm_up['steps']} steps "
+                     f"(--nsa_exact_selection_steps: selection by exact block scores), the larger: peak "
+                     f"{warm_up['peak'] / unit:.2f} {name} during them, {warm_up['later_peak'] / unit:.2f} {name} "
+                     "after")
     if fit is not None:
         peak = result["peak"]["total"] / GiB
         verdict = "fits" if fit["fits"] else "does NOT fit"
