@@ -8,7 +8,8 @@ model computes them.
 
     python benchmarks/nsa_branch_ablation.py runs/recall_copy/nsa-seed0/copy-T64/model --task copy --length 64
     python benchmarks/nsa_branch_ablation.py runs/recall_copy/nsa-seed0/T2048-p4/model --length 2048 --pairs 4
-    python benchmarks/nsa_branch_ablation.py runs/pk/passkey1024/model --task passkey --length 1014 --samples 10
+    python benchmarks/nsa_branch_ablation.py runs/pk/passkey1024/model --task passkey --length 1014 --samples 10 \
+        --json runs/pk/passkey1024/ablation.json        # and the results as JSON
 
 A branch whose removal costs nothing is not needed (the others cover for it); one whose removal drops a bucket to
 chance is the only path to those answers. Where exact block scores gain much, the selected blocks would carry the
@@ -20,6 +21,7 @@ coarse and misses up to the d - 1 most recent tokens.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +38,7 @@ from nsa.layer import NativeSparseAttention  # noqa: E402
 from nsa.primitive import exact_block_scores  # noqa: E402
 from storage.weights import load_model  # noqa: E402
 from text.synthetic import TOKEN_TASKS, PromptBuilder, SyntheticDocuments  # noqa: E402
+from training.cli import check_writable  # noqa: E402
 
 BRANCHES = ("compression", "selection", "window")  # the order of branch_gate's 3 outputs per head
 
@@ -104,11 +107,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seed", type=int, default=3000)
     p.add_argument("--tokenizer", help="default: the one stored with the model")
+    p.add_argument("--json", metavar="FILE.json", help="also write the results there ({variant: scores})")
     args = p.parse_args(argv)
     try:  # every input checked before the model is loaded; a bad one is a one-line error (exit 2)
         if min(args.samples, args.batch_size) < 1:
             raise ValueError(f"--samples and --batch_size must be at least 1, got {args.samples} and "
                              f"{args.batch_size}")
+        if args.json:
+            check_writable(Path(args.json), "--json")
         found, tokenizer = check_nsa_model(args.model, args.tokenizer, "switches off NSA's branches", args.length)
         config = found.config
         if args.task in GRID_TASKS:
@@ -130,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     with torch.no_grad():
         results = ablation(model, score)
     print(report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return results
 
 

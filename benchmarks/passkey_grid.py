@@ -2,8 +2,9 @@
 passkey with the loss": a copying model, the passkey at 256 tokens with the selection-scoring loss, then the passkey
 at each length) for NSA with a training form's options and for full attention, then eval.py's passkey grid. Prints
 a row per (type, length, seed): the passkey read beyond the window (depths 0-0.75: the needle more than a window
-before the question), at the question's end (depth 1), at 256 tokens, and the stage's answer loss (the mean over its
-last 50 steps of the loss less the score loss); writes OUT_DIR/grid.json.
+before the question), at the question's end (depth 1), at 256 tokens, the stage's answer loss (the mean over its
+last 50 steps of the loss less the score loss), and for NSA the passkey beyond the window with each block judged by
+its best key (benchmarks/nsa_branch_ablation.py: the ceiling of its selection); writes OUT_DIR/grid.json.
 
     python benchmarks/passkey_grid.py --dry_run                              # the commands, nothing run
     python benchmarks/passkey_grid.py --lengths 4096 8192 --seeds 0 1 2 3 4  # on one H200: minutes a run
@@ -29,42 +30,43 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = {"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8, "nsa_num_selected": 18}
 NSA = {"qk_norm": False, "nsa_separate_kv": False, "nsa_compressor": "mean", **BLOCKS}
 COPY = {"nsa_block_size": 32, "nsa_stride": 16, "nsa_select_block_size": 32, "nsa_num_selected": 6}
+MODEL = Path("model") / "config.json"  # a finished run's export
 PASSKEY = ["--synthetic_mix", "1.0", "--synthetic_task", "passkey", "--answer_loss", "--checkpoint_interval", "0",
            "--sample_tokens", "0", "--lr", "3e-3"]
 
 
 def plan(args: argparse.Namespace) -> list[tuple[Path, list[str]]]:
-    """(directory whose model/ marks the step done, command) of every step, in order."""
+    """(the file whose presence marks the step done, command) of every step, in order."""
     out, py = Path(args.out_dir), sys.executable
     steps = []
     for kind in args.types:
         overrides = dict(NSA) if kind == "nsa" else {"qk_norm": False}
         base = out / "base"
-        steps.append((base / f"{kind}-seed0" / "copy-T64", [
+        steps.append((base / f"{kind}-seed0" / "copy-T64" / MODEL, [
             py, "benchmarks/recall_experiment.py", "--types", kind, "--seeds", "0", "--stages", "copy:64:1000",
             "--samples", "64", "--out_dir", str(base), "--model_overrides", json.dumps(overrides),
             *(["--copy_overrides", json.dumps(COPY)] if kind == "nsa" else [])]))
         form = args.form if kind == "nsa" else []
         short = out / f"{kind}-passkey256"
-        steps.append((short, [py, "train.py", "--init_from", str(base / f"{kind}-seed0" / "copy-T64" / "model"),
+        steps.append((short / MODEL, [py, "train.py", "--init_from", str(base / f"{kind}-seed0" / "copy-T64" / "model"),
                               "--context_length", "256", "--max_steps", "600", "--batch_size", "32", *PASSKEY,
                               "--out_dir", str(short), *(["--nsa_score_loss_coef", "0.1", "--model_overrides",
                                                           json.dumps(BLOCKS)] if kind == "nsa" else [])]))
         for T in args.lengths:
             for seed in args.seeds:
                 run = out / f"{kind}-T{T}-seed{seed}"
-                steps.append((run, [py, "train.py", "--init_from", str(short / "model"), "--context_length", str(T),
-                                    "--max_steps", str(args.steps), "--batch_size", str(args.batch_size),
-                                    "--warmup_steps", "20", *PASSKEY, "--seed", str(seed), "--out_dir", str(run),
-                                    *form]))
-                steps.append((run / "eval-model", [py, "eval.py", str(run / "model"), "--tasks", "passkey",
-                                                   "--lengths", "256", str(T - 10), "--samples", str(args.samples)]))
+                steps.append((run / MODEL, [
+                    py, "train.py", "--init_from", str(short / "model"), "--context_length", str(T), "--max_steps",
+                    str(args.steps), "--batch_size", str(args.batch_size), "--warmup_steps", "20", *PASSKEY, "--seed",
+                    str(seed), "--out_dir", str(run), *form]))
+                steps.append((run / "eval-model" / "eval.json", [
+                    py, "eval.py", str(run / "model"), "--tasks", "passkey", "--lengths", "256", str(T - 10),
+                    "--samples", str(args.samples)]))
+                if kind == "nsa":  # the same passkey with each block judged by its best key: the ceiling
+                    steps.append((run / "ablation.json", [
+                        py, "benchmarks/nsa_branch_ablation.py", str(run / "model"), "--task", "passkey", "--length",
+                        str(T - 10), "--samples", str(args.samples), "--json", str(run / "ablation.json")]))
     return steps
-
-
-def done(directory: Path) -> bool:
-    """Whether a step's output is there: a run's model export, or an evaluation's results."""
-    return (directory / "model" / "config.json").is_file() or (directory / "eval.json").is_file()
 
 
 def answer_loss(run: Path, last: int = 50) -> float:
@@ -75,11 +77,15 @@ def answer_loss(run: Path, last: int = 50) -> float:
 
 
 def row(kind: str, T: int, seed: int, run: Path) -> dict:
-    """One line of the grid from a run's eval.json and metrics.jsonl."""
+    """One line of the grid from a run's eval.json, metrics.jsonl and (NSA) ablation.json: its passkey with exact
+    block scores beyond the window, the ceiling of what its selection could read (None for full attention)."""
     passkey = json.loads((run / "eval-model" / "eval.json").read_text())["passkey"]
     short, long = passkey["accuracy"]  # (depths,) at 256 and at T - 10
+    exact, ablation = None, run / "ablation.json"
+    if ablation.is_file():  # accuracy (lengths, depths) of the variant
+        exact = statistics.mean(json.loads(ablation.read_text())["exact block scores"]["accuracy"][0][:-1])
     return {"type": kind, "T": T, "seed": seed, "beyond_window": statistics.mean(long[:-1]), "at_end": long[-1],
-            "at_256": statistics.mean(short), "answer_loss": answer_loss(run)}
+            "at_256": statistics.mean(short), "answer_loss": answer_loss(run), "exact_beyond_window": exact}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -97,8 +103,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     if min(args.lengths) <= 256 or min(args.steps, args.batch_size, args.samples) < 1:
         p.error("--lengths must be above 256 (the short passkey stage); --steps, --batch_size, --samples positive")
-    for directory, command in plan(args):
-        if args.dry_run or done(directory):
+    for marker, command in plan(args):
+        if args.dry_run or marker.is_file():
             print(("would run: " if args.dry_run else "done: ") + shlex.join(command), flush=True)
             continue
         print("running: " + shlex.join(command), flush=True)
@@ -107,11 +113,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     rows = [row(kind, T, seed, Path(args.out_dir) / f"{kind}-T{T}-seed{seed}")
             for kind in args.types for T in args.lengths for seed in args.seeds]
-    print("| type | T | seed | beyond the window | at the end | 256 tokens | answer loss |")
-    print("|---|---|---|---|---|---|---|")
+    print("| type | T | seed | beyond the window | at the end | 256 tokens | answer loss | beyond, exact scores |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        exact = "-" if r["exact_beyond_window"] is None else f"{r['exact_beyond_window']:.0%}"
         print(f"| {r['type']} | {r['T']} | {r['seed']} | {r['beyond_window']:.0%} | {r['at_end']:.0%} | "
-              f"{r['at_256']:.0%} | {r['answer_loss']:.2f} |")
+              f"{r['at_256']:.0%} | {r['answer_loss']:.2f} | {exact} |")
     (Path(args.out_dir) / "grid.json").write_text(json.dumps(rows, indent=1))
     return rows
 

@@ -191,3 +191,8 @@ def test_branch_ablation_switches_gates_off(data_dir, tmp_path, capsys):
                         "passkey", "--length", "20"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--length for passkey must be at least" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_info:  # where the results would go is checked before any work
+        script["main"]([str(tmp_path / "nsa" / "model"), "--tokenizer", str(data_dir / "tokenizer.model"),
+                        "--json", str(tmp_path / "missing" / "ablation.json")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--json " in err and "cannot write" in err

@@ -19,7 +19,10 @@ def test_the_plan_is_the_recipe_for_each_type_length_and_seed(capsys):
     GRID["main"](["--dry_run", "--lengths", "1024", "4096", "--seeds", "3", "--out_dir", "grid", "--form",
                   "--nsa_exact_selection_steps", "200"])
     commands = [shlex.split(line.removeprefix("would run: ")) for line in capsys.readouterr().out.splitlines()]
-    assert len(commands) == 2 * (2 + 2 * 2)  # per type: copying, passkey at 256, then a run and its eval per length
+    assert len(commands) == 2 * (2 + 2 * 2) + 2  # per type: copying, passkey at 256, a run and its eval per length;
+    ablations = [c[2:] for c in commands if c[1] == "benchmarks/nsa_branch_ablation.py"]  # NSA's exact-score ceiling
+    assert ablations[0] == ["grid/nsa-T1024-seed3/model", "--task", "passkey", "--length", "1014", "--samples", "10",
+                            "--json", "grid/nsa-T1024-seed3/ablation.json"] and len(ablations) == 2
     trains = [c[2:] for c in commands if c[1] == "train.py"]
     configs = [parse_config(argv) for argv in trains]
     long = [(c.context_length, c.seed, c.nsa_exact_selection_steps) for c in configs if c.context_length > 256]
@@ -37,6 +40,10 @@ def test_a_row_reads_the_passkey_grid_and_the_answer_loss(tmp_path: Path):
     (run / "eval-model" / "eval.json").write_text(json.dumps({"passkey": {"accuracy": accuracy}}))
     steps = [{"step": i, "loss": 1.0 + i, "aux_loss": 0.5, "grad_norm": 1.0} for i in range(60)]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(s) for s in [{"note": "start"}, *steps]))
+    assert GRID["row"]("nsa", 1024, 0, run)["exact_beyond_window"] is None  # no ablation.json (full attention)
+    exact = {"all": {"accuracy": [[0.5, 1, 0, 0.5, 1]]}, "exact block scores": {"accuracy": [[1, 1, 0.9, 0.9, 1]]}}
+    (run / "ablation.json").write_text(json.dumps(exact))
     row = GRID["row"]("nsa", 1024, 0, run)
+    assert row["exact_beyond_window"] == pytest.approx(0.95)
     assert row["beyond_window"] == 0.5 and row["at_end"] == 1.0 and row["at_256"] == pytest.approx(0.98)
     assert row["answer_loss"] == pytest.approx(0.5 + sum(range(10, 60)) / 50)  # the last 50 steps, less the aux
