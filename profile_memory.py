@@ -23,7 +23,8 @@ import torch
 import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d collectives: FSDP under FakeTensorMode)
 
 from training.cli import check_writable
-from training.estimate import StepConfig, _quiet, check_fit, estimate, measure, plot, report_text, warm_up_step
+from training.estimate import StepConfig, _quiet, estimate, measure, plot, report_text, warm_up_step
+from training.fit import check_fit
 from training.options import build_parser as build_train_parser
 from training.options import (
     check_effects,

@@ -18,7 +18,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from modeling.config import GiB  # noqa: E402
-from training.estimate import StepConfig, check_fit, estimate  # noqa: E402
+from training.estimate import StepConfig, estimate  # noqa: E402
+from training.fit import check_fit  # noqa: E402
 
 GPUS, GPU_MEMORY = 8, 80.0
 

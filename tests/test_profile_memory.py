@@ -15,7 +15,7 @@ import profile_memory
 from modeling.config import GiB
 from modeling.memtrack import LiveBytesTracker
 from training import estimate as pm
-from training import parallel
+from training import fit, parallel
 
 STAGES = ("parameters", "after embedding", "after first layer", "after forward", "after loss", "peak during forward",
           "peak during backward", "after backward", "after optimizer step", "peak during optimizer step")
@@ -207,7 +207,7 @@ def test_the_exact_selection_warm_up_is_estimated_on_its_own_path(warm, later, d
     chosen = warm if during == "during" else later
     assert result["stand_in"] == str(chosen) and pm.warm_up_step(result) == (during == "during")
     assert result["peak"]["total"] == max(chosen) * 2**20
-    assert pm.peak_at_world_size({2: result, 4: result}, 8) == max(phases.values()) * 2**20
+    assert fit.peak_at_world_size({2: result, 4: result}, 8) == max(phases.values()) * 2**20
     assert (f"The table is the step {during} the first 5 steps (--nsa_exact_selection_steps: selection by exact "
             f"block scores), the larger: peak {max(warm)}.00 MiB during them, {max(later)}.00 MiB after"
             ) in pm.report_text(result)
@@ -268,12 +268,12 @@ def test_4b_131k_standard_loss_shows_the_logits_blow_up(estimates_4b_131k):
 def test_fit_verdict_and_cheapest_change():
     result = pm.estimate(pm.StepConfig.of(model_size="tiny", context_length=128, batch_size=2, loss="standard"))
     peak = result["peak"]["total"]
-    roomy = pm.check_fit(result, gpu_memory_gib=2 * peak / GiB, reserve_gib=0)
+    roomy = fit.check_fit(result, gpu_memory_gib=2 * peak / GiB, reserve_gib=0)
     assert roomy["fits"] and roomy["margin_gib"] == pytest.approx(peak / GiB)
-    tight = pm.check_fit(result, gpu_memory_gib=(peak - 1) / GiB, reserve_gib=0, log=lambda msg: None)
+    tight = fit.check_fit(result, gpu_memory_gib=(peak - 1) / GiB, reserve_gib=0, log=lambda msg: None)
     assert not tight["fits"] and tight["change"] == ["--loss chunked"] and tight["how"] == "estimated"
     assert tight["fitting_config"] is not None and tight["fitting_peak_gib"] * GiB <= peak - 1
-    hopeless = pm.check_fit(result, gpu_memory_gib=1e-6, reserve_gib=0, log=lambda msg: None)
+    hopeless = fit.check_fit(result, gpu_memory_gib=1e-6, reserve_gib=0, log=lambda msg: None)
     assert not hopeless["fits"] and hopeless["fitting_config"] is None and hopeless["change"] is None
     recipe = "--loss chunked --gradient_checkpointing --offload_activations"
     assert hopeless["tried"][:4] == ["--loss chunked", "--loss chunked --gradient_checkpointing", recipe,
@@ -291,16 +291,16 @@ def test_more_gpus_are_derived_from_two_estimates(monkeypatch):
                               loss="chunked", offload_activations=True)
     result = pm.estimate(config)
     direct = {W: pm.estimate(config.replace(world_size=W))["peak"]["total"] for W in (4, 8, 16)}
-    assert pm.peak_at_world_size({2: result, 4: pm.estimate(config.replace(world_size=4))}, 16) == direct[16]
+    assert fit.peak_at_world_size({2: result, 4: pm.estimate(config.replace(world_size=4))}, 16) == direct[16]
     calls, real_estimate = [], pm.estimate
     monkeypatch.setattr(pm, "estimate", lambda config, *args: calls.append(config.world_size) or real_estimate(config,
                                                                                                             *args))
     budget = (direct[8] + direct[16]) / 2  # 16 ranks fit, 8 do not
-    fit = pm.check_fit(result, gpu_memory_gib=budget / GiB, reserve_gib=0, log=lambda msg: None)
-    assert fit["change"] == ["--world_size 16"] and fit["fitting_config"]["world_size"] == 16
-    assert fit["fitting_peak_gib"] * GiB == direct[16] and fit["how"].startswith("derived")
+    advice = fit.check_fit(result, gpu_memory_gib=budget / GiB, reserve_gib=0, log=lambda msg: None)
+    assert advice["change"] == ["--world_size 16"] and advice["fitting_config"]["world_size"] == 16
+    assert advice["fitting_peak_gib"] * GiB == direct[16] and advice["how"].startswith("derived")
     assert calls == [4]
-    line = pm.report_text(result, fit=fit).splitlines()[-2]
+    line = pm.report_text(result, fit=advice).splitlines()[-2]
     assert line.startswith("cheapest change that fits: --world_size 16 (peak") and line.count("--") == 1
 
 

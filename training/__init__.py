@@ -11,6 +11,7 @@
     run_directory.py  one run per directory: the lock, the timelines, foreign directories refused
     monitor.py        metrics, memory, MFU, signals, the CPU thread plan
     tracking.py       TensorBoard and W&B
-    estimate.py       profile_memory.py's engine: one step under fake tensors, the fit search
+    estimate.py       profile_memory.py's engine: one step under fake tensors, its report
+    fit.py            whether a step fits a GPU, and the cheapest change that makes it fit
     cli.py            the command line's conventions: one-line errors, JSON options
 """
