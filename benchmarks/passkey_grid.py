@@ -27,10 +27,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from training.options import PATH_OPTIONS, parse_config  # noqa: E402
+
 BLOCKS = {"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8, "nsa_num_selected": 18}
 NSA = {"qk_norm": False, "nsa_separate_kv": False, "nsa_compressor": "mean", **BLOCKS}
 COPY = {"nsa_block_size": 32, "nsa_stride": 16, "nsa_select_block_size": 32, "nsa_num_selected": 6}
 MODEL = Path("model") / "config.json"  # a finished run's export
+FORM = ["--nsa_score_loss_coef", "0.1"]  # NSA's long stages by default: the dense score loss
 PASSKEY = ["--synthetic_mix", "1.0", "--synthetic_task", "passkey", "--answer_loss", "--checkpoint_interval", "0",
            "--sample_tokens", "0", "--lr", "3e-3"]
 
@@ -88,6 +92,21 @@ def row(kind: str, T: int, seed: int, run: Path) -> dict:
             "at_256": statistics.mean(short), "answer_loss": answer_loss(run), "exact_beyond_window": exact}
 
 
+def changed(run: Path, argv: list[str]) -> str | None:
+    """The first option of the train.py command line `argv` that the finished `run` recorded with another value, as
+    "--name RECORDED, not GIVEN", or None."""
+    recorded, given = json.loads((run / "config.json").read_text())["train"], parse_config(argv)
+    for word in argv:
+        name = word.removeprefix("--")
+        if word.startswith("--") and name != "out_dir":
+            value, was = getattr(given, name), recorded.get(name)
+            same = Path(value).resolve() == Path(was).resolve() if name in PATH_OPTIONS and value and was else (
+                value == was)
+            if not same:
+                return f"--{name} {was}, not {value}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="runs/passkey_grid")
@@ -98,12 +117,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch_size", type=int, default=8, help="sequences a step of each long stage")
     p.add_argument("--samples", type=int, default=10, help="prompts a cell of the passkey grid")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
-    p.add_argument("--form", nargs=argparse.REMAINDER, default=["--nsa_score_loss_coef", "0.1"],
-                   help="train.py options of NSA's stages after copying (last on the line)")
+    p.add_argument("--form", nargs=argparse.REMAINDER, default=None,
+                   help="train.py options of NSA's stages after copying, to the end of the line (default: "
+                        f"{shlex.join(FORM)})")
     args = p.parse_args(argv)
     if min(args.lengths) <= 256 or min(args.steps, args.batch_size, args.samples) < 1:
         p.error("--lengths must be above 256 (the short passkey stage); --steps, --batch_size, --samples positive")
-    for marker, command in plan(args):
+    if args.form is not None and "nsa" not in args.types:
+        p.error("--form applies to NSA's stages: add nsa to --types, or leave --form out")
+    own = {name for action in p._actions for name in action.option_strings}
+    if swallowed := [word for word in args.form or [] if word.split("=")[0] in own]:
+        p.error(f"--form takes train.py's options to the end of the line, and {swallowed[0]} is this script's: put "
+                "--form last")
+    args.form = FORM if args.form is None else args.form
+    steps = plan(args)
+    for marker, command in steps:
+        if marker.is_file() and command[1] == "train.py" and (stale := changed(marker.parent.parent, command[2:])):
+            p.error(f"{marker.parent.parent} was trained with {stale}: pass another --out_dir, or remove that run")
+    for marker, command in steps:
         if args.dry_run or marker.is_file():
             print(("would run: " if args.dry_run else "done: ") + shlex.join(command), flush=True)
             continue

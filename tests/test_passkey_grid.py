@@ -3,6 +3,7 @@ on NSA's long stages only) and the grid's row from a run's files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import runpy
 import shlex
@@ -47,3 +48,26 @@ def test_a_row_reads_the_passkey_grid_and_the_answer_loss(tmp_path: Path):
     assert row["exact_beyond_window"] == pytest.approx(0.95)
     assert row["beyond_window"] == 0.5 and row["at_end"] == 1.0 and row["at_256"] == pytest.approx(0.98)
     assert row["answer_loss"] == pytest.approx(0.5 + sum(range(10, 60)) / 50)  # the last 50 steps, less the aux
+
+
+def test_options_the_grid_would_misuse_are_refused(tmp_path: Path, capsys):
+    """--form takes train.py's options to the end of the line (one of the grid's own after it would go to train.py),
+    applies to NSA only, and a finished stage recorded with other options is not reused as if it were this one's."""
+    for argv, message in ((["--form", "--nsa_exact_selection_steps", "200", "--dry_run"], "--dry_run is this script's"),
+                          (["--types", "full", "--form", "--lr", "1e-3"], "--form applies to NSA's stages")):
+        with pytest.raises(SystemExit):
+            GRID["main"](argv)
+        assert message in capsys.readouterr().err
+    args = ["--out_dir", str(tmp_path), "--lengths", "1024", "--seeds", "0", "--types", "nsa", "--dry_run"]
+    GRID["main"](args)
+    train = next(shlex.split(line.removeprefix("would run: ")) for line in capsys.readouterr().out.splitlines()
+                 if "nsa-T1024-seed0" in line)
+    run = tmp_path / "nsa-T1024-seed0"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps({"train": dataclasses.asdict(parse_config(train[2:]))}))
+    GRID["main"](args)  # the same options: reused
+    assert f"would run: {shlex.join(train)}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        GRID["main"]([*args, "--steps", "800"])
+    assert f"{run} was trained with --max_steps 400, not 800" in capsys.readouterr().err
