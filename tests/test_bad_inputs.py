@@ -748,7 +748,8 @@ def test_every_option_that_cannot_act_is_refused(data_dir, tmp_path, capsys):
 
 
 def test_a_resume_keeps_the_adapters_it_trains(four_checkpoints, data_dir, tmp_path):
-    """A resumed LoRA run cannot change its adapters' shapes: one line naming the option, the checkpoint intact."""
+    """A resumed LoRA run cannot change its adapters' shapes, nor the adapters it started from (its checkpoint holds
+    them: another --adapter would not be read): one line naming the option, the checkpoint intact."""
     run = tmp_path / "lora"
     train.main([*TINY, "--finetune", "lora", "--lora_rank", "4", "--init_from", str(four_checkpoints / "model"),
                 "--data_dir", str(data_dir), "--out_dir", str(run)])
@@ -757,6 +758,9 @@ def test_a_resume_keeps_the_adapters_it_trains(four_checkpoints, data_dir, tmp_p
         with pytest.raises(ValueError, match=f"{args[0]} {args[1]}: the run in .* trains with .*, and a resumed run "
                                              "continues its adapters as they are; leave"):
             train.main(["--resume", "--out_dir", str(run), "--max_steps", "2", *args])
+    with pytest.raises(ValueError, match="--adapter .*: the run in .* trains with None, and a resumed run continues "
+                                         "from its checkpoint's adapters; leave --adapter out"):
+        train.main(["--resume", "--out_dir", str(run), "--max_steps", "2", "--adapter", str(data_dir)])
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
 
 

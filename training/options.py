@@ -422,6 +422,9 @@ NOT_CONTINUED = ("resume", "out_dir", "verbose", "context_parallel")
 # What a resumed run cannot change either: the geometry of the adapters its checkpoints hold (rank, scale, places).
 ADAPTER_OPTIONS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "npt_rank", "npt_layers", "npt_targets",
                    "npt_residual_mode")
+# Nor the adapters it started from: the checkpoint holds them (--adapter's are not read). (A frozen base is read from
+# --init_from again, and checked against the one the run recorded: storage.weights.)
+START_OPTIONS = ("adapter",)
 
 
 # Options that act only beside another: option -> (whether it acts in this run, on this device; what it needs). One
@@ -481,12 +484,14 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
     """The options of a resumed run: those given (`given`: in --config or on the command line) as they are, the
     others as the run recorded them (`recorded`: the "train" section of its config.json), so that --resume
     continues a run as it was, from any working directory. ValueError, naming the option, when a given one would
-    change the run's data (DATA_OPTIONS) or its adapters (ADAPTER_OPTIONS)."""
+    change the run's data (DATA_OPTIONS), its adapters (ADAPTER_OPTIONS) or the adapters it started from
+    (START_OPTIONS: a resumed run reads its checkpoint's instead)."""
     recorded = upgraded_record(recorded)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     weights = f"a new run from its weights (--init_from {Path(cfg.out_dir) / 'step-N'})"
     for fixed, what, instead in ((DATA_OPTIONS, "its data", weights),
-                                 (ADAPTER_OPTIONS, "its adapters as they are", "a new run in another --out_dir")):
+                                 (ADAPTER_OPTIONS, "its adapters as they are", "a new run in another --out_dir"),
+                                 (START_OPTIONS, "from its checkpoint's adapters", "a new run in another --out_dir")):
         for name in fixed:
             if name in given and name in recorded and not _same_value(name, getattr(cfg, name), recorded[name]):
                 raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with "
