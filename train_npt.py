@@ -27,10 +27,12 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from model import Transformer
 from modeling.config import ComputeConfig, ModelConfig
+from modeling.objective import FIELDS as OBJECTIVE_FIELDS
 from npt.adapters import ADAPTERS_NAME, save_adapters
 from npt.convert import np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
@@ -47,6 +49,10 @@ from training.options import (
 from training.parallel import Runtime, init_runtime
 from training.run_directory import run_record
 from training.trainer import Run, Task, build_model, one_line_errors, run_command
+
+# train.py's options of the language-modelling task, which equivalence training does not run.
+LANGUAGE_MODELLING = ("loss", "answer_loss", "sample_tokens", "sample_prompt", "nsa_exact_selection_steps",
+                      *OBJECTIVE_FIELDS)
 
 
 @dataclass
@@ -88,6 +94,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig,
     if values.get("document_mask"):
         parser.error("--document_mask: equivalence training matches the dense model on whole rows, its objective "
                      "reads no document starts; leave it out")
+    if unread := [name for name in LANGUAGE_MODELLING if name in given]:
+        parser.error(f"--{unread[0]} has no effect here: equivalence training minimises the equivalence loss (no "
+                     "labels, no language-modelling loss or its terms, adapters and no sample at the end); leave it "
+                     "out")
+    if values.get("offload") and not torch.cuda.is_available():
+        parser.error("--offload has no effect without a GPU: it moves what converted layers save for backward from "
+                     "a GPU to host memory; leave it out")
     npt_names = {f.name for f in dataclasses.fields(NPTConfig)}
     try:
         npt_cfg = NPTConfig(**{k: v for k, v in values.items() if k in npt_names})

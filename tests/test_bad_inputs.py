@@ -846,6 +846,10 @@ def test_a_lora_rank_beyond_a_layer_is_refused(four_checkpoints, data_dir, tmp_p
 @pytest.mark.parametrize("args, message", [
     (["--mse_weight", "inf"], "--mse_weight must be a finite number >= 0"),
     (["--kl_weight", "nan"], "--kl_weight must be a finite number >= 0"),
+    (["--z_loss_coef", "0.5"], "--z_loss_coef has no effect here: equivalence training minimises the equivalence"),
+    (["--sample_tokens", "20"], "--sample_tokens has no effect here"),
+    (["--loss", "chunked"], "--loss has no effect here"),
+    *([] if torch.cuda.is_available() else [(["--offload"], "--offload has no effect without a GPU")]),
 ])
 def test_equivalence_options_are_checked(args, message, capsys):
     from train_npt import parse_config
