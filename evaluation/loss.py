@@ -8,8 +8,8 @@ Notation: N windows, B windows per batch, T tokens per window, C width, V vocabu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from evaluation.registry import EvalTask, Setting
 from model import Transformer
 from modeling.documents import document_starts
 from modeling.loss import IGNORE_INDEX, shift_labels
+from modeling.objective import Objective
 from modeling.shard import SequenceShard
 from text.shards import TokenLoader, check_tokenizer, load_index, validation_dir
 
@@ -80,11 +81,12 @@ def validation_loss(model: Transformer, windows: tuple[torch.Tensor, torch.Tenso
     """Mean next-token loss over the predicted tokens of every rank's validation windows (input ids, labels), each
     (N, T), through the model's own loss path (chunked at long T); with `eod_id`, each token attends within its
     document only (train.py --document_mask); with `shard` (context parallelism), each rank computes its
-    positions of its group's windows. Reads neither the torch RNG nor a training loader, so evaluating during
-    training changes nothing."""
+    positions of its group's windows. The next-token loss alone: a training objective's extra terms (the z-loss)
+    are left out. Reads neither the torch RNG nor a training loader, so evaluating during training changes
+    nothing."""
     device = model.embed_tokens.weight.device
     stats = torch.zeros(2, device=device)  # summed token loss, predicted tokens
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, _next_token_loss_only(model):
         for row, labels in zip(*(w.to(device) for w in windows), strict=True):
             starts = None if eod_id is None else document_starts(row[None], eod_id)  # (1, T)
             targets = shift_labels(labels[None])  # (1, T)
@@ -99,6 +101,16 @@ def validation_loss(model: Transformer, windows: tuple[torch.Tensor, torch.Tenso
     if dist.is_initialized():
         dist.all_reduce(stats)
     return (stats[0] / stats[1].clamp(min=1)).item()
+
+
+@contextmanager
+def _next_token_loss_only(model: Transformer) -> Iterator[None]:
+    """Within the block the model's objective is the next-token loss alone (no z-loss term); its own after."""
+    objective, model.objective = model.objective, Objective()
+    try:
+        yield
+    finally:
+        model.objective = objective
 
 
 def format_loss(result: dict) -> str:

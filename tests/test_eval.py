@@ -4,6 +4,7 @@ sliding-window type included) in all three checkpoint layouts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -190,6 +191,22 @@ def test_eval_json_is_written_after_each_task(demo_run, monkeypatch, tmp_path):
         eval_cli.main([str(demo_run / "model"), "--tasks", "passkey", "mqar", "--lengths", "128", "--samples", "1",
                          "--depths", "0", "--out_dir", str(tmp_path)])
     assert "passkey" in json.loads((tmp_path / "eval.json").read_text())  # the finished task is kept
+
+
+def test_validation_loss_is_the_next_token_loss_without_the_z_loss():
+    """A model trained with a z-loss is validated on the next-token loss alone (the z-loss term is a training
+    objective's), and keeps its objective afterwards."""
+    from modeling.objective import Objective
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny"), objective=Objective(z_loss_coef=0.5)).double().eval()
+    ids = torch.randint(0, 512, (2, 32))
+    got = loss.validation_loss(model, (ids, ids), contextlib.nullcontext())
+    assert model.objective.z_loss_coef == 0.5
+    with torch.no_grad():
+        logits = model(ids).logits  # (2, 32, V)
+    want = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
+    assert got == pytest.approx(want, rel=1e-6)  # validation_loss sums in float32; the z-loss would add ~20
 
 
 def test_document_loglikelihoods_are_the_model_loss_after_the_end_of_document_id(demo_run, data_dir, tmp_path):
