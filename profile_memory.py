@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     if args["gpu_memory"] is not None and not 0 <= args["reserve"] < args["gpu_memory"]:
         parser.error(f"--reserve ({args['reserve']:g} GiB kept free) must be at least 0 and less than --gpu_memory "
                      f"({args['gpu_memory']:g} GiB)")
+    if args["gpu_memory"] is not None and cfg.max_memory is not None and \
+            cfg.max_memory < args["gpu_memory"] - args["reserve"]:
+        parser.error(f"--max_memory {cfg.max_memory:g}: train.py stops past {cfg.max_memory:g} GiB, below --gpu_memory "
+                     f"{args['gpu_memory']:g} less its --reserve {args['reserve']:g}, which the fit is judged against; "
+                     f"pass --gpu_memory {cfg.max_memory + args['reserve']:g}, or leave --max_memory out")
     if args["plot"] and (Path(args["plot"]).suffix.lower() not in PLOT_FORMATS or Path(args["plot"]).is_dir()):
         parser.error(f"--plot {args['plot']}: a file name ending in {', '.join(PLOT_FORMATS)}")
     if args["measure"] and not torch.cuda.is_available():
