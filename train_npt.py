@@ -94,7 +94,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig,
     if values.get("document_mask"):
         parser.error("--document_mask: equivalence training matches the dense model on whole rows, its objective "
                      "reads no document starts; leave it out")
-    if unread := [name for name in LANGUAGE_MODELLING if name in given]:
+    unread = [name for name in LANGUAGE_MODELLING if name in given and (name, values[name]) != ("sample_tokens", 0)]
+    if unread:  # (--sample_tokens 0 asks for no sample, as here)
         parser.error(f"--{unread[0]} has no effect here: equivalence training minimises the equivalence loss (no "
                      "labels, no language-modelling loss or its terms, adapters and no sample at the end); leave it "
                      "out")

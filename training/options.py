@@ -448,7 +448,8 @@ RUN_NEEDS: dict[str, tuple[typing.Callable[[TrainConfig, torch.device], bool], s
 def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.device,
                   log: typing.Callable[[str], None] = print) -> None:
     """ValueError when an option that was given (`given`; None: unknown, nothing is checked) has no effect in this run
-    (RUN_NEEDS; offload_activations in --model_overrides counts as the option), as it would be silently ignored, or
+    (RUN_NEEDS; offload_activations in --model_overrides counts as the option; another fine-tuning mode's option,
+    even at its default value), as it would be silently ignored, or
     when an option and a --model_overrides field set the same thing; a warning line when a --warmup_steps given
     outlasts the run."""
     if given is None:
@@ -457,6 +458,11 @@ def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.
         if option in given and name in cfg.model_overrides:
             raise ValueError(f"--model_overrides sets {name} and --{option} sets it too, and the override would "
                              "win: give one of them")
+    mode = finetune_class(cfg.finetune)
+    for option in sorted(given - set(mode.options)):  # another mode's option, even at its default value
+        if owners := sorted(name for name in FINETUNE_MODES if option in finetune_class(name).options):
+            raise ValueError(f"--{option} is not an option of --finetune {cfg.finetune}: pass --finetune "
+                             f"{' or --finetune '.join(owners)}, or leave --{option} out")
     acting = given | ({"offload_activations"} if "offload_activations" in cfg.model_overrides else set())
     for option, (acts, what) in RUN_NEEDS.items():
         if option in acting and not acts(cfg, device):
