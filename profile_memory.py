@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                      f"pass --gpu_memory {cfg.max_memory + args['reserve']:g}, or leave --max_memory out")
     if args["plot"] and (Path(args["plot"]).suffix.lower() not in PLOT_FORMATS or Path(args["plot"]).is_dir()):
         parser.error(f"--plot {args['plot']}: a file name ending in {', '.join(PLOT_FORMATS)}")
+    if cfg.compile:
+        parser.error("--compile: the estimate is of the eager step (what torch.compile fuses is not modelled); leave "
+                     "it out")
     if args["measure"] and not torch.cuda.is_available():
         parser.error("--measure needs a CUDA device")
     try:

@@ -377,6 +377,7 @@ def test_one_command_one_answer_with_train_py():
     (["--attention_type", "sparse"], "--attention_type must be one of"),
     (["--quantize_base", "nf4"], "--quantize_base is not an option of --finetune full"),
     (["--finetune", "npt", "--world_size", "2"], "--finetune npt runs in one process"),
+    (["--compile"], "--compile: the estimate is of the eager step"),
     (["--gpu_memory", "80", "--max_memory", "40"], "--max_memory 40: train.py stops past 40 GiB, below --gpu_memory "
                                                    "80 less its --reserve 2, which the fit is judged against; pass "
                                                    "--gpu_memory 42"),

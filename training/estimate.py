@@ -483,6 +483,9 @@ def report_text(result: dict, measured: dict | None = None, fit: dict | None = N
                      f"{traffic['gathers']} all-gathers in forward and recomputation ({traffic['gathered'] / unit:.2f} "
                      f"{name}), {traffic['scatters']} reduce-scatters of their gradients in backward "
                      f"({traffic['scattered'] / unit:.2f} {name}); counted as a ring sends them, N - 1 times its part")
+    if config.train.answer_loss:
+        lines.append("--answer_loss: the output layer is counted on every row, its upper bound (which rows carry a "
+                     "target depends on the data)")
     if warm_up := result.get("warm_up"):
         (name, unit), first = _unit(result), warm_up["peak"] >= warm_up["later_peak"]
         lines.append(f"The table is the step {'during' if first else 'after'} the first {warm_up['steps']} steps "
