@@ -58,14 +58,16 @@ def test_model_values_are_checked(overrides, message):
 
 def test_another_modes_option_is_refused_before_anything_is_written(data_dir, tmp_path):
     """A fine-tuning mode's options belong to it: given to another mode they are one line, even at their default
-    value (checked when the run starts, so that parsing options imports no model code), and the run directory is
-    not created."""
+    value, as is an option the mode leaves without effect (checked when the run starts, so that parsing options
+    imports no model code), and the run directory is not created."""
     for args, message in ((["--lora_rank", "8"], "--lora_rank is not an option of --finetune full: pass --finetune "
                                                  "lora"),
                           (["--lora_rank", "16"], "--lora_rank is not an option of --finetune full"),  # its default
                           (["--finetune", "npt", "--lora_alpha", "4"], "--lora_alpha is not an option of --finetune "
                                                                        "npt"),
-                          (["--npt_rank", "4"], "--npt_rank is not an option of --finetune full")):
+                          (["--npt_rank", "4"], "--npt_rank is not an option of --finetune full"),
+                          (["--finetune", "npt", "--npt_layers", "all", "--ffn_chunk_size", "16"],
+                           "--ffn_chunk_size does not tile NPT's converted layers, and --npt_layers all converts all")):
         with pytest.raises(ValueError, match=message):
             train.main(["--model_size", "tiny", "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "run"),
                         *args])

@@ -634,6 +634,12 @@ def build_model_config(cfg: TrainConfig, tokenizer_vocab: int, device_memory: in
                                               if getattr(objective, name) != getattr(Objective(), name)})
     if cfg.nsa_exact_selection_steps:
         check_exact_selection(model_config, objective)
+    if cfg.finetune == "npt" and cfg.ffn_chunk_size:
+        from npt.convert import resolve_layers  # (model code: not loaded to parse the options)
+
+        if len(resolve_layers(cfg.npt_layer_spec(), model_config.n_layers)) == model_config.n_layers:
+            raise ValueError(f"--ffn_chunk_size does not tile NPT's converted layers, and --npt_layers "
+                             f"{cfg.npt_layers} converts all {model_config.n_layers}: leave it out")
     return model_config, compute_config
 
 
