@@ -8,7 +8,8 @@ its best key (benchmarks/nsa_branch_ablation.py: the ceiling of its selection); 
 
     python benchmarks/passkey_grid.py --dry_run                              # the commands, nothing run
     python benchmarks/passkey_grid.py --lengths 4096 8192 --seeds 0 1 2 3 4  # on one H200: minutes a run
-    python benchmarks/passkey_grid.py --form --nsa_exact_selection_steps 200 --lengths 4096
+    python benchmarks/passkey_grid.py --lengths 4096 --form --nsa_score_loss_coef 0.1 --nsa_exact_selection_steps 200 \
+        --lr 1e-3                                                              # the recommended form (docs/nsa.md)
 
 The NSA model is recall_experiment.py's best-reading variant (one K/V set, mean compressor, blocks of 8, 18 selected;
 copying learned with blocks of 32); `--form` passes its options to every NSA stage after the copying one (default: the
