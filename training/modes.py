@@ -42,7 +42,7 @@ from training.lora import (
     merge_lora_,
     save_adapter,
 )
-from training.options import FINETUNE_MODES, TrainConfig, finetune_class
+from training.options import TrainConfig, check_mode_options, finetune_class
 from training.quantize import quantize_base
 
 
@@ -216,15 +216,9 @@ def check_adapter_base(path: str | Path, base: dict) -> None:
 
 def finetune_mode(cfg: TrainConfig) -> FinetuneMode:
     """The run's mode, built from its options; ValueError naming an option that belongs to another mode only."""
-    cls = finetune_class(cfg.finetune)
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for other in FINETUNE_MODES:
-        for option in set(finetune_class(other).options) - set(cls.options):
-            if getattr(cfg, option) != defaults[option]:
-                owners = sorted(name for name in FINETUNE_MODES if option in finetune_class(name).options)
-                raise ValueError(f"--{option} is not an option of --finetune {cfg.finetune}: pass --finetune "
-                                 f"{' or --finetune '.join(owners)}, or leave --{option} out")
-    return cls(cfg)
+    check_mode_options(cfg.finetune, (name for name, default in defaults.items() if getattr(cfg, name) != default))
+    return finetune_class(cfg.finetune)(cfg)
 
 
 def cast_frozen_base(model: Transformer, dtype: torch.dtype) -> None:

@@ -445,6 +445,15 @@ RUN_NEEDS: dict[str, tuple[typing.Callable[[TrainConfig, torch.device], bool], s
 }
 
 
+def check_mode_options(finetune: str, options: typing.Iterable[str]) -> None:
+    """ValueError naming the first of `options` that belongs to other fine-tuning modes only, not to `finetune`."""
+    own = set(finetune_class(finetune).options)
+    for option in sorted(set(options) - own):
+        if owners := sorted(name for name in FINETUNE_MODES if option in finetune_class(name).options):
+            raise ValueError(f"--{option} is not an option of --finetune {finetune}: pass --finetune "
+                             f"{' or --finetune '.join(owners)}, or leave --{option} out")
+
+
 def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.device,
                   log: typing.Callable[[str], None] = print) -> None:
     """ValueError when an option that was given (`given`; None: unknown, nothing is checked) has no effect in this run
@@ -458,11 +467,7 @@ def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.
         if option in given and name in cfg.model_overrides:
             raise ValueError(f"--model_overrides sets {name} and --{option} sets it too, and the override would "
                              "win: give one of them")
-    mode = finetune_class(cfg.finetune)
-    for option in sorted(given - set(mode.options)):  # another mode's option, even at its default value
-        if owners := sorted(name for name in FINETUNE_MODES if option in finetune_class(name).options):
-            raise ValueError(f"--{option} is not an option of --finetune {cfg.finetune}: pass --finetune "
-                             f"{' or --finetune '.join(owners)}, or leave --{option} out")
+    check_mode_options(cfg.finetune, given)  # another mode's option, even at its default value
     acting = given | ({"offload_activations"} if "offload_activations" in cfg.model_overrides else set())
     for option, (acts, what) in RUN_NEEDS.items():
         if option in acting and not acts(cfg, device):
