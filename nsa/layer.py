@@ -164,11 +164,13 @@ class NativeSparseAttention(nn.Module):
     adapter aimed at one never adapts the other), k_compress/v_compress (`BlockCompressor`, "mlp" compressor only),
     q_norm/k_norm (RMSNorm over D, when qk_norm; k_norm applies to every key a query meets, always before RoPE:
     "mlp" compressed keys after compression, "mean" ones before).
-    The attention itself is the class attribute `sparse_attention` (nsa.attention.sparse_attention): the one seam
-    through which profile_memory.py swaps in a memory double (nsa/memory_stand_in.py).
+    The attention itself is the class attribute `sparse_attention` (nsa.attention.sparse_attention), and the
+    selection-scoring loss `selection_score_loss` (nsa.scoring): the seams through which profile_memory.py swaps in
+    a memory double and the loss's peak chunks (nsa/memory_stand_in.py).
     """
 
     sparse_attention = staticmethod(sparse_attention)
+    selection_score_loss = staticmethod(selection_score_loss)
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
         super().__init__()
@@ -274,7 +276,7 @@ class NativeSparseAttention(nn.Module):
         if not self._trains_scores(b.q, k_cmp):
             return out, None, 0
         rows = b.q.shape[0] * cfg.n_kv_heads * score_loss_queries(cfg, b.q.shape[2])
-        return out, selection_score_loss(b.q, k_cmp, b.k_slc, cfg, self.compute, self.objective), rows
+        return out, self.selection_score_loss(b.q, k_cmp, b.k_slc, cfg, self.compute, self.objective), rows
 
     def _attend_shard(self, branches: _Branches, shard: SequenceShard) -> tuple[Tensor, Tensor | None]:
         """The attention of a sequence shard's queries (context parallelism), each span of the shard as the queries
@@ -310,7 +312,7 @@ class NativeSparseAttention(nn.Module):
         out = torch.cat(outs, dim=2)  # (B, H, t, D)
         if not self._trains_scores(b.q, k_cmp):
             return out, None
-        return out, selection_score_loss(b.q, k_cmp, k_slc, cfg, self.compute, self.objective, shard)
+        return out, self.selection_score_loss(b.q, k_cmp, k_slc, cfg, self.compute, self.objective, shard)
 
     def _compress_shard(self, k_raw: Tensor, v_raw: Tensor, shard: SequenceShard) -> tuple[Tensor, Tensor]:
         """The compressed keys and values (B, KV, Nc, D) of the whole sequence from a shard's compression inputs

@@ -8,13 +8,16 @@ backward, fake tensors, memtrack.LiveBytesTracker) at T itself, or at two length
 one seam for its attention) for `_SparseAttentionDouble` while the profiled step runs. It calibrates on the path a
 CUDA run takes: the Triton kernels' when `ComputeConfig.triton_kernels` (on fake tensors that path allocates what it
 does on a GPU without Triton installed, nsa/triton_path.py, so the estimate is the same on every machine), else the
-explicit one. Projections, compression and gates still run for real.
+explicit one. Projections, compression and gates still run for real. The selection-scoring loss (nsa/scoring.py)
+runs for real too, on the three query chunks of each span that set its peak (its `peak_only`, through the layer's
+`selection_score_loss` seam): at 131k tokens its full chunk loop would take tens of minutes under fake tensors.
 
 Notation: B batch, T tokens, H query heads, D head dimension, Q query chunk.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -29,6 +32,7 @@ from modeling.memtrack import LiveBytesTracker
 from modeling.shard import SequenceShard
 from nsa.attention import sparse_attention
 from nsa.primitive import triton_kernels as triton_path
+from nsa.scoring import selection_score_loss
 
 Spec = tuple[int, int, int, tuple[bool, ...]]  # kept, forward peak, backward peak (bytes), which inputs are kept
 
@@ -96,7 +100,8 @@ def _arguments(layer_class: type, config: ModelConfig, compute: ComputeConfig, B
     def all_gather(x: Tensor) -> Tensor:  # what the rank holding positions [0, first) adds: shapes only
         return x.new_empty(2, *x.shape)
 
-    with torch.device(device), torch.no_grad(), autocast, _swapped(layer_class, capture):  # fp32 weights, autocast
+    # fp32 weights, autocast
+    with torch.device(device), torch.no_grad(), autocast, _swapped(layer_class, sparse_attention=capture):
         layer = layer_class(config, compute)
         cos, sin = RotaryEmbedding(config.head_dim, config.rope_theta, T)(T, 0, torch.device(device))
         if first == 0:
@@ -108,14 +113,17 @@ def _arguments(layer_class: type, config: ModelConfig, compute: ComputeConfig, B
 
 
 @contextmanager
-def _swapped(layer_class: type, fn: object) -> Iterator[None]:
-    """The layer class's attention (its `sparse_attention` seam) replaced by `fn` while inside."""
-    real = layer_class.__dict__["sparse_attention"]
-    layer_class.sparse_attention = staticmethod(fn)
+def _swapped(layer_class: type, **seams: object) -> Iterator[None]:
+    """The layer class's seams (`sparse_attention`, `selection_score_loss`) replaced by the given functions while
+    inside."""
+    real = {name: layer_class.__dict__[name] for name in seams}
+    for name, fn in seams.items():
+        setattr(layer_class, name, staticmethod(fn))
     try:
         yield
     finally:
-        layer_class.sparse_attention = real
+        for name, fn in real.items():
+            setattr(layer_class, name, fn)
 
 
 def calibration_lengths(config: ModelConfig, compute: ComputeConfig, seq_len: int) -> list[int]:
@@ -188,7 +196,9 @@ def sparse_attention_stand_in(layer_class: type, config: ModelConfig, compute: C
              f"{'extrapolated linearly in T; ' if len(points) > 1 else ''}") if spans is None else (
         f"each of the rank's spans {', '.join(f'[{a}, {b})' for a, b in spans)} of the sequence (fake tensors, at "
         "most 8 query chunks each, extrapolated linearly in the queries); ")
-    with _swapped(layer_class, stand_in):
+    with _swapped(layer_class, sparse_attention=stand_in,
+                  selection_score_loss=functools.partial(selection_score_loss, peak_only=True)):
         yield (f"NSA, its attention (three gated branches) replaced by a function with the same memory, measured "
                f"on the real one ({'Triton kernels' if compute.triton_kernels else 'explicit path'}, as on CUDA) "
-               f"for one layer at {where}projections, compression and gates run as in training")
+               f"for one layer at {where}projections, compression and gates run as in training (the "
+               f"selection-scoring loss, when trained, on the three query chunks that set its peak)")

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from nsa.blocks import (
     NO_IMPORTANCE,
@@ -129,7 +130,7 @@ class _SelectionScoreLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, chunk: int, stride: int,
                 offset: int, top: int, random: int, seed: int, target_kind: str, temperature: float,
-                pieces: tuple[tuple[int, int, int], ...], length: int) -> Tensor:
+                pieces: tuple[tuple[int, int, int], ...], length: int, peak_only: bool) -> Tensor:
         B = q.shape[0]
         KV, l, d, l_sel = k_cmp.shape[1], config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size
         first = first_choosing_position(l_sel, config.nsa_num_selected) or length
@@ -144,7 +145,8 @@ class _SelectionScoreLoss(torch.autograd.Function):
             if span_first > start:
                 start += -(-(span_first - start) // stride) * stride  # the same rows' first in the span
             scored = range(start, span_end, stride)
-            for c0 in range(0, len(scored), chunk):
+            chunks = range(0, len(scored), chunk)
+            for c0 in chunks[-3:] if peak_only else chunks:
                 positions = scored[c0:c0 + chunk]
                 q_pos = torch.arange(positions.start, positions.stop, positions.step, device=q.device)  # (Q,)
                 n_cmp = num_compressed_blocks(positions[-1] + 1, l, d)
@@ -170,12 +172,12 @@ class _SelectionScoreLoss(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grad_q, grad_k = ctx.saved_tensors
         return (grad_q * grad_output.to(grad_q.dtype), grad_k * grad_output.to(grad_k.dtype),
-                *([None] * 12))
+                *([None] * 13))
 
 
 @torch.compiler.disable  # opaque to torch.compile: a Python loop of chunks with an autograd pass each
 def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelConfig, compute: ComputeConfig,
-                         objective: Objective, shard: SequenceShard | None = None) -> Tensor:
+                         objective: Objective, shard: SequenceShard | None = None, peak_only: bool = False) -> Tensor:
     """The mean KL(target || importance) over the rows where top-n chooses (module docstring).
 
     Args:
@@ -196,18 +198,30 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
             generator) only; with `nsa_score_loss_target` "selection", the target uniform over the n - 3 blocks
             it ranks highest, with "boundary" the ranking loss at that set's edge; with
             `nsa_score_loss_temperature` tau, the target's softmax of the best-key logits divided by tau.
+        peak_only: score only the last three query chunks of each span, for a memory estimate under fake tensors
+            (nsa/memory_stand_in.py): the same allocations at the same peak in a fraction of the time, as no
+            chunk's working set exceeds the last two's (a later chunk sees at least as many blocks; the last may
+            hold fewer queries), and the third leaves alive during them what an earlier chunk leaves; the value
+            and gradients are those chunks' only.
     Returns:
         A 0-dim tensor in at least float32 (0 when T <= n l': no query chooses yet), differentiable in q and
         k_cmp.
     """
     stride, top, random = objective.nsa_score_loss_stride, objective.nsa_score_loss_top, objective.nsa_score_loss_random
-    offset = int(torch.randint(stride, ())) if stride > 1 else 0  # host draws: no device sync
-    seed = int(torch.randint(2**62, ())) if random else 0
+    offset = _host_draw(stride) if stride > 1 else 0
+    seed = _host_draw(2**62) if random else 0
     pieces = ((0, 0, q.shape[2]),) if shard is None else tuple(shard.pieces())
     return _SelectionScoreLoss.apply(q, k_cmp, k_slc, config, compute.attention_query_chunk, stride, offset, top,
                                      random, seed, objective.nsa_score_loss_target,
                                      objective.nsa_score_loss_temperature, pieces,
-                                     q.shape[2] if shard is None else shard.length)
+                                     q.shape[2] if shard is None else shard.length, peak_only)
+
+
+def _host_draw(high: int) -> int:
+    """A draw from [0, high) of the CPU generator: a host read, no device sync; 0 under fake tensors (a memory
+    estimate, where nothing has a value)."""
+    draw = torch.randint(high, ())
+    return 0 if is_fake(draw) else int(draw)
 
 
 def score_loss_queries(config: ModelConfig, length: int | None = None) -> int:

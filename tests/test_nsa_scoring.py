@@ -401,6 +401,28 @@ def test_memory_grows_linearly_with_the_sequence(top: int, random: int, monkeypa
     assert peaks[1] < 4 * 8192 * 8192  # below one float32 (T, T) matrix of one head
 
 
+@pytest.mark.parametrize("form", [{}, {"nsa_score_loss_top": 8, "nsa_score_loss_random": 4},
+                                  {"nsa_score_loss_stride": 3}], ids=["dense", "candidates", "stride"])
+def test_peak_chunks_allocate_what_every_chunk_does(form: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`peak_only` (the memory estimate's form, nsa/memory_stand_in.py) scores 3 of the 11 query chunks (the last
+    one partial) and reaches the same forward peak and keeps the same bytes for backward as the whole loop, under
+    fake tensors and with a real live-bytes count."""
+    monkeypatch.setattr(torch, "randint", lambda high, size: 1)  # the host draws of offset and seed, fixed
+    config = geometry(nsa_block_size=8, nsa_stride=8, nsa_select_block_size=8)
+    objective, compute = Objective(nsa_score_loss_coef=0.1, **form), ComputeConfig(attention_query_chunk=64)
+    measured = []
+    for peak_only in (False, True):
+        with FakeTensorMode():
+            q = torch.empty(1, 4, 700, 16, requires_grad=True)
+            k_cmp = torch.empty(1, 2, 700 // 8, 16, requires_grad=True)
+            k_slc = torch.empty(1, 2, 700, 16)
+            with LiveBytesTracker() as tracker:
+                loss = selection_score_loss(q, k_cmp, k_slc, config, compute, objective, peak_only=peak_only)
+                measured.append((tracker.peak, tracker.live))
+            del loss
+    assert measured[0] == measured[1] and measured[0][1] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("top,random,growth", [(0, 0, (3.5, 4.5)), (8, 4, (1.9, 2.1))])
 def test_work_beside_the_importance_is_linear_with_candidate_blocks(top: int, random: int, growth: tuple,

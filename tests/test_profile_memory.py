@@ -5,6 +5,7 @@ the fit advice and the command line. Memory in bytes; GiB = 2**30.
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,11 +130,16 @@ def test_nsa_double_replaces_the_layer_seam_only_while_active():
 
 
 @pytest.mark.slow
-def test_nsa_double_matches_reference_path():
-    # 11 query chunks of 32: the double is calibrated at 4 and 8 chunks past the all-selected prefix (n l' = 64
-    # tokens) and extrapolated.
+@pytest.mark.parametrize("score_loss", [{}, {"nsa_score_loss_coef": 0.1},
+                                        {"nsa_score_loss_coef": 0.1, "nsa_score_loss_stride": 2,
+                                         "nsa_score_loss_top": 4, "nsa_score_loss_random": 2}],
+                         ids=["no-score-loss", "dense-score-loss", "candidate-score-loss"])
+def test_nsa_double_matches_reference_path(score_loss):
+    """11 query chunks of 32: the double is calibrated at 4 and 8 chunks past the all-selected prefix (n l' = 64
+    tokens) and extrapolated; the selection-scoring loss runs on its three last chunks under the double, on all of
+    them without it (its host draws are 0 under fake tensors, so both score the same rows)."""
     config = pm.StepConfig.of(model_size="tiny", context_length=352, attention_type="nsa", world_size=2,
-                              loss="standard", attention_query_chunk=32, batch_size=1)
+                              loss="standard", attention_query_chunk=32, batch_size=1, **score_loss)
     double = pm.profile_step(config, stand_in=True)
     assert "at T = 192 and 320" in double["stand_in"] and "extrapolated" in double["stand_in"]
     assert_stages_close(double["stages"], pm.profile_step(config, stand_in=False)["stages"])
@@ -323,6 +329,18 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     beside = pm.format_table(out, measured=out)  # --measure's layout: measured totals beside the estimate
     assert beside.splitlines()[0].split()[:3] == ["stage", "total", "measured"]
+
+
+def test_the_recommended_nsa_config_is_estimated(capsys):
+    """configs/nsa-retrieval.json (the selection-scoring loss on candidate blocks of every 8th query, whose host
+    draws have no value under fake tensors) is estimated from the command line."""
+    profile_memory.main(["--model_size", "tiny", "--context_length", "256", "--config",
+                         str(Path(__file__).resolve().parent.parent / "configs" / "nsa-retrieval.json"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    train = out["config"]["train"]
+    assert train["model_overrides"]["nsa_num_selected"] == 18 and train["nsa_score_loss_stride"] == 8
+    assert out["peak"]["total"] > 0
+    assert "selection-scoring loss" in out["stand_in"]
 
 
 @pytest.mark.slow
