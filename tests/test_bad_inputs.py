@@ -768,6 +768,21 @@ def test_a_resume_keeps_the_adapters_it_trains(four_checkpoints, data_dir, tmp_p
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
 
 
+def test_a_resume_where_every_weight_trains_keeps_the_weights_it_started_from(four_checkpoints, data_dir, tmp_path):
+    """A run that trains every weight resumes from its checkpoint and never reads --init_from again: another one
+    (or one for a run started from random weights) is refused in one line, the run intact; the same path passes."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(four_checkpoints, run)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    with pytest.raises(ValueError, match="--init_from .*: the run in .* started from a random initialisation, and a "
+                                         "resumed run continues from its checkpoint's weights; leave --init_from out"):
+        train.main(["--resume", "--out_dir", str(run), "--max_steps", "5", "--init_from",
+                    str(four_checkpoints / "model")])
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+
+
 def test_data_and_eval_options_that_cannot_act_are_refused(four_checkpoints, data_dir, tmp_path, capsys):
     import data
 

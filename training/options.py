@@ -495,8 +495,9 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
     """The options of a resumed run: those given (`given`: in --config or on the command line) as they are, the
     others as the run recorded them (`recorded`: the "train" section of its config.json), so that --resume
     continues a run as it was, from any working directory. ValueError, naming the option, when a given one would
-    change the run's data (DATA_OPTIONS), its adapters (ADAPTER_OPTIONS) or the adapters it started from
-    (START_OPTIONS: a resumed run reads its checkpoint's instead)."""
+    change the run's data (DATA_OPTIONS), its adapters (ADAPTER_OPTIONS), the adapters it started from
+    (START_OPTIONS: a resumed run reads its checkpoint's instead) or, where every weight trains, the weights it
+    started from (--init_from)."""
     recorded = upgraded_record(recorded)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     weights = f"a new run from its weights (--init_from {Path(cfg.out_dir) / 'step-N'})"
@@ -508,6 +509,13 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
                 raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with "
                                  f"{recorded[name]}, and a resumed run continues {what}; leave --{name} out, or start "
                                  f"{instead}")
+    # Where every weight trains, the checkpoint holds them all and --init_from is not read again (a frozen base is
+    # read again, and its checksum checked against the run's: trainer.resume, so it may have moved).
+    if "init_from" in given and not finetune_class(recorded.get("finetune", cfg.finetune)).frozen_base and \
+            not _same_value("init_from", cfg.init_from, recorded.get("init_from")):
+        raise ValueError(f"--init_from {cfg.init_from}: the run in {cfg.out_dir} started from "
+                         f"{recorded.get('init_from') or 'a random initialisation'}, and a resumed run continues "
+                         f"from its checkpoint's weights; leave --init_from out, or start {weights}")
     continued = {k: v for k, v in recorded.items() if k in names and k not in given and k not in NOT_CONTINUED}
     return dataclasses.replace(cfg, **continued)
 
