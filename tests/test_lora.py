@@ -78,6 +78,10 @@ def test_lora_run_trains_and_checkpoints_only_the_adapters(qwen3, tmp_path: Path
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, ["q_proj", "up_proj", "v_proj"])
     with pytest.raises(ValueError, match="--lora_rank 8 differs from the adapters in .* \\(4\\); leave it out"):
         finetune_mode(TrainConfig(finetune="lora", lora_rank=8, adapter=str(tmp_path / "d" / "adapter")))
+    with pytest.raises(ValueError, match="--lora_rank 16 differs from the adapters in .* \\(4\\)"):  # its default
+        train.main([*run, "--max_steps", "1", "--lora_rank", "16", "--adapter", str(tmp_path / "d" / "adapter"),
+                    "--out_dir", str(tmp_path / "f")])
+    assert not (tmp_path / "f").exists()
 
 
 def _lora_run(model_dir: str, data_dir: str, out_dir: str, batch: str, results: str | None = None) -> None:

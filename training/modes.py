@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -52,7 +53,9 @@ class FinetuneMode(Protocol):
     name: the --finetune value; frozen_base: the base does not train (checkpoints hold the trained parameters
     only, resume takes the base from --init_from, and with --dtype bfloat16 one process stores it in bf16);
     options: TrainConfig fields only this mode reads (another mode refuses them when they differ from the default);
-    description: a phrase for summaries ("LoRA on a frozen base")."""
+    description: a phrase for summaries ("LoRA on a frozen base"). Optionally a static `check_given(cfg, given)`:
+    ValueError when an option given (by name, even at its default value) conflicts with what the mode reads
+    (training.options.check_effects calls it)."""
 
     name: ClassVar[str]
     frozen_base: ClassVar[bool]
@@ -113,6 +116,13 @@ class LoRA:
             raise ValueError("--merge folds the adapters into the base, which --quantize_base keeps quantized: "
                              "merge with a float base (--adapter DIR --merge, without --quantize_base)")
 
+    @staticmethod
+    def check_given(cfg: TrainConfig, given: Collection[str]) -> None:
+        """ValueError when --lora_rank, --lora_alpha or --lora_targets is given (even at its default value) with
+        another value than the --adapter directory's."""
+        if cfg.adapter and (Path(cfg.adapter) / ADAPTER_CONFIG).is_file():
+            adapter_geometry(Path(cfg.adapter), cfg, given)
+
     def check(self, world_size: int) -> None:
         if self.quantize and world_size > 1:
             raise ValueError("--quantize_base runs in one process: launch without torchrun")
@@ -135,9 +145,9 @@ class LoRA:
         return [p for p in written if p is not None]
 
 
-def adapter_geometry(path: Path, cfg: TrainConfig) -> tuple[int, float, tuple[str, ...]]:
+def adapter_geometry(path: Path, cfg: TrainConfig, given: Collection[str] = ()) -> tuple[int, float, tuple[str, ...]]:
     """(rank, alpha, targets) of the peft adapter directory `path`; ValueError when --lora_rank, --lora_alpha or
-    --lora_targets was given with another value."""
+    --lora_targets differs from them and is either named in `given` or not at its default value."""
     config = json.loads((path / ADAPTER_CONFIG).read_text())
     short = {module.rsplit(".", 1)[1]: name for name, module in TARGETS.items()}  # q_proj -> q
     try:
@@ -146,12 +156,12 @@ def adapter_geometry(path: Path, cfg: TrainConfig) -> tuple[int, float, tuple[st
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path / ADAPTER_CONFIG} does not describe LoRA adapters this model has ({e!r})") from None
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    given = {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_targets": cfg.lora_targets}
+    values = {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_targets": cfg.lora_targets}
     stored = {"lora_rank": found[0], "lora_alpha": found[1], "lora_targets": ",".join(found[2])}
-    for name, value in given.items():
+    for name, value in values.items():
         same = sorted(value.split(",")) == sorted(stored[name].split(",")) if name == "lora_targets" else \
             value == stored[name]
-        if value != defaults[name] and not same:
+        if (name in given or value != defaults[name]) and not same:
             raise ValueError(f"--{name} {value} differs from the adapters in {path} ({stored[name]}); leave it out "
                              "to take theirs")
     return found

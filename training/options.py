@@ -468,6 +468,8 @@ def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.
             raise ValueError(f"--model_overrides sets {name} and --{option} sets it too, and the override would "
                              "win: give one of them")
     check_mode_options(cfg.finetune, given)  # another mode's option, even at its default value
+    if check_given := getattr(finetune_class(cfg.finetune), "check_given", None):  # the mode's own, given ones
+        check_given(cfg, given)
     acting = given | ({"offload_activations"} if "offload_activations" in cfg.model_overrides else set())
     for option, (acts, what) in RUN_NEEDS.items():
         if option in acting and not acts(cfg, device):
