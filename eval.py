@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from evaluation.registry import EVAL_TASKS, EvalTask, Setting, task_class
+from evaluation.registry import EVAL_TASKS, EvalTask, Setting, holds_tokenizer, task_class
 from evaluation.retrieval import DEPTHS
 from modeling.config import ComputeConfig
 from storage.weights import Stored, load_model, stored
@@ -223,8 +223,8 @@ def check_inputs(args: argparse.Namespace) -> tuple[Stored, Setting]:
     data_dir = args.data_dir or run.get("data_dir")
     tokenizer = model_tokenizer(checkpoint, args.tokenizer, (run.get("tokenizer"),
                                                              data_dir and Path(data_dir) / "tokenizer.model"))
-    if args.data_dir and not any("data_dir" in task_class(task).reads for task in running) and Path(
-            tokenizer.path).parent.resolve() != Path(args.data_dir).resolve():
+    if args.data_dir and not any("data_dir" in task_class(task).reads for task in running) and \
+            not holds_tokenizer(args.data_dir, tokenizer):
         reading = [name for name in EVAL_TASKS if "data_dir" in task_class(name).reads]
         raise ValueError(f"--data_dir is read only by the task(s) {', '.join(reading)} (and for its tokenizer.model "
                          "when the checkpoint holds no tokenizer), which this call does not need: leave it out")

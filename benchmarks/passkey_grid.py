@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from training.options import PATH_OPTIONS, parse_config  # noqa: E402
+from training.options import parse_config, same_value  # noqa: E402
 
 BLOCKS = {"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8, "nsa_num_selected": 18}
 NSA = {"qk_norm": False, "nsa_separate_kv": False, "nsa_compressor": "mean", **BLOCKS}
@@ -101,9 +101,7 @@ def changed(run: Path, argv: list[str]) -> str | None:
         name = word.removeprefix("--")
         if word.startswith("--") and name != "out_dir":
             value, was = getattr(given, name), recorded.get(name)
-            same = Path(value).resolve() == Path(was).resolve() if name in PATH_OPTIONS and value and was else (
-                value == was)
-            if not same:
+            if not same_value(name, value, was):
                 return f"--{name} {was}, not {value}"
     return None
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from evaluation.loss import validation_windows
-from evaluation.registry import EvalTask, Setting, task_class
+from evaluation.registry import EvalTask, Setting, holds_tokenizer, task_class
 from evaluation.retrieval import score_answers
 from model import Transformer
 from modeling.documents import document_starts
@@ -127,12 +126,11 @@ class RecallTask(EvalTask):
             self.before, _ = validation_windows(setting.data_dir, options.after_text,
                                                 options.after_text * options.samples, options.seed)
         else:  # options only --after_text makes these tasks read, refused unless another task reads them
-            tokenizer_dir = Path(setting.tokenizer.path).parent.resolve()
             why = {"document_mask": "a document alone has no other document to keep apart from",
                    "data_dir": "the held-out text packed before each document"}
             for option, reason in why.items():
                 given = getattr(options, option) and not (
-                    option == "data_dir" and Path(options.data_dir).resolve() == tokenizer_dir)
+                    option == "data_dir" and holds_tokenizer(options.data_dir, setting.tokenizer))
                 if given and not any(task_class(task) is not RecallTask and option in task_class(task).reads
                                      for task in setting.tasks):
                     raise ValueError(f"--{option}: mqar and mqar_text read it only with --after_text ({reason}): "

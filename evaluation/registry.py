@@ -78,6 +78,12 @@ class Setting:
     tasks: tuple[str, ...]
 
 
+def holds_tokenizer(data_dir: str | Path, tokenizer: Tokenizer | HFTokenizer) -> bool:
+    """Whether `data_dir` is the directory the tokenizer was read from (a --data_dir given only for its
+    tokenizer.model, when the checkpoint holds none)."""
+    return Path(tokenizer.path).parent.resolve() == Path(data_dir).resolve()
+
+
 class EvalTask:
     """One evaluation of a model. Subclasses set the class attributes they need and implement `run` and `table`.
 

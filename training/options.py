@@ -507,14 +507,14 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
                                  (ADAPTER_OPTIONS, "its adapters as they are", "a new run in another --out_dir"),
                                  (START_OPTIONS, "from its checkpoint's adapters", "a new run in another --out_dir")):
         for name in fixed:
-            if name in given and name in recorded and not _same_value(name, getattr(cfg, name), recorded[name]):
+            if name in given and name in recorded and not same_value(name, getattr(cfg, name), recorded[name]):
                 raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with "
                                  f"{recorded[name]}, and a resumed run continues {what}; leave --{name} out, or start "
                                  f"{instead}")
     # Where every weight trains, the checkpoint holds them all and --init_from is not read again (a frozen base is
     # read again, and its checksum checked against the run's: trainer.resume, so it may have moved).
     if "init_from" in given and not finetune_class(recorded.get("finetune", cfg.finetune)).frozen_base and \
-            not _same_value("init_from", cfg.init_from, recorded.get("init_from")):
+            not same_value("init_from", cfg.init_from, recorded.get("init_from")):
         raise ValueError(f"--init_from {cfg.init_from}: the run in {cfg.out_dir} started from "
                          f"{recorded.get('init_from') or 'a random initialisation'}, and a resumed run continues "
                          f"from its checkpoint's weights; leave --init_from out, or start {weights}")
@@ -533,7 +533,7 @@ def upgraded_record(recorded: dict) -> dict:
     return {**recorded, **moved, "model_overrides": kept}
 
 
-def _same_value(name: str, value: object, recorded: object) -> bool:
+def same_value(name: str, value: object, recorded: object) -> bool:
     """Whether an option's value is what the run recorded: the same path (resolved), else equal."""
     if name in PATH_OPTIONS and value is not None and recorded is not None:
         return Path(value).resolve() == Path(recorded).resolve()
