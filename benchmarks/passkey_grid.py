@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from training.options import parse_config, same_value  # noqa: E402
+from training.options import parse_config, same_value, upgraded_record  # noqa: E402
 
 BLOCKS = {"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8, "nsa_num_selected": 18}
 NSA = {"qk_norm": False, "nsa_separate_kv": False, "nsa_compressor": "mean", **BLOCKS}
@@ -96,7 +96,8 @@ def row(kind: str, T: int, seed: int, run: Path) -> dict:
 def changed(run: Path, argv: list[str]) -> str | None:
     """The first option of the train.py command line `argv` that the finished `run` recorded with another value, as
     "--name RECORDED, not GIVEN", or None."""
-    recorded, given = json.loads((run / "config.json").read_text())["train"], parse_config(argv)
+    recorded = upgraded_record(json.loads((run / "config.json").read_text())["train"])  # in today's names
+    given = parse_config(argv)
     for word in argv:
         name = word.removeprefix("--")
         if word.startswith("--") and name != "out_dir":

@@ -218,10 +218,11 @@ def selection_score_loss(q: Tensor, k_cmp: Tensor, k_slc: Tensor, config: ModelC
 
 
 def _host_draw(high: int) -> int:
-    """A draw from [0, high) of the CPU generator: a host read, no device sync; 0 under fake tensors (a memory
-    estimate, where nothing has a value)."""
-    draw = torch.randint(high, ())
-    return 0 if is_fake(draw) else int(draw)
+    """A draw from [0, high) of the CPU generator: a host read, no device sync. Under fake tensors (a memory
+    estimate, where nothing has a value) high - 1: as the stride's offset, the latest rows, whose chunks see the
+    most blocks."""
+    draw = torch.randint(high, (), device="cpu")
+    return high - 1 if is_fake(draw) else int(draw)
 
 
 def score_loss_queries(config: ModelConfig, length: int | None = None) -> int:

@@ -769,8 +769,8 @@ def test_a_resume_keeps_the_adapters_it_trains(four_checkpoints, data_dir, tmp_p
 
 
 def test_a_resume_where_every_weight_trains_keeps_the_weights_it_started_from(four_checkpoints, data_dir, tmp_path):
-    """A run that trains every weight resumes from its checkpoint and never reads --init_from again: another one
-    (or one for a run started from random weights) is refused in one line, the run intact; the same path passes."""
+    """A run that trains every weight resumes its weights from its checkpoint: another --init_from (or one for a run
+    started from random weights) is refused in one line, the run intact, unless the recorded one has moved away."""
     import shutil
 
     run = tmp_path / "run"
@@ -781,6 +781,16 @@ def test_a_resume_where_every_weight_trains_keeps_the_weights_it_started_from(fo
         train.main(["--resume", "--out_dir", str(run), "--max_steps", "5", "--init_from",
                     str(four_checkpoints / "model")])
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    shutil.copytree(four_checkpoints / "model", base)
+    train.main([*TINY, "--init_from", str(base), "--max_steps", "1", "--checkpoint_interval", "1", "--data_dir",
+                str(data_dir), "--out_dir", str(tuned)])
+    with pytest.raises(ValueError, match=f"--init_from .*: the run in .* started from {base}, and a resumed run"):
+        train.main(["--resume", "--out_dir", str(tuned), "--max_steps", "2", "--init_from",
+                    str(four_checkpoints / "model")])
+    base.rename(tmp_path / "moved")  # the recorded base is gone: its new path is taken
+    assert train.main(["--resume", "--out_dir", str(tuned), "--max_steps", "2", "--init_from",
+                       str(tmp_path / "moved")])["step"] == 2
 
 
 def test_data_and_eval_options_that_cannot_act_are_refused(four_checkpoints, data_dir, tmp_path, capsys):

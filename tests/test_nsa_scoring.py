@@ -179,7 +179,7 @@ def test_a_strided_sample_of_the_rows_is_unbiased(monkeypatch: pytest.MonkeyPatc
     first, rows = 5 * 8, B * KV * (T - 5 * 8)
     sampled = []
     for offset in range(k):
-        monkeypatch.setattr(torch, "randint", lambda high, size, offset=offset: torch.tensor(offset))
+        monkeypatch.setattr(torch, "randint", lambda high, size, device, offset=offset: torch.tensor(offset))
         loss = score_loss(q, k_cmp, k_slc, config, chunk=8, nsa_score_loss_stride=k)
         sampled.append((loss, *torch.autograd.grad(loss, (q, k_cmp))))
         keep = torch.zeros(T, dtype=torch.bool)
@@ -218,7 +218,8 @@ def test_candidate_blocks_equal_a_float64_loop_over_queries(top: int, random: in
     choose = scoring.candidate_blocks
     monkeypatch.setattr(scoring, "candidate_blocks", lambda *a: drawn.append(choose(*a)) or drawn[-1])
     randint = torch.randint
-    monkeypatch.setattr(torch, "randint", lambda high, size: randint(high, size) if high > stride else high - 1)
+    monkeypatch.setattr(torch, "randint", lambda high, size, device: randint(high, size, device=device) if high > stride
+                        else high - 1)
     loss = score_loss(q, k_cmp, k_slc, config, chunk=16, nsa_score_loss_top=top, nsa_score_loss_random=random,
                       nsa_score_loss_stride=stride, nsa_score_loss_target=target, nsa_score_loss_temperature=tau)
     grads = torch.autograd.grad(loss, (q, k_cmp))
@@ -381,11 +382,10 @@ def test_backward_keeps_only_the_input_gradients(top: int, random: int, target: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("top,random", [(0, 0), (8, 4)])
-def test_memory_grows_linearly_with_the_sequence(top: int, random: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_memory_grows_linearly_with_the_sequence(top: int, random: int) -> None:
     """Forward peak (inputs excluded) under fake tensors at T and 2T with the query chunk fixed, with the dense
     target and with candidate blocks: no T x T tensor, so doubling T at most doubles it (a (T, T) score matrix
     would quadruple its share)."""
-    monkeypatch.setattr(torch, "randint", lambda high, size: 1)  # the host draw of a seed has no value when faked
     config = geometry(nsa_block_size=8, nsa_stride=8, nsa_select_block_size=8)
     form = {"chunk": 256, "nsa_score_loss_top": top, "nsa_score_loss_random": random}
     peaks = []
@@ -407,7 +407,7 @@ def test_peak_chunks_allocate_what_every_chunk_does(form: dict, monkeypatch: pyt
     """`peak_only` (the memory estimate's form, nsa/memory_stand_in.py) scores 3 of the 11 query chunks (the last
     one partial) and reaches the same forward peak and keeps the same bytes for backward as the whole loop, under
     fake tensors and with a real live-bytes count."""
-    monkeypatch.setattr(torch, "randint", lambda high, size: 1)  # the host draws of offset and seed, fixed
+    monkeypatch.setattr(torch, "randint", lambda high, size, device: 1)  # the offset and seed, as a real run draws
     config = geometry(nsa_block_size=8, nsa_stride=8, nsa_select_block_size=8)
     objective, compute = Objective(nsa_score_loss_coef=0.1, **form), ComputeConfig(attention_query_chunk=64)
     measured = []

@@ -116,17 +116,21 @@ def test_fsdp_estimate_matches_real_step_and_sharding_arithmetic(dtype):
     assert not dist.is_initialized()  # the fake process group is torn down
 
 
-def test_nsa_double_replaces_the_layer_seam_only_while_active():
-    """The double goes in through NativeSparseAttention.sparse_attention (the layer's one seam) and comes out."""
+def test_nsa_double_replaces_the_layer_seams_only_while_active():
+    """The double goes in through NativeSparseAttention.sparse_attention, the score loss's peak chunks through its
+    selection_score_loss (the layer's two seams), and both come out."""
     from nsa.attention import sparse_attention
     from nsa.layer import NativeSparseAttention
     from nsa.memory_stand_in import sparse_attention_stand_in
+    from nsa.scoring import selection_score_loss
 
     config = pm.StepConfig.of(model_size="tiny", context_length=64, attention_type="nsa")
     with FakeTensorMode(), sparse_attention_stand_in(NativeSparseAttention, *config.configs(), 1, 64, torch.float32,
                                                      "cpu"):
         assert NativeSparseAttention.sparse_attention is not sparse_attention
+        assert NativeSparseAttention.selection_score_loss.keywords == {"peak_only": True}
     assert NativeSparseAttention.sparse_attention is sparse_attention
+    assert NativeSparseAttention.selection_score_loss is selection_score_loss
 
 
 @pytest.mark.slow
@@ -333,14 +337,17 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
 
 def test_the_recommended_nsa_config_is_estimated(capsys):
     """configs/nsa-retrieval.json (the selection-scoring loss on candidate blocks of every 8th query, whose host
-    draws have no value under fake tensors) is estimated from the command line."""
-    profile_memory.main(["--model_size", "tiny", "--context_length", "256", "--config",
-                         str(Path(__file__).resolve().parent.parent / "configs" / "nsa-retrieval.json"), "--json"])
+    draws have no value under fake tensors) is estimated from the command line, above the same model without the
+    loss."""
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "nsa-retrieval.json"
+    tiny = ["--model_size", "tiny", "--context_length", "256", "--json"]
+    profile_memory.main([*tiny, "--config", str(recipe)])
     out = json.loads(capsys.readouterr().out)
     train = out["config"]["train"]
     assert train["model_overrides"]["nsa_num_selected"] == 18 and train["nsa_score_loss_stride"] == 8
-    assert out["peak"]["total"] > 0
-    assert "selection-scoring loss" in out["stand_in"]
+    profile_memory.main([*tiny, "--attention_type", "nsa", "--model_overrides",
+                         json.dumps(train["model_overrides"])])
+    assert out["peak"]["total"] > json.loads(capsys.readouterr().out)["peak"]["total"]
 
 
 @pytest.mark.slow

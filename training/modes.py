@@ -53,9 +53,9 @@ class FinetuneMode(Protocol):
     name: the --finetune value; frozen_base: the base does not train (checkpoints hold the trained parameters
     only, resume takes the base from --init_from, and with --dtype bfloat16 one process stores it in bf16);
     options: TrainConfig fields only this mode reads (another mode refuses them when they differ from the default);
-    description: a phrase for summaries ("LoRA on a frozen base"). Optionally a static `check_given(cfg, given)`:
-    ValueError when an option given (by name, even at its default value) conflicts with what the mode reads
-    (training.options.check_effects calls it)."""
+    description: a phrase for summaries ("LoRA on a frozen base"). Optionally a static `settle(cfg, given)`: the
+    options as the mode runs them (what its inputs fix, such as an adapter's rank), ValueError when one given (by
+    name in `given`, even at its default value) conflicts; trainer.resolve_run calls it, so the run records them."""
 
     name: ClassVar[str]
     frozen_base: ClassVar[bool]
@@ -117,11 +117,14 @@ class LoRA:
                              "merge with a float base (--adapter DIR --merge, without --quantize_base)")
 
     @staticmethod
-    def check_given(cfg: TrainConfig, given: Collection[str]) -> None:
-        """ValueError when --lora_rank, --lora_alpha or --lora_targets is given (even at its default value) with
-        another value than the --adapter directory's."""
-        if cfg.adapter and (Path(cfg.adapter) / ADAPTER_CONFIG).is_file():
-            adapter_geometry(Path(cfg.adapter), cfg, given)
+    def settle(cfg: TrainConfig, given: Collection[str]) -> TrainConfig:
+        """The options as this mode runs them: with an --adapter directory, its rank, alpha and targets, which the
+        run records; ValueError when --lora_rank, --lora_alpha or --lora_targets differs from them and was given
+        (even at its default value) or is not at its default."""
+        if not (cfg.adapter and (Path(cfg.adapter) / ADAPTER_CONFIG).is_file()):
+            return cfg
+        rank, alpha, targets = adapter_geometry(Path(cfg.adapter), cfg, given)
+        return dataclasses.replace(cfg, lora_rank=rank, lora_alpha=alpha, lora_targets=",".join(targets))
 
     def check(self, world_size: int) -> None:
         if self.quantize and world_size > 1:

@@ -468,8 +468,6 @@ def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.
             raise ValueError(f"--model_overrides sets {name} and --{option} sets it too, and the override would "
                              "win: give one of them")
     check_mode_options(cfg.finetune, given)  # another mode's option, even at its default value
-    if check_given := getattr(finetune_class(cfg.finetune), "check_given", None):  # the mode's own, given ones
-        check_given(cfg, given)
     acting = given | ({"offload_activations"} if "offload_activations" in cfg.model_overrides else set())
     for option, (acts, what) in RUN_NEEDS.items():
         if option in acting and not acts(cfg, device):
@@ -499,7 +497,7 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
     continues a run as it was, from any working directory. ValueError, naming the option, when a given one would
     change the run's data (DATA_OPTIONS), its adapters (ADAPTER_OPTIONS), the adapters it started from
     (START_OPTIONS: a resumed run reads its checkpoint's instead) or, where every weight trains, the weights it
-    started from (--init_from)."""
+    started from (--init_from: another path only where the recorded one no longer exists)."""
     recorded = upgraded_record(recorded)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     weights = f"a new run from its weights (--init_from {Path(cfg.out_dir) / 'step-N'})"
@@ -511,13 +509,15 @@ def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) ->
                 raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with "
                                  f"{recorded[name]}, and a resumed run continues {what}; leave --{name} out, or start "
                                  f"{instead}")
-    # Where every weight trains, the checkpoint holds them all and --init_from is not read again (a frozen base is
-    # read again, and its checksum checked against the run's: trainer.resume, so it may have moved).
+    # Where every weight trains, the checkpoint holds them all: --init_from gives only the architecture, tokenizer and
+    # export details, and may name another path only where the recorded one is gone (moved). A frozen base is read
+    # again, and its checksum checked against the run's (trainer.resume), wherever it lies.
+    was = recorded.get("init_from")
     if "init_from" in given and not finetune_class(recorded.get("finetune", cfg.finetune)).frozen_base and \
-            not same_value("init_from", cfg.init_from, recorded.get("init_from")):
+            not same_value("init_from", cfg.init_from, was) and (was is None or Path(was).exists()):
         raise ValueError(f"--init_from {cfg.init_from}: the run in {cfg.out_dir} started from "
-                         f"{recorded.get('init_from') or 'a random initialisation'}, and a resumed run continues "
-                         f"from its checkpoint's weights; leave --init_from out, or start {weights}")
+                         f"{was or 'a random initialisation'}, and a resumed run continues from its checkpoint's "
+                         f"weights; leave --init_from out, or start {weights}")
     continued = {k: v for k, v in recorded.items() if k in names and k not in given and k not in NOT_CONTINUED}
     return dataclasses.replace(cfg, **continued)
 

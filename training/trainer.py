@@ -80,6 +80,7 @@ from training.options import (
     check_model_size,
     continue_options,
     default_out_dir,
+    finetune_class,
     record,
     resolve_config,
 )
@@ -281,6 +282,8 @@ def resolve_run(cfg: TrainConfig, rt: Runtime, given: frozenset[str] | None = No
     if cfg.resume and given is not None and (recorded := run_record(Path(cfg.out_dir))):
         cfg = continue_options(cfg, given, recorded)
     check_effects(cfg, given, rt.device, say)
+    if settle := getattr(finetune_class(cfg.finetune), "settle", None):  # what the mode's inputs fix, recorded
+        cfg = settle(cfg, given or frozenset())
     return absolute_paths(cfg)
 
 
