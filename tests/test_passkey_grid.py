@@ -34,6 +34,17 @@ def test_the_plan_is_the_recipe_for_each_type_length_and_seed(capsys):
                             "--samples", "10"]
 
 
+def test_the_default_form_is_the_recommended_recipe(capsys):
+    """Without --form NSA's long stages take docs/nsa.md's recipe (the dense target, exact selection for the first
+    200 steps, lr 1e-3); full attention's keep lr 3e-3 and no NSA option."""
+    GRID["main"](["--dry_run", "--lengths", "1024", "--seeds", "0", "--out_dir", "grid"])
+    commands = [shlex.split(line.removeprefix("would run: ")) for line in capsys.readouterr().out.splitlines()]
+    runs = [parse_config(cmd[2:]) for cmd in commands if cmd[1] == "train.py" and "1024" in cmd]
+    nsa, full = runs  # NSA's first (--types nsa full)
+    assert (nsa.nsa_score_loss_coef, nsa.nsa_exact_selection_steps, nsa.lr) == (0.1, 200, 1e-3)
+    assert (full.nsa_score_loss_coef, full.nsa_exact_selection_steps, full.lr) == (0.0, 0, 3e-3)
+
+
 def test_a_row_reads_the_passkey_grid_and_the_answer_loss(tmp_path: Path):
     run = tmp_path / "nsa-T1024-seed0"
     (run / "eval-model").mkdir(parents=True)
