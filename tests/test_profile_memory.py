@@ -141,7 +141,7 @@ def test_nsa_double_replaces_the_layer_seams_only_while_active():
 def test_nsa_double_matches_reference_path(score_loss):
     """11 query chunks of 32: the double is calibrated at 4 and 8 chunks past the all-selected prefix (n l' = 64
     tokens) and extrapolated; the selection-scoring loss runs on its three last chunks under the double, on all of
-    them without it (its host draws are 0 under fake tensors, so both score the same rows)."""
+    them without it (its host draws take their largest value under fake tensors, so both score the same rows)."""
     config = pm.StepConfig.of(model_size="tiny", context_length=352, attention_type="nsa", world_size=2,
                               loss="standard", attention_query_chunk=32, batch_size=1, **score_loss)
     double = pm.profile_step(config, stand_in=True)

@@ -108,10 +108,9 @@ class LoRA:
     options = ("lora_rank", "lora_alpha", "lora_targets", "quantize_base", "merge", "adapter")
 
     def __init__(self, cfg: TrainConfig) -> None:
+        cfg = self.settle(cfg, ())  # the adapters' own geometry (train.py's options are settled already)
         self.rank, self.alpha, self.targets = cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(","))
         self.quantize, self.merge, self.adapter, self.base = cfg.quantize_base, cfg.merge, cfg.adapter, cfg.init_from
-        if self.adapter and (Path(self.adapter) / ADAPTER_CONFIG).is_file():  # the adapters' own geometry
-            self.rank, self.alpha, self.targets = adapter_geometry(Path(self.adapter), cfg)
         if self.quantize and self.merge:
             raise ValueError("--merge folds the adapters into the base, which --quantize_base keeps quantized: "
                              "merge with a float base (--adapter DIR --merge, without --quantize_base)")
