@@ -14,7 +14,8 @@ Sections, each run as its own subprocess (an out-of-memory error or a crash in o
             candidate blocks and with the dense target: the step's time over NSA's without it; above 1.10 for the
             candidate blocks, the loss wants a Triton kernel
   context   context parallelism's attention on CUDA (full attention's spans through SDPA's lower-right causal mask,
-            NSA's from their first query) against the whole sequence (tests/test_context_parallel.py -m gpu)
+            NSA's from their first query, the ring's flash kernels with one rank) against the whole sequence
+            (tests/test_context_parallel.py -m gpu)
   estimate  profile_memory.py --measure against its CPU estimate, 0.6B and 1.7B at 8k (full attention) and 32k (the
             long-context recipe: NSA, checkpointing, tiled FFN, chunked loss); target: within 10% of the measured peak
   train     train.py for 20 steps at 32k on 1.7B with NSA: tokens/s, MFU and peak memory

@@ -153,7 +153,9 @@ class KVCache(nn.Module):
 
 class FullAttention(nn.Module):
     """Causal grouped-query attention through `scaled_dot_product_attention` (flash-style: no T x T tensor), with
-    QK-norm and RoPE. The "full" attention type."""
+    QK-norm and RoPE. The "full" attention type. Over a sequence shard (`shard`) through the shard's `attention`
+    where it has one (a ring over the ranks, without document starts), otherwise over keys it gathers
+    (`attend_shard`)."""
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None) -> None:
         super().__init__()
@@ -184,7 +186,11 @@ class FullAttention(nn.Module):
             if type(self).attend is not FullAttention.attend and type(self).attend_shard is FullAttention.attend_shard:
                 raise ValueError(f"{type(self).__name__} overrides attend (which keys a query sees), and a sequence "
                                  "shard would bypass it: override attend_shard too, or leave out --context_parallel")
-            y = self.attend_shard(q, shard.gather(k), shard.gather(v), shard, doc_start)  # (B, H, T, D)
+            own_rule = type(self).attend_shard is not FullAttention.attend_shard
+            if shard.attention is not None and doc_start is None and not own_rule:  # the group's ring
+                y = shard.attention(q, k, v, cfg.head_dim**-0.5)  # (B, H, t, D)
+            else:
+                y = self.attend_shard(q, shard.gather(k), shard.gather(v), shard, doc_start)  # (B, H, t, D)
         else:
             y = self.attend(q, k, v, start_pos or 0, doc_start)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)  # (B, T, H*D)

@@ -106,18 +106,21 @@ def test_one_process_holding_several_spans_equals_the_whole_sequence() -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14, msg=f"{attention} {name}")
 
 
-def _parity(context_ranks: int) -> None:
+def _parity(context_ranks: int, ring: bool) -> None:
     """In each rank of a (data x context) layout, through the trainer's step (`trainer.forward_backward`: the
     rank's positions taken, the loss's normaliser and NSA's term weighted over the ranks): the rank's share of the
     loss, of NSA's selection-scoring term and of every gradient, summed over the ranks, equals one process's over
-    the whole batch (each data group reads its own rows). The trainer adds the step's loss in float32."""
+    the whole batch (each data group reads its own rows). The trainer adds the step's loss in float32. With `ring`
+    full attention runs on PyTorch's ring attention (CUDA's engine, here on the CPU's flash kernels; with
+    document starts the gathered keys still), otherwise on gathered keys."""
     rt = parallel.init_runtime(context_ranks)
-    shard = parallel.context_shard(rt, T)
+    shard = parallel.context_shard(rt, T, ring=ring)
     assert shard.spans == balanced_spans(T, context_ranks, rt.rank % context_ranks)
+    assert (shard.attention is not None) == ring
     ids, labels = _batch(2 * rt.data_ranks)
     mine = slice(2 * rt.data_rank, 2 * rt.data_rank + 2)  # this data group's rows
-    for attention, documents, overrides in (("full", False, {}), ("full", True, {}), ("nsa", False, {}),
-                                            ("nsa", False, ONE_SET)):
+    cases = (("full", False, {}), ("full", True, {}), ("nsa", False, {}), ("nsa", False, ONE_SET))
+    for attention, documents, overrides in cases[:2] if ring else cases:
         reference, model = _model(attention, **overrides), _model(attention, **overrides)
         starts = document_starts(ids, 1) if documents else None
         expected = reference(ids, labels, doc_start=starts)
@@ -139,7 +142,45 @@ def _parity(context_ranks: int) -> None:
 @pytest.mark.parametrize("context_ranks", [2, 4])
 def test_context_parallel_equals_one_process(context_ranks: int) -> None:
     """One sequence over 2 and over 4 processes (data x context layouts with FSDP: the train.py tests below)."""
-    run_distributed(_parity, context_ranks, world_size=context_ranks)
+    run_distributed(_parity, context_ranks, False, world_size=context_ranks)
+
+
+@pytest.mark.parametrize("context_ranks", [2, 4])
+def test_ring_attention_equals_one_process(context_ranks: int) -> None:
+    """Full attention on PyTorch's ring attention, the engine CUDA runs (`parallel.ring_attention_applies`)."""
+    assert parallel.ring_attention_applies(torch.device("cuda"))
+    assert not parallel.ring_attention_applies(torch.device("cpu"))
+    run_distributed(_parity, context_ranks, True, world_size=context_ranks)
+
+
+def _ring_in_half_precision() -> None:
+    """`parallel.ring_attention` in bfloat16 (merges and gradient sums in float32, as on CUDA) against the whole
+    sequence's attention in float64: within bfloat16's rounding of inputs and outputs (relative 2e-2 of each
+    result's norm); its traffic as counted: the keys and values passed N - 1 times forward and backward, their
+    gradients N times in float32."""
+    rt = parallel.init_runtime(2)
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, heads, 64, 16, generator=generator, dtype=torch.float64) for heads in (4, 2, 2))
+    grad = torch.randn(2, 4, 64, 16, generator=generator, dtype=torch.float64)
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True).backward(grad)
+    mine = torch.cat([torch.arange(first, end) for first, end in balanced_spans(64, 2, rt.rank)])
+    local = [x[:, :, mine].bfloat16().requires_grad_() for x in (q, k, v)]
+    traffic = parallel.Traffic()
+    out = parallel.ring_attention(*local, 16**-0.5, rt.context_group, traffic)
+    out.backward(grad[:, :, mine].bfloat16())
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for got, want in ((out, expected), *((x.grad, y.grad) for x, y in zip(local, whole, strict=True))):
+        want = want[:, :, mine]
+        assert (got.double() - want).norm() <= 2e-2 * want.norm(), (got - want).abs().max()
+    kv_bytes = 2 * local[1].numel() * 2
+    assert (traffic.gathered, traffic.scattered, traffic.gathers, traffic.scatters) == (2 * kv_bytes, 2 * kv_bytes * 2,
+                                                                                        2, 1)
+    dist.destroy_process_group()
+
+
+def test_ring_attention_in_half_precision() -> None:
+    run_distributed(_ring_in_half_precision, world_size=2)
 
 
 # ---- train.py --context_parallel ------------------------------------------------------------------------------
@@ -240,3 +281,31 @@ def test_a_shard_on_cuda_equals_the_whole_sequence(attention: str) -> None:
     torch.testing.assert_close(got.loss, expected.loss, rtol=1e-2, atol=0)
     for (name, p), q in zip(split.named_parameters(), whole.parameters(), strict=True):
         assert (p.grad - q.grad).norm() <= 2e-2 * q.grad.norm() + 1e-6, name
+
+
+def _ring_kernels_on_cuda() -> None:
+    """One rank on one GPU (NCCL): the ring's single pair of chunks runs CUDA's flash kernels with grouped keys,
+    forward and backward (the kernel's state handed from one to the other), against float64 attention on the CPU
+    within bfloat16's rounding; float32 inputs are refused in one line. (The passes between ranks are the CPU
+    tests'; a GPU each for them needs more than one GPU.)"""
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, heads, 256, 64, generator=generator, dtype=torch.float64) for heads in (8, 2, 2))
+    grad = torch.randn(2, 8, 256, 64, generator=generator, dtype=torch.float64)
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
+    expected.backward(grad)
+    local = [x.cuda().bfloat16().requires_grad_() for x in (q, k, v)]
+    out = parallel.ring_attention(*local, 64**-0.5, dist.group.WORLD)
+    out.backward(grad.cuda().bfloat16())
+    for got, want in ((out, expected), *((x.grad, y.grad) for x, y in zip(local, whole, strict=True))):
+        assert (got.double().cpu() - want.detach()).norm() <= 2e-2 * want.norm()
+    with pytest.raises(ValueError, match="--dtype bfloat16"):
+        parallel.ring_attention(*(x.detach().float() for x in local), 64**-0.5, dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ring_attention_kernels_on_cuda() -> None:
+    run_distributed(_ring_kernels_on_cuda, world_size=1)

@@ -352,7 +352,9 @@ def profile_step(config: StepConfig, device: str = "cpu", fake: bool = True, sta
         with FakeTensorMode() if fake else nullcontext(), ExitStack() as stack:
             model_config, compute = config.configs()
             B, T = config.train.batch_size, config.train.context_length
-            shard = parallel.context_shard(rt, T, traffic)  # rank 0 holds the first and the last chunk
+            # Rank 0 holds the first and the last chunk. Full attention on gathered keys and values, also where
+            # training runs PyTorch's ring (CUDA), which holds less: a chunk pair's keys in place of the sequence's.
+            shard = parallel.context_shard(rt, T, traffic, ring=False)
             description = f"{model_config.attention_type} attention: runs as in training (no stand-in)"
             if fake and stand_in:
                 progress(f"calibrating the {model_config.attention_type} attention's stand-in")

@@ -1,5 +1,6 @@
 """Parallelism, applied in one visible place: the process layout (`init_runtime`), FSDP2 (`fully_shard`) on every
-block and on the root, and context parallelism (`context_shard`).
+block and on the root, and context parallelism (`context_shard`, its engine for full attention chosen by
+`ring_attention_applies`).
 
 The model code knows nothing about parallelism; `apply_fsdp` is the only function that changes how it runs,
 `init_sharded_weights` materialises a model that `apply_fsdp` sharded on the meta device, and `context_shard` is
@@ -15,6 +16,8 @@ targets' share of the step's mean, so the sum is the gradient of that mean.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -93,7 +96,9 @@ def build_mesh(device_type: str, world_size: int, context_parallel: int
 class Traffic:
     """Bytes a rank sends for context parallelism, counted as a ring sends them (N - 1 times its part per
     collective): all-gathers of keys and values in forward (and in their recomputation under checkpointing), and
-    reduce-scatters of their gradients in backward."""
+    reduce-scatters of their gradients in backward. Ring attention counts its passes of keys and values as gathers
+    (N - 1 a pass: one in forward, one in backward) and its passes of their gradients as scatters (N a backward, in
+    float32 for half-precision inputs)."""
 
     gathered: int = 0
     scattered: int = 0
@@ -101,17 +106,112 @@ class Traffic:
     scatters: int = 0
 
 
-def context_shard(rt: Runtime, length: int, traffic: Traffic | None = None) -> SequenceShard | None:
+def context_shard(rt: Runtime, length: int, traffic: Traffic | None = None, ring: bool | None = None
+                  ) -> SequenceShard | None:
     """This process's part of each sequence of `length` tokens under context parallelism
     (`modeling.shard.SequenceShard`, None without): chunks r and 2N - 1 - r of 2N (`balanced_spans`; ValueError
     naming the lengths that split), whose `all_gather` all-gathers over the context group in forward and
-    reduce-scatters the gradient in backward, counted in `traffic` when given."""
+    reduce-scatters the gradient in backward, and whose `attention`, with `ring` (default:
+    `ring_attention_applies(rt.device)`), is PyTorch's ring attention over the group; traffic counted in `traffic`
+    when given."""
     if rt.context_group is None:
         return None
     N = rt.context_ranks
     layouts = tuple(balanced_spans(length, N, rank) for rank in range(N))
-    return SequenceShard(length, layouts, rt.rank % N, partial(_AllGather.apply, group=rt.context_group,
-                                                               traffic=traffic))
+    ring = ring_attention_applies(rt.device) if ring is None else ring
+    return SequenceShard(length, layouts, rt.rank % N,
+                         partial(_AllGather.apply, group=rt.context_group, traffic=traffic),
+                         attention=partial(ring_attention, group=rt.context_group, traffic=traffic) if ring else None)
+
+
+def ring_attention_applies(device: torch.device) -> bool:
+    """Whether causal full attention over a sequence shard runs on PyTorch's ring attention (`ring_attention`)
+    rather than on keys and values all-gathered by the model: on CUDA, where it is PyTorch's own context-parallel
+    engine, with the keys and values of one chunk pair in flight at a time and the next pass overlapping the
+    current chunk's attention. Elsewhere (gloo on CPUs) the all-gather, whose engine the memory estimate models."""
+    return device.type == "cuda"
+
+
+# The flash kernels the ring runs on each pair of chunks, (forward, backward) by device type, and the CUDA forward's
+# results after (out, lse) that its backward takes back, by name. The CPU's forward returns (out, lse) alone.
+_RING_KERNELS = {
+    "cuda": (torch.ops.aten._scaled_dot_product_flash_attention,
+             torch.ops.aten._scaled_dot_product_flash_attention_backward.default),
+    "cpu": (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward),
+}
+_CUDA_STATE = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup,
+                   traffic: Traffic | None = None) -> Tensor:
+    """Causal attention of this rank's queries q (B, H, t, D) over the whole sequence's keys, given this rank's
+    keys and values k, v (B, KV, t, D) (KV divides H), the ranks of `group` holding chunks r and 2N - 1 - r of 2N
+    (`balanced_spans`): PyTorch's ring attention, each rank's keys and values passed round the group and each
+    pair of chunks attended on the device's flash kernel, partial outputs merged by log-sum-exp (in float32 for
+    half-precision inputs, otherwise in their dtype); backward passes the keys round again and their gradients
+    after them. Exact up to the order of sums. Returns (B, H, t, D).
+
+    ValueError on CUDA when its flash kernel cannot take the inputs (half precision, a head_dim that is a multiple
+    of 8, at most 256)."""
+    if q.device.type == "cuda" and (q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] % 8
+                                    or q.shape[-1] > 256):
+        raise ValueError("full attention over a sequence shard (--context_parallel) runs on CUDA's flash kernel, "
+                         "which needs bfloat16 or float16 and a head_dim that is a multiple of 8, at most 256: train "
+                         "with --dtype bfloat16")
+    return _RingAttention.apply(q, k, v, scale, group, traffic)
+
+
+@contextmanager
+def _ring_options(dtype: torch.dtype) -> Iterator[object]:
+    """PyTorch's ring functions (their module, private in PyTorch 2.13) with their global options set for this
+    layout for the duration: chunks r and 2N - 1 - r (its load balance), keys passed to the next rank (all-to-all,
+    not all-gathered), merges in float32 for half precision only; the options restored after."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    options = ring._cp_options
+    saved = (options.enable_load_balance, options.rotate_method, options.convert_to_f32)
+    options.enable_load_balance, options.rotate_method = True, ring._RotateMethod.ALL_TO_ALL
+    options.convert_to_f32 = dtype.itemsize < 4
+    try:
+        yield ring
+    finally:
+        options.enable_load_balance, options.rotate_method, options.convert_to_f32 = saved
+
+
+class _RingAttention(torch.autograd.Function):
+    """`ring_attention`'s forward and backward on PyTorch's templated ring functions."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup,
+                traffic: Traffic | None) -> Tensor:
+        forward_kernel, _ = _RING_KERNELS[q.device.type]
+        with _ring_options(q.dtype) as ring:
+            out, lse, *state = ring._templated_ring_attention(group, 2, forward_kernel, q, k, v, is_causal=True,
+                                                               dropout_p=0.0, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.group, ctx.traffic = scale, group, traffic
+        ctx.state = dict(zip(_CUDA_STATE, state, strict=False))  # empty on the CPU
+        if traffic is not None:
+            traffic.gathered += (dist.get_world_size(group) - 1) * 2 * k.numel() * k.element_size()
+            traffic.gathers += 1
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        _, backward_kernel = _RING_KERNELS[q.device.type]
+        with _ring_options(q.dtype) as ring:
+            dq, dk, dv, *_ = ring._templated_ring_attention_backward(
+                ctx.group, 2, backward_kernel, grad.contiguous(), "grad_out", q, k, v, out, lse, is_causal=True,
+                dropout_p=0.0, scale=ctx.scale, **ctx.state)
+        if ctx.traffic is not None:
+            N, sums = dist.get_world_size(ctx.group), max(k.element_size(), 4)
+            ctx.traffic.gathered += (N - 1) * 2 * k.numel() * k.element_size()
+            ctx.traffic.scattered += N * 2 * k.numel() * sums
+            ctx.traffic.gathers += 1
+            ctx.traffic.scatters += 1
+        return dq, dk, dv, None, None, None
 
 
 class _AllGather(torch.autograd.Function):
