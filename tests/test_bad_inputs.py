@@ -159,6 +159,34 @@ def test_negative_numbers_are_read_as_numbers(value, capsys):
     assert "--lr must be a finite number > 0" in err and "expected one argument" not in err
 
 
+def test_runs_started_side_by_side_prepare_the_default_corpus_once(tmp_path, monkeypatch):
+    """Two runs that find the default corpus missing at once (recall_experiment.py --jobs on a new machine): one
+    prepares it while the other waits on the lock, then finds it prepared; neither fails on the other's files."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from training import inputs
+
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def prepare_default(cfg, data_dir: Path) -> None:
+        calls.append(data_dir)
+        time.sleep(0.3)  # long enough for the other run to arrive
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "index.json").write_text("{}")
+
+    monkeypatch.setattr(inputs, "_prepare_default", prepare_default)
+    cfg, rt = train_config.TrainConfig(data_dir="data/stdlib"), SimpleNamespace(rank=0)
+    runs = [threading.Thread(target=inputs.ensure_default_data, args=(cfg, rt)) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert calls == [Path("data/stdlib")]
+
+
 def test_paths_are_what_they_name(data_dir, tmp_path, monkeypatch, capsys):
     """Paths are compared resolved, never by their text: a directory whose name starts like the default corpus's
     is not prepared as it; a file is not a directory; a run directory is not a checkpoint nor a model."""

@@ -6,10 +6,13 @@ rank's loader (with the synthetic mix).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import random
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -150,20 +153,39 @@ def same_file(path: Path, tokenizer: Tokenizer | HFTokenizer) -> bool:
 def ensure_default_data(cfg: TrainConfig, rt: Runtime) -> None:
     """Make `python train.py` work out of the box: if the default corpus's directory (`default_corpus`) is selected
     and empty, tokenize this interpreter's standard library into it (~20 s), with the run's tokenizer (copied into
-    it) or one trained for it there. Rank 0 works while the others wait."""
+    it) or one trained for it there. Rank 0 works while the others wait, and so does a run started beside it on
+    the same machine (`_preparing`)."""
     data_dir = Path(cfg.data_dir)
     if rt.rank == 0 and default_corpus(data_dir) and not (data_dir / INDEX_NAME).exists():
-        files = stdlib_files()
-        tok_file = tokenizer_path(cfg)
-        if not tok_file.exists():  # the tokenizer trains on a sample of lines: shuffle the files to show it all
-            shuffled = random.Random(0).sample(files, len(files))
-            Tokenizer.train(iter_documents(shuffled), TOKENIZER_VOCAB, tok_file.with_suffix(""))
-        elif tok_file.parent.resolve() != data_dir.resolve():  # a copy goes with the data (checkpoints get pruned)
-            data_dir.mkdir(parents=True, exist_ok=True)
-            if tok_file.suffix == ".json":
-                HFTokenizer(tok_file).save(data_dir)
-            else:
-                shutil.copyfile(tok_file, data_dir / SPM_FILE)
-        prepare(files, load_tokenizer(data_tokenizer(data_dir)), data_dir)
+        with _preparing(data_dir):
+            if not (data_dir / INDEX_NAME).exists():  # not prepared while this process waited
+                _prepare_default(cfg, data_dir)
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextmanager
+def _preparing(data_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock (flock) on DATA_DIR's lock file, data/.<name>.lock, for the duration: runs started
+    side by side (recall_experiment.py --jobs) prepare the default corpus once, the others waiting for it. The
+    lock goes with the process, however it ends."""
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(data_dir.parent / f".{data_dir.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _prepare_default(cfg: TrainConfig, data_dir: Path) -> None:
+    """Tokenize the standard library into `data_dir` (`ensure_default_data`)."""
+    files = stdlib_files()
+    tok_file = tokenizer_path(cfg)
+    if not tok_file.exists():  # the tokenizer trains on a sample of lines: shuffle the files to show it all
+        shuffled = random.Random(0).sample(files, len(files))
+        Tokenizer.train(iter_documents(shuffled), TOKENIZER_VOCAB, tok_file.with_suffix(""))
+    elif tok_file.parent.resolve() != data_dir.resolve():  # a copy goes with the data (checkpoints get pruned)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        if tok_file.suffix == ".json":
+            HFTokenizer(tok_file).save(data_dir)
+        else:
+            shutil.copyfile(tok_file, data_dir / SPM_FILE)
+    prepare(files, load_tokenizer(data_tokenizer(data_dir)), data_dir)
