@@ -183,6 +183,35 @@ def test_ring_attention_in_half_precision() -> None:
     run_distributed(_ring_in_half_precision, world_size=2)
 
 
+def _what_ring_attention_keeps() -> None:
+    """What full attention keeps for backward on a rank of 2, without checkpointing: on the ring, keys and values
+    of this rank's t = T / 2 positions only; on gathered keys, every layer keeps keys and values of more (up to
+    the end of this rank's last chunk)."""
+    rt = parallel.init_runtime(2)
+    length = 160
+    ids = torch.randint(2, 512, (1, length), generator=torch.Generator().manual_seed(4))
+    kept: list[torch.Size] = []
+
+    def keep(x: torch.Tensor) -> torch.Tensor:
+        kept.append(x.shape)
+        return x
+
+    for ring in (True, False):
+        shard = parallel.context_shard(rt, length, ring=ring)
+        model = Transformer(ModelConfig.from_preset("tiny", context_length=length)).double()
+        kept.clear()
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+            model(shard.take(ids), shard=shard)
+        beyond = [shape for shape in kept if len(shape) == 4 and shape[1] == model.config.n_kv_heads
+                  and shape[3] == model.config.head_dim and shape[2] > length // 2]  # keys, values (B, KV, S, D)
+        assert (beyond == []) == ring, beyond
+    dist.destroy_process_group()
+
+
+def test_ring_attention_keeps_only_its_own_keys() -> None:
+    run_distributed(_what_ring_attention_keeps, world_size=2)
+
+
 # ---- train.py --context_parallel ------------------------------------------------------------------------------
 
 STEPS = 4
