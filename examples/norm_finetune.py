@@ -35,7 +35,7 @@ class NormsOnly:
             if isinstance(module, RMSNorm):
                 module.weight.requires_grad_(True)
 
-    def initialise(self, model: Transformer, seed: int) -> None:
+    def initialise(self, model: Transformer, seed: int, resuming: bool = False) -> None:
         pass  # the gains start as the base's
 
     def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:

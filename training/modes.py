@@ -71,9 +71,11 @@ class FinetuneMode(Protocol):
         """Add the mode's parameters (uninitialised is fine: the model may be on the meta device) and freeze what
         does not train."""
 
-    def initialise(self, model: Transformer, seed: int) -> None:
+    def initialise(self, model: Transformer, seed: int, resuming: bool = False) -> None:
         """After the base weights are in place: give the mode's parameters their starting values (from `seed`, the
-        same on every rank, or from --adapter) and change the frozen base where the mode does (quantization)."""
+        same on every rank, or from --adapter) and change the frozen base where the mode does (quantization).
+        `resuming`: a checkpoint restores the trained parameters next, so files they would start from (--adapter)
+        are not read: they may be gone."""
 
     def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
         """Write what a finished run delivers under `out_dir` (collective under FSDP), each directory with what
@@ -94,7 +96,7 @@ class Full:
     def prepare(self, model: Transformer) -> None:
         pass
 
-    def initialise(self, model: Transformer, seed: int) -> None:
+    def initialise(self, model: Transformer, seed: int, resuming: bool = False) -> None:
         pass
 
     def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
@@ -132,9 +134,9 @@ class LoRA:
     def prepare(self, model: Transformer) -> None:
         apply_lora(model, self.rank, self.alpha, self.targets)
 
-    def initialise(self, model: Transformer, seed: int) -> None:
+    def initialise(self, model: Transformer, seed: int, resuming: bool = False) -> None:
         init_lora(model, seed)
-        if self.adapter:
+        if self.adapter and not resuming:
             load_adapter(model, self.adapter)
         if self.quantize:
             quantize_base(model, self.quantize)
@@ -190,8 +192,8 @@ class NPT:
     def prepare(self, model: Transformer) -> None:
         convert(model, self.layers, self.rank, self.targets, self.residual_mode)
 
-    def initialise(self, model: Transformer, seed: int) -> None:
-        if self.adapter:  # the NP parameters were initialised by convert
+    def initialise(self, model: Transformer, seed: int, resuming: bool = False) -> None:
+        if self.adapter and not resuming:  # the NP parameters were initialised by convert
             adapter = Path(self.adapter)
             load_adapters(model, adapter / ADAPTERS_NAME if adapter.is_dir() else adapter)
 

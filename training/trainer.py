@@ -339,7 +339,7 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     base = {"path": str(Path(cfg.init_from).resolve()), "checksum": source.fingerprint()} \
         if mode.frozen_base and source else None
     adapted = {"checksum": base and base["checksum"], "tokenizer": tokenizer.sha256} if mode.frozen_base else None
-    if cfg.adapter:
+    if cfg.adapter and not resume_from:  # a resumed run's checkpoint holds the adapters (and records its base)
         check_adapter_base(cfg.adapter, adapted)
 
     device_memory = torch.cuda.get_device_properties(rt.device).total_memory if rt.device.type == "cuda" else None
@@ -353,7 +353,7 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     check_vocab(tokenizer, model.config.vocab_size)
     optimizer, scheduler = build_optimizer(model, cfg)
     load_base(model, cfg, source, mode.frozen_base, resume_from, rt)
-    mode.initialise(model, cfg.seed)
+    mode.initialise(model, cfg.seed, resuming=resume_from is not None)
     run = Run(cfg, rt, task, mode, tokenizer, loader, model, optimizer, scheduler,
               torch.autocast(rt.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and rt.mesh is None
               else contextlib.nullcontext(), resume_from, {}, None,
