@@ -186,11 +186,12 @@ class FullAttention(nn.Module):
             if type(self).attend is not FullAttention.attend and type(self).attend_shard is FullAttention.attend_shard:
                 raise ValueError(f"{type(self).__name__} overrides attend (which keys a query sees), and a sequence "
                                  "shard would bypass it: override attend_shard too, or leave out --context_parallel")
-            own_rule = type(self).attend_shard is not FullAttention.attend_shard
-            if shard.attention is not None and doc_start is None and not own_rule:  # the group's ring
-                y = shard.attention(q, k, v, cfg.head_dim**-0.5)  # (B, H, t, D)
-            else:
-                y = self.attend_shard(q, shard.gather(k), shard.gather(v), shard, doc_start)  # (B, H, t, D)
+            own_rule = type(self).attend_shard is not FullAttention.attend_shard  # a variant's keys: never the ring
+            y = None  # (B, H, t, D)
+            if shard.attention is not None and doc_start is None and not own_rule:
+                y = shard.attention(q, k, v, cfg.head_dim**-0.5)  # on the group's ring, where it runs
+            if y is None:  # over the gathered keys
+                y = self.attend_shard(q, shard.gather(k), shard.gather(v), shard, doc_start)
         else:
             y = self.attend(q, k, v, start_pos or 0, doc_start)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)  # (B, T, H*D)

@@ -47,10 +47,10 @@ class SequenceShard:
         a group calls it in the same order (a collective). The identity with one rank: `x[None]`.
     rope: the RoPE tables (cos, sin), (T, D) each, of the whole sequence, for what rotates at positions of other
         ranks (NSA's compressed keys); set by the model (`with_rope`).
-    attention: (q (B, H, t, D), k, v (B, KV, t, D), scale) -> (B, H, t, D): causal attention of this shard's
-        queries over the whole sequence's keys, given this shard's keys and values, computed by the group (a
-        ring: training/parallel.py `ring_attention`); a collective like `all_gather`. None: the model gathers the
-        keys (`gather`) and attends itself.
+    attention: (q (B, H, t, D), k, v (B, KV, t, D), scale) -> (B, H, t, D) or None: causal attention of this
+        shard's queries over the whole sequence's keys, given this shard's keys and values, computed by the group
+        (a ring: training/parallel.py `ring_attention`, for the `balanced_spans` layouts only); a collective like
+        `all_gather`. It, or the field, None: the model gathers the keys (`gather`) and attends itself.
     """
 
     length: int

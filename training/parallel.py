@@ -24,6 +24,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -125,40 +126,39 @@ def context_shard(rt: Runtime, length: int, traffic: Traffic | None = None, ring
 
 
 def ring_attention_applies(device: torch.device) -> bool:
-    """Whether causal full attention over a sequence shard runs on PyTorch's ring attention (`ring_attention`)
-    rather than on keys and values all-gathered by the model: on CUDA, where it is PyTorch's own context-parallel
-    engine, with the keys and values of one chunk pair in flight at a time and the next pass overlapping the
-    current chunk's attention. Elsewhere (gloo on CPUs) the all-gather, whose engine the memory estimate models."""
+    """By device, whether causal full attention over a sequence shard runs on PyTorch's ring attention
+    (`ring_attention`) rather than on keys and values all-gathered by the model: on CUDA, where it is PyTorch's own
+    context-parallel engine, with the keys and values of one chunk pair in flight at a time and the next pass
+    overlapping the current chunk's attention. Elsewhere (gloo on CPUs) the all-gather, the engine the memory
+    estimate models. The model gathers also where the ring cannot run (documents, NSA, `ring_attention` None)."""
     return device.type == "cuda"
 
 
 # The flash kernels the ring runs on each pair of chunks, (forward, backward) by device type, and the CUDA forward's
-# results after (out, lse) that its backward takes back, by name. The CPU's forward returns (out, lse) alone.
+# results after (out, lse) that its backward takes back, by name (its last, the debug mask, is not). The CPU's
+# forward returns (out, lse) alone.
 _RING_KERNELS = {
-    "cuda": (torch.ops.aten._scaled_dot_product_flash_attention,
+    "cuda": (torch.ops.aten._scaled_dot_product_flash_attention.default,
              torch.ops.aten._scaled_dot_product_flash_attention_backward.default),
-    "cpu": (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward),
+    "cpu": (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default),
 }
 _CUDA_STATE = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup,
-                   traffic: Traffic | None = None) -> Tensor:
+                   traffic: Traffic | None = None) -> Tensor | None:
     """Causal attention of this rank's queries q (B, H, t, D) over the whole sequence's keys, given this rank's
     keys and values k, v (B, KV, t, D) (KV divides H), the ranks of `group` holding chunks r and 2N - 1 - r of 2N
-    (`balanced_spans`): PyTorch's ring attention, each rank's keys and values passed round the group and each
-    pair of chunks attended on the device's flash kernel, partial outputs merged by log-sum-exp (in float32 for
-    half-precision inputs, otherwise in their dtype); backward passes the keys round again and their gradients
-    after them. Exact up to the order of sums. Returns (B, H, t, D).
-
-    ValueError on CUDA when its flash kernel cannot take the inputs (half precision, a head_dim that is a multiple
-    of 8, at most 256)."""
-    if q.device.type == "cuda" and (q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] % 8
-                                    or q.shape[-1] > 256):
-        raise ValueError("full attention over a sequence shard (--context_parallel) runs on CUDA's flash kernel, "
-                         "which needs bfloat16 or float16 and a head_dim that is a multiple of 8, at most 256: train "
-                         "with --dtype bfloat16")
+    in group-rank order (`balanced_spans`, as `context_shard` lays them out): PyTorch's ring attention, each
+    rank's keys and values passed round the group and each pair of chunks attended on the device's flash kernel,
+    partial outputs merged by log-sum-exp (in float32 for half-precision inputs, otherwise in their dtype);
+    backward passes the keys round again and their gradients after them. Exact up to the order of sums. Returns
+    (B, H, t, D), or None on CUDA where its flash kernel cannot take the inputs as they are (it needs bfloat16 or
+    float16 and a head_dim that is a multiple of 8, at most 256, on a GPU it supports): the caller then gathers."""
+    if q.device.type == "cuda" and (q.shape[-1] % 8 or not can_use_flash_attention(
+            SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1]))):
+        return None
     return _RingAttention.apply(q, k, v, scale, group, traffic)
 
 
@@ -186,12 +186,12 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: dist.ProcessGroup,
                 traffic: Traffic | None) -> Tensor:
         forward_kernel, _ = _RING_KERNELS[q.device.type]
-        with _ring_options(q.dtype) as ring:
+        with _ring_options(q.dtype) as ring:  # out (B, H, t, D) in q's dtype, lse (B, H, t) float32
             out, lse, *state = ring._templated_ring_attention(group, 2, forward_kernel, q, k, v, is_causal=True,
                                                                dropout_p=0.0, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.group, ctx.traffic = scale, group, traffic
-        ctx.state = dict(zip(_CUDA_STATE, state, strict=False))  # empty on the CPU
+        ctx.state = dict(zip(_CUDA_STATE, state[:len(_CUDA_STATE)], strict=False))  # empty on the CPU
         if traffic is not None:
             traffic.gathered += (dist.get_world_size(group) - 1) * 2 * k.numel() * k.element_size()
             traffic.gathers += 1
@@ -201,7 +201,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         _, backward_kernel = _RING_KERNELS[q.device.type]
-        with _ring_options(q.dtype) as ring:
+        with _ring_options(q.dtype) as ring:  # dq (B, H, t, D), dk, dv (B, KV, t, D) in the inputs' dtypes
             dq, dk, dv, *_ = ring._templated_ring_attention_backward(
                 ctx.group, 2, backward_kernel, grad.contiguous(), "grad_out", q, k, v, out, lse, is_causal=True,
                 dropout_p=0.0, scale=ctx.scale, **ctx.state)
