@@ -25,6 +25,7 @@ import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d colle
 from training.cli import check_writable
 from training.estimate import StepConfig, _quiet, estimate, measure, plot, report_text, warm_up_step
 from training.fit import check_fit
+from training.modes import settle_mode
 from training.options import build_parser as build_train_parser
 from training.options import (
     check_effects,
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             check_writable(Path(args["plot"]), "--plot")
         resolved = resolve_config(cfg, torch.device("cuda"), log=_quiet)
         check_effects(resolved, given, torch.device("cuda"), log=_quiet)  # the options of the run estimated
+        resolved = settle_mode(resolved, given)  # with --adapter, its geometry
         config = StepConfig(resolved, args["world_size"], args["gpu_memory"])
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))

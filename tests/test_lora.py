@@ -19,7 +19,7 @@ import train
 from model import Transformer
 from modeling.config import ModelConfig
 from training.lora import apply_lora, init_lora, lora_layers, merge_lora_
-from training.modes import finetune_mode
+from training.modes import settle_mode
 from training.options import TrainConfig
 
 
@@ -77,7 +77,7 @@ def test_lora_run_trains_and_checkpoints_only_the_adapters(qwen3, tmp_path: Path
     config = json.loads((tmp_path / "e" / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, ["q_proj", "up_proj", "v_proj"])
     with pytest.raises(ValueError, match="--lora_rank 8 differs from the adapters in .* \\(4\\); leave it out"):
-        finetune_mode(TrainConfig(finetune="lora", lora_rank=8, adapter=str(tmp_path / "d" / "adapter")))
+        settle_mode(TrainConfig(finetune="lora", lora_rank=8, adapter=str(tmp_path / "d" / "adapter")))
     with pytest.raises(ValueError, match="--lora_rank 16 differs from the adapters in .* \\(4\\)"):  # its default
         train.main([*run, "--max_steps", "1", "--lora_rank", "16", "--adapter", str(tmp_path / "d" / "adapter"),
                     "--out_dir", str(tmp_path / "f")])

@@ -129,9 +129,10 @@ def test_an_adapter_run_resumes_only_on_its_own_base(run_dir, data_dir, tmp_path
 
 
 def test_a_run_started_from_adapters_resumes_after_they_are_gone(run_dir, data_dir, tmp_path):
-    """A LoRA run started from --adapter DIR resumes from its checkpoint, which holds the adapters it trains, after
-    DIR is moved away (the --adapter it recorded is not read again), to the adapters it ends with uninterrupted,
-    bit for bit."""
+    """A LoRA run started from --adapter DIR resumes from its checkpoint, which holds the adapters it trains, and
+    its record, which holds their rank, alpha and targets, after DIR is moved away, or replaced by adapters of
+    another rank and alpha (the --adapter it recorded is not read again): to the adapters it ends with
+    uninterrupted, bit for bit."""
     from safetensors.torch import load_file
 
     lora = [*RUN, "--finetune", "lora", "--lr", "1e-2", "--data_dir", str(data_dir), "--init_from",
@@ -141,12 +142,17 @@ def test_a_run_started_from_adapters_resumes_after_they_are_gone(run_dir, data_d
     shutil.move(tmp_path / "first" / "adapter", start)
     train.main([*lora, "--max_steps", "3", "--adapter", str(start), "--out_dir", str(run)])
     whole = load_file(run / "adapter" / "adapter_model.safetensors")
-    for written in (run / "step-3", run / "adapter", run / "model", start):  # killed after step 2; DIR moved away
-        shutil.rmtree(written, ignore_errors=True)
-    (run / trainer.FINISHED_NAME).unlink()
-    assert train.main([*lora, "--max_steps", "3", "--resume", "--out_dir", str(run)])["step"] == 3
-    resumed = load_file(run / "adapter" / "adapter_model.safetensors")
-    assert resumed.keys() == whole.keys() and all(torch.equal(resumed[name], whole[name]) for name in whole)
+    other = ["--lora_rank", "4", "--lora_alpha", "64", "--max_steps", "1", "--out_dir", str(tmp_path / "other")]
+    train.main([*lora, *other])
+    for replaced in (False, True):
+        for written in (run / "step-3", run / "adapter", run / "model", start):  # killed after step 2, DIR moved
+            shutil.rmtree(written, ignore_errors=True)
+        (run / trainer.FINISHED_NAME).unlink()
+        if replaced:
+            shutil.copytree(tmp_path / "other" / "adapter", start)
+        assert train.main([*lora, "--max_steps", "3", "--resume", "--out_dir", str(run)])["step"] == 3
+        resumed = load_file(run / "adapter" / "adapter_model.safetensors")
+        assert resumed.keys() == whole.keys() and all(torch.equal(resumed[name], whole[name]) for name in whole)
 
 
 def test_a_failed_save_names_its_cause_and_the_last_checkpoint(data_dir, tmp_path, monkeypatch):

@@ -62,7 +62,7 @@ from nsa.primitive import exact_block_scores
 from storage.weights import stored_config
 from text.tokenizer import load_tokenizer
 from training import parallel, trainer
-from training.modes import finetune_mode
+from training.modes import finetune_mode, settle_mode
 from training.options import (
     DEFAULT_DATA_DIR,
     TOKENIZER_VOCAB,
@@ -94,7 +94,8 @@ class StepConfig:
     @classmethod
     def of(cls, world_size: int = 1, gpu_memory_gib: float | None = None, **options: object) -> StepConfig:
         """From train.py options, e.g. `StepConfig.of(model_size="4B", context_length=131072, world_size=2)`."""
-        return cls(resolve_config(TrainConfig(**options), torch.device("cuda"), log=_quiet), world_size, gpu_memory_gib)
+        cfg = settle_mode(resolve_config(TrainConfig(**options), torch.device("cuda"), log=_quiet), options)
+        return cls(cfg, world_size, gpu_memory_gib)
 
     def __post_init__(self) -> None:
         cfg = self.train

@@ -55,7 +55,8 @@ class FinetuneMode(Protocol):
     options: TrainConfig fields only this mode reads (another mode refuses them when they differ from the default);
     description: a phrase for summaries ("LoRA on a frozen base"). Optionally a static `settle(cfg, given)`: the
     options as the mode runs them (what its inputs fix, such as an adapter's rank), ValueError when one given (by
-    name in `given`, even at its default value) conflicts; trainer.resolve_run calls it, so the run records them."""
+    name in `given`, even at its default value) conflicts; `settle_mode` calls it where a run's options are resolved
+    (trainer.resolve_run, profile_memory.py), so the run records them and a resumed run keeps them."""
 
     name: ClassVar[str]
     frozen_base: ClassVar[bool]
@@ -109,8 +110,7 @@ class LoRA:
     name, frozen_base, description = "lora", True, "LoRA on a frozen base"
     options = ("lora_rank", "lora_alpha", "lora_targets", "quantize_base", "merge", "adapter")
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        cfg = self.settle(cfg, ())  # the adapters' own geometry (train.py's options are settled already)
+    def __init__(self, cfg: TrainConfig) -> None:  # cfg settled (`settle_mode`): with --adapter, its geometry
         self.rank, self.alpha, self.targets = cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets.split(","))
         self.quantize, self.merge, self.adapter, self.base = cfg.quantize_base, cfg.merge, cfg.adapter, cfg.init_from
         if self.quantize and self.merge:
@@ -226,6 +226,13 @@ def check_adapter_base(path: str | Path, base: dict) -> None:
         return f"{weights}, tokenizer {str(record.get('tokenizer'))[:12]}"
     raise ValueError(f"--adapter {path} was trained on another base ({name(recorded)}) than this run's "
                      f"({name(base)}): pass the --init_from (and tokenizer) it was trained on")
+
+
+def settle_mode(cfg: TrainConfig, given: Collection[str] = ()) -> TrainConfig:
+    """`cfg` with what its fine-tuning mode's inputs fix (the mode's optional `settle`: an --adapter's rank, alpha
+    and targets), ValueError when an option in `given` conflicts with them."""
+    settle = getattr(finetune_class(cfg.finetune), "settle", None)
+    return settle(cfg, given) if settle else cfg
 
 
 def finetune_mode(cfg: TrainConfig) -> FinetuneMode:

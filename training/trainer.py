@@ -52,7 +52,7 @@ from text.synthetic import SyntheticMix
 from text.tokenizer import HFTokenizer, Tokenizer, check_vocab
 from training.cli import exit_with_error
 from training.inputs import prepare_data
-from training.modes import FinetuneMode, cast_frozen_base, check_adapter_base, finetune_mode
+from training.modes import FinetuneMode, cast_frozen_base, check_adapter_base, finetune_mode, settle_mode
 from training.monitor import (
     Clock,
     Heartbeat,
@@ -80,7 +80,6 @@ from training.options import (
     check_model_size,
     continue_options,
     default_out_dir,
-    finetune_class,
     record,
     resolve_config,
 )
@@ -279,11 +278,12 @@ def resolve_run(cfg: TrainConfig, rt: Runtime, given: frozenset[str] | None = No
             dist.broadcast_object_list(out_dir, src=0)
         cfg = dataclasses.replace(cfg, out_dir=out_dir[0])
     check_run_directory(Path(cfg.out_dir), cfg.resume, cfg.init_from)
-    if cfg.resume and given is not None and (recorded := run_record(Path(cfg.out_dir))):
+    recorded = run_record(Path(cfg.out_dir)) if cfg.resume else None
+    if recorded and given is not None:
         cfg = continue_options(cfg, given, recorded)
     check_effects(cfg, given, rt.device, say)
-    if settle := getattr(finetune_class(cfg.finetune), "settle", None):  # what the mode's inputs fix, recorded
-        cfg = settle(cfg, given or frozenset())
+    if not recorded:  # what the mode's inputs fix, recorded (a resumed run keeps them: --adapter may be gone)
+        cfg = settle_mode(cfg, given or frozenset())
     return absolute_paths(cfg)
 
 
@@ -320,8 +320,8 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     4. the model, built and prepared by the mode (adapters exist before FSDP shards them), and the optimizer over
        what trains (the mode froze the rest);
     5. the base weights from --init_from (`load_base`; a frozen base always: checkpoints do not hold it), before
-    6. the mode's own initialisation (adapters from the seed or --adapter; quantization last: it replaces the
-       base weights that step 5 filled), before
+    6. the mode's own initialisation (adapters from the seed, or from --adapter unless a checkpoint is resumed;
+       quantization last: it replaces the base weights that step 5 filled), before
     7. resume, which overwrites everything that trains, the optimizer, the schedule and the data position; only
        then are checkpoints moved aside or pruned (`settle_checkpoints`)."""
     if cfg.context_parallel != rt.context_ranks:
