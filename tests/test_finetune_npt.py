@@ -4,6 +4,7 @@ equal to a run without the interruption), the adapters come out as npt.adapters'
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,15 @@ def test_npt_run_trains_and_checkpoints_only_the_np_parameters(qwen3, tmp_path: 
     again = load_file(tmp_path / "c" / ADAPTERS_NAME)
     for name, value in adapters.items():
         torch.testing.assert_close(again[name], value, rtol=0, atol=1e-9)
+    # A run started from --adapter resumes from its checkpoint after that file is gone: bitwise.
+    start = tmp_path / "start.safetensors"
+    shutil.copyfile(tmp_path / "a" / ADAPTERS_NAME, start)
+    whole = train.main([*run, "--max_steps", "2", "--checkpoint_interval", "1", "--adapter", str(start),
+                        "--out_dir", str(tmp_path / "d")])
+    start.unlink()
+    resumed = train.main([*run, "--max_steps", "2", "--out_dir", str(tmp_path / "d"), "--resume",
+                          str(tmp_path / "d" / "step-1")])
+    assert resumed["loss"] == whole["loss"]
 
 
 @pytest.mark.parametrize("options, match", [
