@@ -2,7 +2,6 @@
 gradient checkpointing. Tolerances: float64 comparisons at 1e-10; float32 model vs float64 reference at 1e-5."""
 
 import math
-import time
 
 import pytest
 import torch
@@ -115,10 +114,9 @@ def test_presets_have_qwen3_parameter_counts(name, published):
     per_layer = D * q + 2 * D * kv + q * D + 3 * D * cfg.ffn_dim + 2 * D + 2 * hd  # attn, mlp, 2 norms, qk-norm
     non_embedding = cfg.n_layers * per_layer + D  # + final norm
     embedding = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
-    start = time.perf_counter()
     with torch.device("meta"):
         model = Transformer(cfg)
-    assert time.perf_counter() - start < 10  # built on meta: no memory, no init
+    assert all(p.is_meta for p in model.parameters())  # built on meta: no memory, no init
     assert model.num_parameters() == non_embedding + embedding
     assert model.num_parameters(exclude_embeddings=True) == non_embedding
     assert model.num_parameters() == pytest.approx(published, rel=1e-3)
