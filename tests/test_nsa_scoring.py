@@ -581,8 +581,8 @@ def test_the_log_importance_keeps_blocks_far_below_the_best() -> None:
 
 
 def test_the_retrieval_recipe_is_one_config_file(data_dir: Path, tmp_path: Path) -> None:
-    """configs/nsa-retrieval.json trains NSA with the recipe's blocks and its selection-scoring loss: the model's
-    fields and objective as the file says, the loss's term in the metrics."""
+    """configs/nsa-retrieval.json trains NSA with the recipe's blocks, its selection-scoring loss and its warm-up of
+    exact selection: the model's fields, objective and warm-up as the file says, the loss's term in the metrics."""
     import json
 
     import train
@@ -596,6 +596,7 @@ def test_the_retrieval_recipe_is_one_config_file(data_dir: Path, tmp_path: Path)
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert {k: record["model"][k] for k in recipe["model_overrides"]} == recipe["model_overrides"]
     assert record["train"]["nsa_score_loss_coef"] == 0.1 and record["model"]["attention_type"] == "nsa"
+    assert record["train"]["nsa_exact_selection_steps"] == recipe["nsa_exact_selection_steps"] == 200  # warm-up
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert any(m.get("aux_loss", 0) > 0 for m in metrics)
 
