@@ -10,13 +10,15 @@ its best key (benchmarks/nsa_branch_ablation.py: the ceiling of its selection); 
     python benchmarks/passkey_grid.py --lengths 4096 8192 --seeds 0 1 2 3 4  # on one H200: minutes a run
     python benchmarks/passkey_grid.py --lengths 4096 --form --nsa_score_loss_coef 0.1   # another form: the dense
                                                                                         # target alone, at lr 3e-3
+    python benchmarks/passkey_grid.py --lengths 4096 --steps 400 --batch_size 2 --types nsa  # on 2 CPU cores:
+                                                                            # 8k tokens a step, as at 1024 tokens
 
 The NSA model is recall_experiment.py's best-reading variant (one K/V set, mean compressor, blocks of 8, 18 selected;
-copying learned with blocks of 32); `--form` passes its options to every NSA stage after the copying one (default:
-the recommended form of docs/nsa.md, the score loss's dense target at 0.1 with exact selection for the first 200
-steps, at lr 1e-3). A stage whose run directory holds a finished run (its model export) is reused, so
-an interrupted grid continues. Long stages run 400 steps of 8 sequences (`--steps`, `--batch_size`) at lr 3e-3, or
-the form's (1e-3 by default).
+copying learned with blocks of 32); `--form` passes its options to NSA's long stages (default: the recommended form
+of docs/nsa.md, configs/nsa-retrieval.json's: the score loss at 0.1 on candidate blocks of every 8th query, with
+exact selection for the first 200 steps, at lr 1e-3). A stage whose run directory holds a finished run (its model
+export) is reused, so an interrupted grid continues. Long stages run 400 steps of 8 sequences (`--steps`,
+`--batch_size`) at lr 3e-3, or the form's (1e-3 by default).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ BLOCKS = {"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8, "nsa
 NSA = {"qk_norm": False, "nsa_separate_kv": False, "nsa_compressor": "mean", **BLOCKS}
 COPY = {"nsa_block_size": 32, "nsa_stride": 16, "nsa_select_block_size": 32, "nsa_num_selected": 6}
 MODEL = Path("model") / "config.json"  # a finished run's export
-FORM = ["--nsa_score_loss_coef", "0.1", "--nsa_exact_selection_steps", "200", "--lr", "1e-3"]  # docs/nsa.md's
+FORM = ["--nsa_score_loss_coef", "0.1", "--nsa_score_loss_stride", "8", "--nsa_score_loss_top", "24",  # docs/nsa.md's
+        "--nsa_score_loss_random", "8", "--nsa_exact_selection_steps", "200", "--lr", "1e-3"]
 PASSKEY = ["--synthetic_mix", "1.0", "--synthetic_task", "passkey", "--answer_loss", "--checkpoint_interval", "0",
            "--sample_tokens", "0", "--lr", "3e-3"]
 

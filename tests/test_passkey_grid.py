@@ -35,13 +35,16 @@ def test_the_plan_is_the_recipe_for_each_type_length_and_seed(capsys):
 
 
 def test_the_default_form_is_the_recommended_recipe(capsys):
-    """Without --form NSA's long stages take docs/nsa.md's recipe (the dense target, exact selection for the first
-    200 steps, lr 1e-3); full attention's keep lr 3e-3 and no NSA option."""
+    """Without --form NSA's long stages take docs/nsa.md's recipe (configs/nsa-retrieval.json's loss and warm-up,
+    at lr 1e-3); full attention's keep lr 3e-3 and no NSA option."""
     GRID["main"](["--dry_run", "--lengths", "1024", "--seeds", "0", "--out_dir", "grid"])
     commands = [shlex.split(line.removeprefix("would run: ")) for line in capsys.readouterr().out.splitlines()]
     runs = [parse_config(cmd[2:]) for cmd in commands if cmd[1] == "train.py" and "1024" in cmd]
     nsa, full = runs  # NSA's first (--types nsa full)
-    assert (nsa.nsa_score_loss_coef, nsa.nsa_exact_selection_steps, nsa.lr) == (0.1, 200, 1e-3)
+    recipe = parse_config(["--config", "configs/nsa-retrieval.json"])
+    form = ("nsa_score_loss_coef", "nsa_score_loss_stride", "nsa_score_loss_top", "nsa_score_loss_random",
+            "nsa_exact_selection_steps")
+    assert [getattr(nsa, name) for name in form] == [getattr(recipe, name) for name in form] and nsa.lr == 1e-3
     assert (full.nsa_score_loss_coef, full.nsa_exact_selection_steps, full.lr) == (0.0, 0, 3e-3)
 
 
