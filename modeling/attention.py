@@ -183,10 +183,10 @@ class FullAttention(nn.Module):
                 raise RuntimeError("start_pos was given but no KV cache is set up; call model.setup_kv_cache()")
             k, v = self.cache.update(start_pos, k, v)  # (B, KV, S, D), S = start_pos + T
         if shard is not None:
-            if type(self).attend is not FullAttention.attend and type(self).attend_shard is FullAttention.attend_shard:
+            own_rule = type(self).attend_shard is not FullAttention.attend_shard  # a variant's keys: never the ring
+            if type(self).attend is not FullAttention.attend and not own_rule:
                 raise ValueError(f"{type(self).__name__} overrides attend (which keys a query sees), and a sequence "
                                  "shard would bypass it: override attend_shard too, or leave out --context_parallel")
-            own_rule = type(self).attend_shard is not FullAttention.attend_shard  # a variant's keys: never the ring
             y = None  # (B, H, t, D)
             if shard.attention is not None and doc_start is None and not own_rule:
                 y = shard.attention(q, k, v, cfg.head_dim**-0.5)  # on the group's ring, where it runs

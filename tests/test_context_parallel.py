@@ -155,24 +155,33 @@ def test_ring_attention_equals_one_process(context_ranks: int, world_size: int) 
     run_distributed(_parity, context_ranks, True, world_size=world_size)
 
 
+def _whole_attention(heads: int, length: int, head_dim: int, seed: int
+                     ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """Random q (2, heads, length, head_dim), k, v (2 key/value heads) and an output gradient in
+    float64, and the whole sequence's causal attention over them with its gradients: ([q, k, v], grad, [out, dq,
+    dk, dv])."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, length, head_dim, generator=generator, dtype=torch.float64) for h in (heads, 2, 2))
+    grad = torch.randn(2, heads, length, head_dim, generator=generator, dtype=torch.float64)
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
+    out.backward(grad)
+    return [q, k, v], grad, [out.detach(), *(x.grad for x in whole)]
+
+
 def _ring_in_half_precision() -> None:
     """`parallel.ring_attention` in bfloat16 (merges and gradient sums in float32, as on CUDA) against the whole
     sequence's attention in float64: within bfloat16's rounding of inputs and outputs (relative 2e-2 of each
     result's norm); its traffic as counted: the keys and values passed N - 1 times forward and backward, their
     gradients N times in float32."""
     rt = parallel.init_runtime(2)
-    generator = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, heads, 64, 16, generator=generator, dtype=torch.float64) for heads in (4, 2, 2))
-    grad = torch.randn(2, 4, 64, 16, generator=generator, dtype=torch.float64)
-    whole = [x.clone().requires_grad_() for x in (q, k, v)]
-    torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True).backward(grad)
+    (q, k, v), grad, expected = _whole_attention(4, 64, 16, seed=2)
     mine = torch.cat([torch.arange(first, end) for first, end in balanced_spans(64, 2, rt.rank)])
     local = [x[:, :, mine].bfloat16().requires_grad_() for x in (q, k, v)]
     traffic = parallel.Traffic()
     out = parallel.ring_attention(*local, 16**-0.5, rt.context_group, traffic)
     out.backward(grad[:, :, mine].bfloat16())
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    for got, want in ((out, expected), *((x.grad, y.grad) for x, y in zip(local, whole, strict=True))):
+    for got, want in zip((out, *(x.grad for x in local)), expected, strict=True):
         want = want[:, :, mine]
         assert (got.double() - want).norm() <= 2e-2 * want.norm(), (got - want).abs().max()
     kv_bytes = 2 * local[1].numel() * 2
@@ -320,17 +329,12 @@ def _ring_kernels_on_cuda() -> None:
     within bfloat16's rounding; float32 inputs, which the kernel cannot take, are left to the gathered keys (None).
     (The passes between ranks are the CPU tests'; a GPU each for them needs more than one GPU.)"""
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    generator = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, heads, 256, 64, generator=generator, dtype=torch.float64) for heads in (8, 2, 2))
-    grad = torch.randn(2, 8, 256, 64, generator=generator, dtype=torch.float64)
-    whole = [x.clone().requires_grad_() for x in (q, k, v)]
-    expected = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
-    expected.backward(grad)
+    (q, k, v), grad, expected = _whole_attention(8, 256, 64, seed=3)
     local = [x.cuda().bfloat16().requires_grad_() for x in (q, k, v)]
     out = parallel.ring_attention(*local, 64**-0.5, dist.group.WORLD)
     out.backward(grad.cuda().bfloat16())
-    for got, want in ((out, expected), *((x.grad, y.grad) for x, y in zip(local, whole, strict=True))):
-        assert (got.double().cpu() - want.detach()).norm() <= 2e-2 * want.norm()
+    for got, want in zip((out, *(x.grad for x in local)), expected, strict=True):
+        assert (got.double().cpu() - want).norm() <= 2e-2 * want.norm()
     assert parallel.ring_attention(*(x.detach().float() for x in local), 64**-0.5, dist.group.WORLD) is None
     dist.destroy_process_group()
 
