@@ -72,12 +72,15 @@ from nsa.blocks import (
     pool_to_selection_blocks,
     select_blocks,
 )
+from nsa.packing import DocumentBlocks, QueryRanges, query_ranges
 from nsa.primitive import exact_scores_active, triton_ready
 from nsa.torch_path import MaskedAttention, Selection, Window, written
 
 if TYPE_CHECKING:
     from modeling.config import ModelConfig
     from nsa.triton_path import GatedGrad, TritonSelection
+
+_Documents = tuple[DocumentBlocks, QueryRanges]  # packed documents' geometry and each query's ranges
 
 
 # ---- one chunk: the three branches ------------------------------------------------------------------------------
@@ -87,15 +90,20 @@ class _Chunk:
     """The three branches of one query chunk: q (B, H, Q, D) at positions [q_start, q_start + Q); compressed keys
     and values (B, KV, Nc', D) it can see (Nc' >= 0), the selection blocks (B, KV, Nsb, l', D) and its window keys
     (B, KV, W, D) at positions [win_start, win_start + W). Every branch attends q as (B, KV, G*Q, D) rows
-    (head-major: row g*Q + i is head g of query i)."""
+    (head-major: row g*Q + i is head g of query i).
+
+    Packed documents (`documents`, on the Triton kernels, one chunk of all T queries from position 0): the
+    compressed keys are on the virtual axis of nsa/packing.py, k_blocks and v_blocks are the selection keys and
+    values themselves (B, KV, T, D), and each query's ranges come from the documents' `QueryRanges`."""
 
     def __init__(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
-                 v_win: Tensor, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig) -> None:
+                 v_win: Tensor, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig,
+                 documents: _Documents | None = None) -> None:
         B, H, Q, D = q.shape
         KV = k_cmp.shape[1]
         G = H // KV
-        l, d, w = config.nsa_block_size, config.nsa_stride, config.nsa_window
-        self.config, self.q_start, self.scale = config, q_start, D**-0.5
+        l, d, w, l_sel = config.nsa_block_size, config.nsa_stride, config.nsa_window, config.nsa_select_block_size
+        self.config, self.q_start, self.scale, self.documents = config, q_start, D**-0.5, documents
         self.k_cmp, self.v_cmp, self.k_blocks, self.v_blocks = k_cmp, v_cmp, k_blocks, v_blocks
         self.q_heads = q.reshape(B, KV, G * Q, D)  # (B, KV, G*Q, D)
         self.shape = (B, KV, G, Q, D)
@@ -103,12 +111,18 @@ class _Chunk:
         # Compression: block i visible to t iff i*d + l - 1 <= t. The first l - 1 positions see no block: they are
         # shown block 0 (no empty row) and their output is zeroed (`n_empty` rows, only in the first chunk).
         self.n_empty = min(Q, max(0, l - 1 - q_start))
+        self.n_blocks = k_blocks.shape[2]  # selection blocks
+        self.n_select = (q_start + Q - 1) // l_sel + 1  # of which the chunk's queries may choose the first n_select
         self.triton = triton_ready(q, compute)
+        if documents is not None:
+            self._packed(documents, k_win, v_win)
+            return
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
-            from nsa.triton_path import RangeAttention
+            from nsa.triton_path import RangeAttention, TopNRanges
 
             self.n_visible = ((q_pos - (l - 1)).div(d, rounding_mode="floor") + 1).clamp(min=0)  # (Q,) blocks seen
             shown = self.n_visible.clamp(min=1)  # block 0 shown to the first l - 1 positions
+            self.top_n = TopNRanges.uniform(self.n_visible, q_start, l_sel)
             self.compression = RangeAttention(self.q_heads, k_cmp, v_cmp, torch.zeros_like(shown), shown, self.scale)
             window_lo = (q_pos - w + 1).clamp(min=win_start) - win_start  # (Q,) into k_win
             self.window = RangeAttention(self.q_heads, k_win, v_win, window_lo, q_pos + 1 - win_start, self.scale)
@@ -130,13 +144,42 @@ class _Chunk:
                 causal = torch.arange(S, device=q.device) <= q_pos.repeat(G)[:, None]  # (G*Q, S)
                 self.prefix = MaskedAttention(self.q_heads, k_all, v_all, additive_mask(causal, q.dtype), self.scale)
 
+    def _packed(self, documents: _Documents, k_win: Tensor, v_win: Tensor) -> None:
+        """The branches of packed documents' queries (see the class docstring): each query's compressed slots,
+        window and selection blocks from its document's ranges; the queries that see no compressed block yet (the
+        first l - 1 of each document) are shown their document's first slot and their output is zeroed (`empty`)."""
+        from nsa.triton_path import BlockTable, RangeAttention, TopNRanges
+
+        blocks, ranges = documents
+        self.empty = ranges.cmp_hi == ranges.cmp_lo  # (B, Q)
+        self.n_blocks = self.n_select = blocks.n_blocks
+        self.all_selected = False
+        self.top_n = TopNRanges(ranges.cmp_lo, ranges.cmp_hi, ranges.block0, ranges.own)
+        self.table = BlockTable(blocks.block_start, blocks.block_end, ranges.own, self.config.nsa_select_block_size)
+        shown = torch.maximum(ranges.cmp_hi, ranges.cmp_lo + 1)
+        self.compression = RangeAttention(self.q_heads, self.k_cmp, self.v_cmp, ranges.cmp_lo, shown, self.scale)
+        self.window = RangeAttention(self.q_heads, k_win, v_win, ranges.window_lo,
+                                     (self.q_pos + 1).expand_as(ranges.window_lo), self.scale)
+
+    def _zero_empty(self, x: Tensor) -> None:
+        """Zeroes x (B, H, Q, *E) at the queries that see no compressed block (their compression output is 0)."""
+        if self.documents is None:
+            x[:, :, : self.n_empty] = 0
+        else:
+            x.masked_fill_(self.empty.view(x.shape[0], 1, -1, *[1] * (x.dim() - 3)), 0)
+
     def _selection(self, idx: Tensor) -> Selection | TritonSelection:
         """The selection branch over the blocks idx (B, KV, Q, n): `Selection`, or the Triton kernels
         (`nsa.triton_path.TritonSelection`, same interface) when they run and l' suits them (`_triton_selects`)."""
-        if self.triton and _triton_selects(self.k_blocks.shape[3]):
-            from nsa.triton_path import TritonSelection
+        l_sel = self.config.nsa_select_block_size
+        if self.triton and _triton_selects(l_sel):
+            from nsa.triton_path import BlockTable, TritonSelection
 
-            return TritonSelection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
+            if self.documents is not None:  # the keys themselves, read at each block's first position
+                return TritonSelection(self.q_heads, self.k_blocks, self.v_blocks, self.table, idx, 0, self.scale)
+            table = BlockTable.uniform(self.q_start, self.shape[3], l_sel, idx.device)
+            return TritonSelection(self.q_heads, self.k_blocks.flatten(2, 3), self.v_blocks.flatten(2, 3), table, idx,
+                                   self.q_start, self.scale)
         return Selection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
 
     def _pooled(self, p: Tensor, n_select: int) -> Tensor:
@@ -171,7 +214,7 @@ class _Chunk:
             o, o_lse, p = attend_explicit(c.q, c.k, c.v, c.mask, c.scale)  # p (B, KV, G*Q, Nc')
             written((o, o_lse), out, lse)
             importance = self._pooled(p, n_select)
-        out.view(B, KV, G, Q, D)[:, :, :, : self.n_empty] = 0
+        self._zero_empty(out.view(B, KV * G, Q, D))
         return importance
 
     def _compression_and_selection(self, n_select: int, out: Tensor, lse: Tensor) -> Tensor:
@@ -179,14 +222,14 @@ class _Chunk:
         first n_select, idx (B, KV, Q, n) with unused slots holding Nsb: on the Triton kernels top-n fused with the
         importance scores, which never reach memory (`nsa.triton_path.select_top_blocks`); else `select_blocks`
         of `_compression`'s scores."""
-        cfg, n, n_blocks = self.config, self.config.nsa_num_selected, self.k_blocks.shape[2]
+        cfg, n, n_blocks = self.config, self.config.nsa_num_selected, self.n_blocks
         if self.triton and self.k_cmp.shape[2] > 0 and not exact_scores_active():
             from nsa.triton_path import select_top_blocks
 
             self._compression(None, out, lse)
             geometry = (cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size)
-            return select_top_blocks(self.q_heads, self.k_cmp, lse, self.n_visible, geometry, n_select, self.q_start,
-                                     n, n_blocks, self.scale)
+            return select_top_blocks(self.q_heads, self.k_cmp, lse, self.top_n, geometry, n_select, n, n_blocks,
+                                     self.scale)
         importance = self._compression(n_select, out, lse)
         idx, valid = select_blocks(importance, self.q_pos, cfg.nsa_select_block_size, n)  # (B, KV, Q, n')
         return F.pad(idx.masked_fill(~valid, n_blocks), (0, n - idx.shape[-1]), value=n_blocks)
@@ -196,8 +239,7 @@ class _Chunk:
         the outputs and lse written into the given tensors when there are; unused slots of the selection hold
         Nsb."""
         cfg, (B, KV, G, Q, D) = self.config, self.shape
-        l_sel, n = cfg.nsa_select_block_size, cfg.nsa_num_selected
-        n_blocks = self.k_blocks.shape[2]
+        l_sel, n, n_blocks = cfg.nsa_select_block_size, cfg.nsa_num_selected, self.n_blocks
         if outs is None:
             outs = self.q_heads.new_empty(3, B, KV, G * Q, D)
             lses = self.q_heads.new_empty(3, B, KV, G * Q, dtype=torch.promote_types(outs.dtype, torch.float32))
@@ -208,7 +250,7 @@ class _Chunk:
             idx = idx.expand(B, KV, Q, n)
             self.prefix.forward(outs[1], lses[1])
         else:
-            idx = self._compression_and_selection((self.q_start + Q - 1) // l_sel + 1, outs[0], lses[0])
+            idx = self._compression_and_selection(self.n_select, outs[0], lses[0])
             self._selection(idx).forward(outs[1], lses[1])
         self.window.forward(outs[2], lses[2])
         return outs, lses, idx
@@ -230,15 +272,17 @@ class _Chunk:
             offsets = row_offsets(grad_out)
 
         def branch_grad(s: int, fused: bool = self.triton) -> Tensor | GatedGrad:
-            """The gradient of branch s's output, gate * grad_out, zero for the rows whose output is a constant:
-            (B, KV, G*Q, D), or for the Triton kernels a `GatedGrad` that they read without forming it."""
-            zero = self.n_empty if s == 0 else 0
+            """The gradient of branch s's output, gate * grad_out, zero for the rows whose output is a constant
+            (`_zero_empty`, compression): (B, KV, G*Q, D), or for the Triton kernels a `GatedGrad` that they read
+            without forming it."""
             if fused:
                 gate = gates[..., s].clone(memory_format=torch.contiguous_format)  # (B, H, Q)
-                gate[:, :, :zero] = 0
+                if s == 0:
+                    self._zero_empty(gate)
                 return GatedGrad(grad_out, offsets, gate.flatten())
             grad = torch.mul(grad_out, gates[..., s, None], out=grad_out.new_empty(B, KV * G, Q, D))
-            grad[:, :, :zero] = 0
+            if s == 0:
+                self._zero_empty(grad)
             return grad.view(B, KV, G * Q, D)
 
         dq = dk_cmp = dv_cmp = None
@@ -251,6 +295,8 @@ class _Chunk:
         else:
             selection = self._selection(idx)
             fused = not isinstance(selection, Selection)
+            if fused and self.documents is None:  # the Triton kernels add into the keys' layout (B, KV, S, D)
+                grad_blocks = tuple(g.flatten(2, 3) for g in grad_blocks)
             dq = selection.backward(branch_grad(1, fused), outs[1], lses[1], *grad_blocks, dq)
             del selection  # its lists of blocks
         dq, dk_win, dv_win = self.window.backward(branch_grad(2), outs[2], lses[2], dq)
@@ -290,9 +336,13 @@ class _Span(NamedTuple):
     win_start: int
 
 
-def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, chunk: int) -> list[_Span]:
+def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, chunk: int, n_cmp: int | None = None
+           ) -> list[_Span]:
     """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start,
-    `chunk` queries each."""
+    `chunk` queries each; n_cmp given (packed documents): one chunk seeing all n_cmp compressed slots and all T
+    keys."""
+    if n_cmp is not None:
+        return [_Span(slice(0, T), n_cmp, slice(0, T), 0, 0)]
     l, d, w = config.nsa_block_size, config.nsa_stride, config.nsa_window
     spans = []
     for c0 in range(0, T, chunk):
@@ -305,11 +355,20 @@ def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, chunk: int
 
 
 def _chunk(span: _Span, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
-           v_win: Tensor, config: ModelConfig, compute: ComputeConfig) -> _Chunk:
+           v_win: Tensor, config: ModelConfig, compute: ComputeConfig, documents: _Documents | None = None) -> _Chunk:
     """The `_Chunk` of one span; arguments as in `_SparseAttention.forward`, the selection keys/values as blocks
-    (`as_blocks`)."""
+    (`as_blocks`; with documents the keys/values themselves)."""
     return _Chunk(q[:, :, span.queries], k_cmp[:, :, : span.n_cmp], v_cmp[:, :, : span.n_cmp], k_blocks, v_blocks,
-                  k_win[:, :, span.window], v_win[:, :, span.window], span.q_start, span.win_start, config, compute)
+                  k_win[:, :, span.window], v_win[:, :, span.window], span.q_start, span.win_start, config, compute,
+                  documents)
+
+
+def _selection_keys(k_slc: Tensor, v_slc: Tensor, l_sel: int, documents: _Documents | None) -> tuple[Tensor, Tensor]:
+    """The selection keys and values as `_Chunk` reads them: blocks (B, KV, Nsb, l', D) (`as_blocks`), or with
+    packed documents the keys and values themselves (B, KV, S, D), read at each block's first position."""
+    if documents is not None:
+        return k_slc.contiguous(), v_slc.contiguous()
+    return as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)
 
 
 def _workers(q: Tensor, compute: ComputeConfig, n_chunks: int) -> int:
@@ -386,22 +445,22 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                 v_win: Tensor, gates: Tensor, config: ModelConfig, compute: ComputeConfig, q_start: int,
-                win_start: int, grad_enabled: bool) -> Tensor:
+                win_start: int, documents: _Documents | None, grad_enabled: bool) -> Tensor:
         B, H, T, D = q.shape
         KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
-        k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
+        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents)
         keep = grad_enabled and any(ctx.needs_input_grad)  # (forward itself runs with grad mode off)
-        chunk = _query_chunk(q, config, compute, keep)
+        chunk = T if documents is not None else _query_chunk(q, config, compute, keep)
         whole = chunk >= T
         out = torch.empty_like(q)  # (B, H, T, D)
         outs = q.new_empty(3, B, H, T, D) if keep else None
         lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
         idx = q.new_empty(B, KV, T, n, dtype=torch.long) if keep else None
-        spans = _spans(T, q_start, win_start, config, chunk)
+        spans = _spans(T, q_start, win_start, config, chunk, k_cmp.shape[2] if documents is not None else None)
 
         def run(worker: int, c: int) -> None:
             qs = spans[c].queries
-            chunk = _chunk(spans[c], q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, config, compute)
+            chunk = _chunk(spans[c], q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, config, compute, documents)
             # one chunk writes its branches where they are kept; chunks write their own and are copied there
             into = (outs.view(3, B, KV, -1, D), lses.view(3, B, KV, -1)) if keep and whole else ()
             o, lse, chunk_idx = chunk.forward(*into)  # (3, B, KV, G*Q, D), (3, B, KV, G*Q), (B, KV, Q, n)
@@ -415,7 +474,7 @@ class _SparseAttention(torch.autograd.Function):
         _for_each_chunk(len(spans), _workers(q, compute, len(spans)), run)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, outs, lses, idx)
         ctx.config, ctx.compute, ctx.q_start, ctx.win_start = config, compute, q_start, win_start
-        ctx.chunk, ctx.whole = chunk, whole
+        ctx.chunk, ctx.whole, ctx.documents = chunk, whole, documents
         return out
 
     @staticmethod
@@ -424,10 +483,12 @@ class _SparseAttention(torch.autograd.Function):
         config, compute, l_sel = ctx.config, ctx.compute, ctx.config.nsa_select_block_size
         B, H, T, D = q.shape
         KV = k_cmp.shape[1]
-        k_blocks, v_blocks = as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)  # (B, KV, Nsb, l', D)
+        documents = ctx.documents
+        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents)
         g_q = None if ctx.whole else torch.empty_like(q)  # chunks' queries are disjoint: each written once
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
-        spans = _spans(T, ctx.q_start, ctx.win_start, config, ctx.chunk)
+        spans = _spans(T, ctx.q_start, ctx.win_start, config, ctx.chunk,
+                       k_cmp.shape[2] if documents is not None else None)
         workers = _workers(q, compute, len(spans))
         # per worker: gradients of k_cmp, v_cmp, k_win, v_win (made by the first chunk: `_add_part`), the blocks'
         sums: list[list[Tensor | None]] = [[None] * 4 + [torch.zeros_like(t) for t in (k_blocks, v_blocks)]
@@ -437,7 +498,7 @@ class _SparseAttention(torch.autograd.Function):
             nonlocal g_q
             qs, n_cmp, ws = spans[c].queries, spans[c].n_cmp, spans[c].window
             mine = sums[worker]
-            chunk = _chunk(spans[c], q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, config, compute)
+            chunk = _chunk(spans[c], q, k_cmp, v_cmp, k_blocks, v_blocks, k_win, v_win, config, compute, documents)
             for s in range(3):
                 g_gates[:, :, qs, s] = torch.einsum("bhqd,bhqd->bhq", grad_out[:, :, qs], outs[s, :, :, qs])
             dq, dk_cmp, dv_cmp, dk_win, dv_win = chunk.backward(
@@ -463,14 +524,14 @@ class _SparseAttention(torch.autograd.Function):
                                   for t, like in zip(totals[:4], (k_cmp, v_cmp, k_win, v_win), strict=True))
         g_kb, g_vb = totals[4:]
         S = k_slc.shape[2]
-        g_kb, g_vb = (g.flatten(2, 3)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
-        return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None, None
+        g_kb, g_vb = (g.flatten(2, g.dim() - 2)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
+        return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # opaque to torch.compile: the chunk loop and its threads run eagerly between graphs
 def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
                      v_win: Tensor, gates: Tensor, config: ModelConfig, q_start: int = 0, win_start: int = 0,
-                     compute: ComputeConfig | None = None) -> Tensor:
+                     compute: ComputeConfig | None = None, documents: DocumentBlocks | None = None) -> Tensor:
     """The three gated NSA branches for queries at positions [q_start, q_start + T), chunk by chunk (one chunk
     on the Triton kernels when gradients are needed).
 
@@ -487,8 +548,29 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
         compute: `attention_query_chunk` queries are processed at a time on the PyTorch path; `triton_kernels`
             lets CUDA tensors run on nsa/triton_path.py, all queries at once when gradients are needed, else in
             eight chunks (`_query_chunk`; default: ComputeConfig()).
+        documents: packed documents (nsa/packing.py `document_blocks`), each query attending only its own
+            document as if it were alone, in one call: then q_start = win_start = 0, the selection and window keys
+            are at positions [0, T), k_cmp, v_cmp are on the documents' virtual axis (`nsa.packing.on_virtual_axis`),
+            and the call needs the Triton kernels (CUDA, Triton installed, l' a power of two >= 16; all T queries
+            one chunk, with or without gradients) and no `exact_block_scores`.
     Returns:
         `(B, H, T, D)`; see `_SparseAttention` for what forward keeps for backward.
     """
-    return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config,
-                                  compute or ComputeConfig(), q_start, win_start, torch.is_grad_enabled())
+    compute = compute or ComputeConfig()
+    ranges = None
+    if documents is not None:
+        if not packs_documents(q, config, compute) or q_start or win_start:
+            raise ValueError("sparse_attention runs packed documents in one call only on the Triton kernels (CUDA "
+                             "tensors, Triton installed, nsa_select_block_size a power of two >= 16, no "
+                             "exact_block_scores) from position 0; elsewhere attend each document on its own "
+                             "(NativeSparseAttention does)")
+        ranges = (documents, query_ranges(documents, config))
+    return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, compute, q_start,
+                                  win_start, ranges, torch.is_grad_enabled())
+
+
+def packs_documents(q: Tensor, config: ModelConfig, compute: ComputeConfig) -> bool:
+    """Whether `sparse_attention` takes packed documents in one call for queries like q: on the Triton kernels,
+    with l' they select with, outside `exact_block_scores`."""
+    return (triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size)
+            and not exact_scores_active())

@@ -52,8 +52,9 @@ from modeling.documents import document_spans, padding_starts
 from modeling.layers import RMSNorm, apply_rope
 from modeling.objective import Objective
 from modeling.shard import SequenceShard
-from nsa.attention import sparse_attention
+from nsa.attention import packs_documents, sparse_attention
 from nsa.blocks import num_compressed_blocks
+from nsa.packing import DocumentBlocks, document_blocks, on_virtual_axis
 from nsa.scoring import score_loss_queries, selection_score_loss
 
 
@@ -244,6 +245,8 @@ class NativeSparseAttention(nn.Module):
                 out, score_loss = self._attend_shard(branches, shard)
             elif doc_start is None:
                 out, score_loss, _ = self._attend(branches, 0, cos, sin)
+            elif self._packs(branches):
+                out, score_loss = self._attend_packed(branches, doc_start, cos, sin), None
             else:
                 out, score_loss = self._attend_documents(branches, doc_start, cos, sin)
             if score_loss is not None:
@@ -339,6 +342,48 @@ class NativeSparseAttention(nn.Module):
 
         k_cmp, v_cmp = (shard.gather_pieces(part, blocks) for part in parts)
         return k_cmp, v_cmp
+
+    def _packs(self, branches: _Branches) -> bool:
+        """Whether packed documents run in one call of the kernels (`_attend_packed`): where
+        `nsa.attention.packs_documents` says the kernels take them and no selection-scoring loss is trained (its
+        loss runs document by document)."""
+        return packs_documents(branches.q, self.config, self.compute) and not (
+            self.objective.nsa_score_loss_coef and torch.is_grad_enabled())
+
+    def _attend_packed(self, branches: _Branches, doc_start: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Packed documents in one call of the Triton kernels, each document attended as if alone, its blocks
+        counted from its first token (nsa/packing.py): what `_attend_documents` gives, without its loop over
+        documents. doc_start (B, T): each position's document start (one host read a forward, shared by the
+        layers). Returns (B, H, T, D)."""
+        b = branches
+        blocks = document_blocks(doc_start, self.config)
+        k_cmp, v_cmp = self._compress_documents(b.k_cmp_raw, b.v_cmp_raw, blocks, cos, sin)
+        return self.sparse_attention(b.q, k_cmp, v_cmp, b.k_slc, b.v_slc, b.k_win, b.v_win, b.gates, self.config,
+                                     compute=self.compute, documents=blocks)
+
+    def _compress_documents(self, k_raw: Tensor, v_raw: Tensor, blocks: DocumentBlocks, cos: Tensor, sin: Tensor
+                            ) -> tuple[Tensor, Tensor]:
+        """The compressed keys/values of packed documents on their virtual axis (B, KV, Nc, D): each row's complete
+        blocks (`DocumentBlocks.cmp_start`, counted from each document's first token) gathered from raw k, v
+        (B, KV, T, D), compressed as `_compress` does ("mlp" keys rotated at each block's last position, read from
+        cos/sin for positions [0, T)), and placed at their slots (`nsa.packing.on_virtual_axis`)."""
+        l = self.config.nsa_block_size
+        B, KV, _, D = k_raw.shape
+        Ne = blocks.cmp_start.shape[1]
+        at = blocks.cmp_start[:, :, None] + torch.arange(l, device=k_raw.device)  # (B, Ne, l)
+        rows = torch.arange(B, device=k_raw.device)[:, None, None]
+
+        def windows(x: Tensor) -> Tensor:  # (B, KV, T, D) -> (B, KV, Ne, l, D)
+            return x.transpose(1, 2)[rows, at].permute(0, 3, 1, 2, 4)
+
+        if self.config.nsa_compressor == "mean":
+            k, v = windows(k_raw).mean(-2), windows(v_raw).mean(-2)
+        else:
+            ends = (blocks.cmp_start + l - 1).flatten()  # (B*Ne,) each block's last position
+            k = self.k_norm(self.k_compress(windows(k_raw)))  # (B, KV, Ne, D)
+            k = apply_rope(k.transpose(0, 1).reshape(KV, 1, B * Ne, D), cos[ends], sin[ends])
+            k, v = k.view(KV, B, Ne, D).transpose(0, 1), self.v_compress(windows(v_raw))
+        return on_virtual_axis(k, blocks), on_virtual_axis(v, blocks)
 
     @torch.compiler.disable  # opaque to torch.compile: a Python loop over each row's documents (data-dependent)
     def _attend_documents(self, branches: _Branches, doc_start: Tensor, cos: Tensor, sin: Tensor

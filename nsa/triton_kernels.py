@@ -8,6 +8,8 @@ this module is imported (tests/conftest.py does so).
 
 Notation: B batch, KV key/value heads, G query heads per KV head, NQ queries of the call, NR = G * NQ rows
 (head-major), D head dimension, S key positions, N_SEL selected blocks per query, NB blocks a query can select.
+Per-query and per-block tables (key ranges, block starts) are per batch row: program bh = b * KV + kv reads row
+b = bh // KV of a table at offset b * stride (stride 0: one row for the whole batch).
 """
 
 try:
@@ -116,18 +118,20 @@ def _chosen_blocks(IDX, bh, qi, ok, NQ, N_SEL, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _union_block(UNION, K, V, bh, tile, NT, U_MAX, u, chosen, ok, t, S, cols, col_ok, D: tl.constexpr,
+def _union_block(UNION, K, V, START, bh, tile, NT, U_MAX, u, chosen, ok, t, S, cols, col_ok, D: tl.constexpr,
                  L_SEL: tl.constexpr):
-    """Entry u of the tile's union of selected blocks: its keys and values (L_SEL, BLOCK_D) and which of them each
-    row sees (BLOCK_R, L_SEL): the rows whose query selected the block, keys at or before the query."""
+    """Entry u of the tile's union of selected blocks: its keys and values (L_SEL, BLOCK_D) from its first position
+    START[b] (START: this program's row of the block starts) and which of them each row sees (BLOCK_R, L_SEL): the
+    rows whose query selected the block, keys at or before the query."""
     b = tl.load(UNION + (bh * NT + tile) * U_MAX + u)
-    pos, _, _, k, v = _key_block(K, V, bh, S, b * L_SEL, cols, col_ok, D, L_SEL)
+    pos, _, _, k, v = _key_block(K, V, bh, S, tl.load(START + b), cols, col_ok, D, L_SEL)
     chose = tl.sum((chosen == b).to(tl.int32), 1) > 0
     return k, v, (chose & ok)[:, None] & (pos[None, :] <= t[:, None])
 
 
 @triton.jit
-def selection_forward_kernel(Q, K, V, IDX, UNION, COUNT, O, LSE, q_start, NQ, NT, U_MAX, S, N_SEL, scale,
+def selection_forward_kernel(Q, K, V, IDX, UNION, COUNT, START, O, LSE, q_start, NQ, NT, U_MAX, S, N_SEL, KV,
+                             START_STRIDE, scale,
                              G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     tile = tl.program_id(0)
@@ -141,8 +145,8 @@ def selection_forward_kernel(Q, K, V, IDX, UNION, COUNT, O, LSE, q_start, NQ, NT
     denom = tl.zeros([BLOCK_R], ACC)
     acc = tl.zeros([BLOCK_R, BLOCK_D], ACC)
     for u in range(0, tl.load(COUNT + bh * NT + tile)):  # the union of the tile's blocks, each loaded once
-        k, v, visible = _union_block(UNION, K, V, bh, tile, NT, U_MAX, u, chosen, ok, q_start + qi, S, cols,
-                                     col_ok, D, L_SEL)
+        k, v, visible = _union_block(UNION, K, V, START + bh // KV * START_STRIDE, bh, tile, NT, U_MAX, u, chosen,
+                                     ok, q_start + qi, S, cols, col_ok, D, L_SEL)
         logits = tl.where(visible, _dot(q, tl.trans(k), ACC) * scale, float("-inf"))
         m, denom, acc = _online_softmax(m, denom, acc, logits, v, ACC)
     denom = tl.where(ok, denom, 1.0)  # every real row sees its own block's first key
@@ -151,8 +155,8 @@ def selection_forward_kernel(Q, K, V, IDX, UNION, COUNT, O, LSE, q_start, NQ, NT
 
 
 @triton.jit
-def selection_dq_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, IDX, UNION, COUNT, DQ, q_start, NQ, NT, U_MAX, S,
-                        N_SEL, scale,
+def selection_dq_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, IDX, UNION, COUNT, START, DQ, q_start, NQ, NT,
+                        U_MAX, S, N_SEL, KV, START_STRIDE, scale,
                         G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr,
                         ACC: tl.constexpr):
@@ -165,14 +169,15 @@ def selection_dq_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, IDX, UNION, COUNT
     q, do, lse, delta = _backward_rows(Q, DO, DO_ROW, GATE, LSE, DELTA, off, io_mask, row, ok, cols)
     dq = tl.zeros([BLOCK_R, BLOCK_D], ACC)
     for u in range(0, tl.load(COUNT + bh * NT + tile)):
-        k, v, visible = _union_block(UNION, K, V, bh, tile, NT, U_MAX, u, chosen, ok, q_start + qi, S, cols,
-                                     col_ok, D, L_SEL)
+        k, v, visible = _union_block(UNION, K, V, START + bh // KV * START_STRIDE, bh, tile, NT, U_MAX, u, chosen,
+                                     ok, q_start + qi, S, cols, col_ok, D, L_SEL)
         dq += _dq_tile(q, k, v, do, lse, delta, visible, scale, ACC)
     _store_dq(DQ, off, io_mask, dq * scale, ADD)
 
 
 @triton.jit
-def selection_dkdv_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, PTR, PAIR, DK, DV, q_start, NQ, S, NB, N_SEL, scale,
+def selection_dkdv_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, PTR, PAIR, START, END, DK, DV, q_start, NQ, S, NB,
+                          N_SEL, KV, START_STRIDE, scale,
                           G: tl.constexpr, D: tl.constexpr, L_SEL: tl.constexpr, QB: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     jb = tl.program_id(0)
@@ -182,7 +187,9 @@ def selection_dkdv_kernel(Q, K, V, DO, DO_ROW, GATE, LSE, DELTA, PTR, PAIR, DK, 
     if start < end:  # a block no query chose has no gradient to add
         r, cols = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
         col_ok = cols < D
-        pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, jb * L_SEL, cols, col_ok, D, L_SEL)  # loaded once
+        table = bh // KV * START_STRIDE + jb
+        pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, tl.load(START + table), cols, col_ok, D, L_SEL)
+        kv_mask &= (pos < tl.load(END + table))[:, None]  # the block's own keys: blocks of documents may overlap
         dk = tl.zeros([L_SEL, BLOCK_D], ACC)
         dv = tl.zeros([L_SEL, BLOCK_D], ACC)
         for base in range(start, end, QB):  # QB queries, G rows each: a full tile at G = 4
@@ -220,7 +227,8 @@ def delta_kernel(DO, DO_ROW, GATE, O, DELTA, NR, D: tl.constexpr, BLOCK_M: tl.co
 @triton.jit
 def _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows pid * BLOCK_M + [0, BLOCK_M) of the head-major (G * NQ) rows: (rows, in range, each row's key range
-    lo, hi, and the union of the ranges as [start, end) with start a multiple of BLOCK_N)."""
+    lo, hi from the program's rows LO, HI of the ranges, and the union of the ranges as [start, end) with start a
+    multiple of BLOCK_N)."""
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < NR
     lo = tl.load(LO + rows % NQ, mask=row_ok, other=0)
@@ -236,12 +244,13 @@ def _row_tile(bh, NR, rows, row_ok, cols, col_ok, D: tl.constexpr):
 
 
 @triton.jit
-def range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
+def range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, KV, LO_STRIDE, scale,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           ACC: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
+    table = bh // KV * LO_STRIDE
+    rows, row_ok, lo, hi, start, end = _range_rows(LO + table, HI + table, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
@@ -260,12 +269,13 @@ def range_forward_kernel(Q, K, V, LO, HI, O, LSE, NR, NQ, S, scale,
 
 
 @triton.jit
-def range_dq_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, DQ, NR, NQ, S, scale,
+def range_dq_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, DQ, NR, NQ, S, KV, LO_STRIDE, scale,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      ADD: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    rows, row_ok, lo, hi, start, end = _range_rows(LO, HI, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
+    table = bh // KV * LO_STRIDE
+    rows, row_ok, lo, hi, start, end = _range_rows(LO + table, HI + table, pid, NR, NQ, S, BLOCK_M, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
@@ -279,7 +289,8 @@ def range_dq_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, DQ, NR, NQ, S
 
 
 @triton.jit
-def range_dkdv_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, QA, QB, DK, DV, NR, NQ, S, scale,
+def range_dkdv_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, QA, QB, DK, DV, NR, NQ, S, KV, LO_STRIDE,
+                       QA_STRIDE, scale,
                        G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     kb = tl.program_id(0)
@@ -289,8 +300,9 @@ def range_dkdv_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, QA, QB, DK,
     pos, kv_off, kv_mask, k, v = _key_block(K, V, bh, S, kb * BLOCK_N, cols, col_ok, D, BLOCK_N)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
-    q_first = tl.load(QA + kb)  # the queries [q_first, q_last) see a key of this block
-    q_last = tl.load(QB + kb)
+    q_first = tl.load(QA + bh // KV * QA_STRIDE + kb)  # the queries [q_first, q_last) see a key of this block
+    q_last = tl.load(QB + bh // KV * QA_STRIDE + kb)
+    table = bh // KV * LO_STRIDE
     for g in range(G):
         for q0 in range(q_first, q_last, BLOCK_M):
             qi = q0 + tl.arange(0, BLOCK_M)
@@ -299,8 +311,8 @@ def range_dkdv_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, QA, QB, DK,
             io_off, io_mask = _row_tile(bh, NR, rows, row_ok, cols, col_ok, D)
             q, do, lse, delta = _backward_rows(Q, DO, DO_ROW, GATE, LSE, DELTA, io_off, io_mask, bh * NR + rows,
                                                row_ok, cols)
-            lo = tl.load(LO + qi, mask=row_ok, other=0)
-            hi = tl.load(HI + qi, mask=row_ok, other=0)
+            lo = tl.load(LO + table + qi, mask=row_ok, other=0)
+            hi = tl.load(HI + table + qi, mask=row_ok, other=0)
             visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])  # (BLOCK_M, BLOCK_N)
             dk, dv = _dkdv_tile(dk, dv, q, k, v, do, lse, delta, visible, scale, ACC)
     tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -311,19 +323,19 @@ def range_dkdv_kernel(Q, K, V, LO, HI, DO, DO_ROW, GATE, LSE, DELTA, QA, QB, DK,
 
 
 @triton.jit
-def _importance_tile(Q, K, LSE, W, bh, qi, q_ok, n_visible, j0, NQ, NC, scale, G: tl.constexpr, D: tl.constexpr,
+def _importance_tile(Q, K, LSE, W, bh, qi, q_ok, c_lo, c_hi, j0, NQ, NC, scale, G: tl.constexpr, D: tl.constexpr,
                      PER_SEL: tl.constexpr, FIRST: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     """Importance (BLOCK_M, BLOCK_J) of the queries qi for selection blocks j0 + [0, BLOCK_J): the compression
-    probabilities recomputed from the rows' lse over the compressed blocks that feed those selection blocks, summed
-    over the group's G heads (Eq. 10) and pooled by Eq. 9's weights W."""
+    probabilities recomputed from the rows' lse over the compressed blocks that feed those selection blocks (a query
+    sees blocks [c_lo, c_hi)), summed over the group's G heads (Eq. 10) and pooled by Eq. 9's weights W."""
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     cc = tl.arange(0, BLOCK_C)
     c = j0 * PER_SEL + FIRST + cc  # the compressed blocks that feed them
     c_ok = (c >= 0) & (c < NC)
     k = tl.load(K + (bh * NC + c[:, None]) * D + cols[None, :], mask=c_ok[:, None] & col_ok[None, :], other=0.0)
-    visible = c_ok[None, :] & (c[None, :] < n_visible[:, None])  # (BLOCK_M, BLOCK_C)
+    visible = c_ok[None, :] & (c[None, :] >= c_lo[:, None]) & (c[None, :] < c_hi[:, None])  # (BLOCK_M, BLOCK_C)
     p = tl.zeros([BLOCK_M, BLOCK_C], ACC)  # compression probabilities summed over the group's heads (Eq. 10)
     for g in range(G):
         rows = bh * G * NQ + g * NQ + qi  # into (BKV * G * NQ) head-major rows
@@ -345,7 +357,7 @@ def _ranked(score, j):
 
 
 @triton.jit
-def selection_topn_kernel(Q, K, LSE, NVIS, W, IDX, q_start, NQ, NC, NS, L_SEL, NO_SLOT, scale,
+def selection_topn_kernel(Q, K, LSE, C_LO, C_HI, BLOCK0, OWN, W, IDX, NQ, NC, NS, NO_SLOT, KV, TABLE_STRIDE, scale,
                           G: tl.constexpr, D: tl.constexpr, PER_SEL: tl.constexpr, FIRST: tl.constexpr,
                           WIDTH: tl.constexpr, J_STEP: tl.constexpr, N_SEL: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -354,16 +366,19 @@ def selection_topn_kernel(Q, K, LSE, NVIS, W, IDX, q_start, NQ, NC, NS, L_SEL, N
     bh = tl.program_id(1).to(tl.int64)
     qi = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = qi < NQ
-    n_visible = tl.load(NVIS + qi, mask=q_ok, other=0)
-    own = (q_start + qi) // L_SEL  # each query's own block
+    table = bh // KV * TABLE_STRIDE + qi
+    c_lo = tl.load(C_LO + table, mask=q_ok, other=0)  # the compressed blocks the query sees: [c_lo, c_hi)
+    c_hi = tl.load(C_HI + table, mask=q_ok, other=0)
+    first = tl.load(BLOCK0 + table, mask=q_ok, other=0)  # the first block it may choose (its sequence's block 0)
+    own = tl.load(OWN + table, mask=q_ok, other=0)  # its own block
     best = tl.full([BLOCK_M, BLOCK_N], -9223372036854775807, tl.int64)  # no block yet
     jj, slot = tl.arange(0, BLOCK_J), tl.arange(0, BLOCK_N)
-    for j0 in range(0, NS, J_STEP):
-        importance = _importance_tile(Q, K, LSE, W, bh, qi, q_ok, n_visible, j0, NQ, NC, scale, G, D, PER_SEL,
+    for j0 in range(tl.min(tl.where(q_ok, first, NS)), tl.max(tl.where(q_ok, own + 1, 0)), J_STEP):
+        importance = _importance_tile(Q, K, LSE, W, bh, qi, q_ok, c_lo, c_hi, j0, NQ, NC, scale, G, D, PER_SEL,
                                       FIRST, WIDTH, BLOCK_M, BLOCK_J, BLOCK_C, BLOCK_D, ACC)
         j = j0 + jj
-        forced = (j[None, :] == 0) | (j[None, :] == own[:, None]) | (j[None, :] == own[:, None] - 1)
-        allowed = ((jj < J_STEP) & (j < NS))[None, :] & (j[None, :] <= own[:, None])
+        forced = (j[None, :] == first[:, None]) | (j[None, :] == own[:, None]) | (j[None, :] == own[:, None] - 1)
+        allowed = ((jj < J_STEP) & (j < NS))[None, :] & (j[None, :] >= first[:, None]) & (j[None, :] <= own[:, None])
         score = tl.where(forced, float("inf"), importance)
         score = tl.where(allowed, score, float("-inf"))
         tile = _ranked(score, j[None, :])  # (BLOCK_M, BLOCK_J)

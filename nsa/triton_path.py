@@ -131,28 +131,48 @@ def _precision(t: Tensor) -> dict:
     return dict(acc=_acc_dtype(t), num_stages=1 if wide else 3)
 
 
+class BlockTable(NamedTuple):
+    """Where the selection blocks' keys lie and which block each query owns, for `TritonSelection`: block j's keys
+    are positions [start[j], end[j]) (start, end (R, NB) int32; end - start <= size = l'), query i's own block is
+    own[i] (R, Q) long; R = 1 (every row of the batch alike) or B."""
+
+    start: Tensor
+    end: Tensor
+    own: Tensor
+    size: int
+
+    @staticmethod
+    def uniform(q_start: int, Q: int, l_sel: int, device: torch.device) -> BlockTable:
+        """Blocks of l' keys from position 0 for queries at positions [q_start, q_start + Q) (one sequence)."""
+        start = torch.arange(0, q_start + Q, l_sel, dtype=torch.int32, device=device)[None]  # (1, NB)
+        own = (torch.arange(q_start, q_start + Q, device=device) // l_sel)[None]  # (1, Q)
+        return BlockTable(start, start + l_sel, own, l_sel)
+
+
 class TritonSelection:
     """`nsa.torch_path.Selection` on the Triton kernels: head-major query rows q (B, KV, G*Q, D) at positions
-    [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) among the key/value blocks k_blocks, v_blocks
-    (B, KV, Nsb, l', D) (contiguous, as `nsa.blocks.as_blocks` makes them); a slot whose block lies after the
-    query's own block is unused. Forward and dQ walk each query tile's union of blocks (`_union_by_tile`); dK and
-    dV walk each block's (query, slot) pairs (`_pairs_by_block`)."""
+    [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) among the blocks of `BlockTable` `blocks` over
+    the keys and values k, v (B, KV, S, D, contiguous); a slot whose block lies after the query's own block is
+    unused. Forward and dQ walk each query tile's union of blocks (`_union_by_tile`); dK and dV walk each block's
+    (query, slot) pairs (`_pairs_by_block`)."""
 
-    def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, idx: Tensor, q_start: int,
+                 scale: float) -> None:
         B, KV, NR, D = q.shape
-        Q, n, l_sel = idx.shape[2], idx.shape[3], k_blocks.shape[3]
+        Q, n = idx.shape[2], idx.shape[3]
         G = NR // Q
         self.q_start, self.scale, self.n, self.Q = q_start, scale, n, Q
         self.q = q.contiguous()
-        self.k = k_blocks.view(B * KV, -1, D)  # (BKV, S, D), S = Nsb * l'
-        self.v = v_blocks.view(B * KV, -1, D)
+        self.k = k.view(B * KV, -1, D)  # (BKV, S, D)
+        self.v = v.view(B * KV, -1, D)
         self.idx = idx.contiguous()
-        self.n_blocks = (q_start + Q - 1) // l_sel + 1  # blocks a query of this call can select
+        self.blocks = blocks._replace(start=blocks.start.contiguous(), end=blocks.end.contiguous())  # (R, NB)
+        self.n_blocks = blocks.start.shape[1]  # blocks a query of this call can select
+        self.tables = (KV, self.n_blocks if blocks.start.shape[0] > 1 else 0)  # (KV, the tables' row stride)
         qb = max(1, _PAIR_ROWS // G)  # whole queries of G rows per tile: 16 x 4 = 64 rows at G = 4
-        own = (torch.arange(q_start, q_start + Q, device=idx.device) // l_sel)[:, None]  # (Q, 1) each query's block
-        self.used = idx <= own  # (B, KV, Q, n): a slot after the query's own block is unused
+        self.used = idx <= blocks.own[:, None, :, None]  # (B, KV, Q, n): a slot after the own block is unused
         self.union, self.count = _union_by_tile(idx, self.used, qb)
-        self.meta = dict(G=G, D=D, L_SEL=l_sel, QB=qb, BLOCK_R=_tile(qb * G), BLOCK_D=_tile(D), **_precision(q))
+        self.meta = dict(G=G, D=D, L_SEL=blocks.size, QB=qb, BLOCK_R=_tile(qb * G), BLOCK_D=_tile(D), **_precision(q))
         self.grid = (self.union.shape[1], B * KV)
 
     def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -160,31 +180,32 @@ class TritonSelection:
         the given tensors when there are: one kernel, a program per tile of queries."""
         out = torch.empty_like(self.q) if out is None else out
         lse = self.q.new_empty(self.q.shape[:3], dtype=_acc_dtype(self.q)) if lse is None else lse
-        _launch("selection_forward_kernel", self.grid, self.q, self.k, self.v, self.idx, self.union, self.count, out,
-                lse, *self._sizes(), self.scale, BLOCK_N=_next_power_of_2(self.n), **self.meta)
+        _launch("selection_forward_kernel", self.grid, self.q, self.k, self.v, self.idx, self.union, self.count,
+                self.blocks.start, out, lse, *self._sizes(), self.scale, BLOCK_N=_next_power_of_2(self.n),
+                **self.meta)
         return out, lse
 
     def _sizes(self) -> tuple[int, ...]:
-        """The forward and dQ kernels' (q_start, NQ, NT, U_MAX, S, N_SEL)."""
-        return self.q_start, self.Q, self.union.shape[1], self.union.shape[2], self.k.shape[1], self.n
+        """The forward and dQ kernels' (q_start, NQ, NT, U_MAX, S, N_SEL, KV, START_STRIDE)."""
+        return self.q_start, self.Q, self.union.shape[1], self.union.shape[2], self.k.shape[1], self.n, *self.tables
 
-    def backward(self, grad_out: Tensor | GatedGrad, out: Tensor, lse: Tensor, grad_k_blocks: Tensor,
-                 grad_v_blocks: Tensor, dq: Tensor | None = None) -> Tensor:
+    def backward(self, grad_out: Tensor | GatedGrad, out: Tensor, lse: Tensor, grad_k: Tensor, grad_v: Tensor,
+                 dq: Tensor | None = None) -> Tensor:
         """Given grad_out (B, KV, G*Q, D, or `GatedGrad`), out (B, KV, G*Q, D) and lse (B, KV, G*Q) of the branch:
-        adds the blocks' gradients into grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D, contiguous) and returns
+        adds the keys' and values' gradients into grad_k / grad_v (B, KV, S, D, contiguous) and returns
         the gradient of q (B, KV, G*Q, D), added into dq (contiguous) when given. dQ by query tiles over their
         unions; dK and dV by blocks over their pairs (each block has one writer: no atomics)."""
         grad, lse, delta = _backward_inputs(grad_out, out, lse)  # GatedGrad, (B, KV, G*Q) x 2
         add, dq = dq is not None, torch.empty_like(self.q) if dq is None else dq
         _launch("selection_dq_kernel", self.grid, self.q, self.k, self.v, *grad, lse, delta, self.idx,
-                self.union, self.count, dq, *self._sizes(), self.scale, BLOCK_N=_next_power_of_2(self.n), ADD=add,
-                **self.meta)
+                self.union, self.count, self.blocks.start, dq, *self._sizes(), self.scale,
+                BLOCK_N=_next_power_of_2(self.n), ADD=add, **self.meta)
         B, KV = self.q.shape[:2]
         S, D = self.k.shape[1:]
         ptr, pair = _pairs_by_block(self.idx, self.used, self.n_blocks)
         _launch("selection_dkdv_kernel", (self.n_blocks, B * KV), self.q, self.k, self.v, *grad, lse, delta,
-                ptr, pair, grad_k_blocks.view(B * KV, S, D), grad_v_blocks.view(B * KV, S, D), self.q_start, self.Q,
-                S, self.n_blocks, self.n, self.scale, **self.meta)
+                ptr, pair, self.blocks.start, self.blocks.end, grad_k.view(B * KV, S, D), grad_v.view(B * KV, S, D),
+                self.q_start, self.Q, S, self.n_blocks, self.n, *self.tables, self.scale, **self.meta)
         return dq
 
 
@@ -215,17 +236,20 @@ def _pairs_by_block(idx: Tensor, used: Tensor, n_blocks: int) -> tuple[Tensor, T
 class RangeAttention:
     """Softmax attention in which each query sees one contiguous range of keys, on the Triton kernels (no logits in
     memory): rows q (B, KV, G*Q, D) head-major (row g*Q + i is head g of query i) over keys/values k, v
-    (B, KV, S, D); query i sees keys [lo[i], hi[i]) with lo, hi (Q,) non-decreasing in i and hi > lo. NSA's
-    compression (lo = 0, hi = the visible compressed blocks) and window (the last w keys) are such ranges.
+    (B, KV, S, D); query i sees keys [lo[i], hi[i]) with lo, hi (Q,) for every row of the batch or (B, Q) a row
+    each, non-decreasing in i and hi > lo. NSA's compression (lo = 0, or a document's first block; hi = the visible
+    compressed blocks) and window (the last w keys, from the document's start) are such ranges.
     Interface of `nsa.torch_path.Window`: forward() -> (out, lse); backward(grad_out, out, lse) -> (dq, dk, dv)."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float) -> None:
         B, KV, NR, D = q.shape
         self.q, self.k, self.v = q.contiguous(), k.contiguous(), v.contiguous()
-        self.lo, self.hi = lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
-        self.scale, self.G = scale, NR // lo.shape[0]
+        self.lo, self.hi = (x.to(torch.int32).reshape(-1, x.shape[-1]).contiguous() for x in (lo, hi))  # (R, Q)
+        Q = self.lo.shape[1]
+        self.scale, self.G = scale, NR // Q
         self.meta = dict(D=D, BLOCK_M=_RANGE_BLOCK, BLOCK_N=_RANGE_BLOCK, BLOCK_D=_tile(D), **_precision(q))
-        self.sizes = (NR, lo.shape[0], k.shape[2])  # rows, queries, keys
+        # rows, queries, keys, and the tables' KV and row stride (0: one row for the batch)
+        self.sizes = (NR, Q, k.shape[2], KV, Q if self.lo.shape[0] > 1 else 0)
         self.grid = (_cdiv(NR, _RANGE_BLOCK), B * KV)
 
     def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -248,11 +272,12 @@ class RangeAttention:
         args = (self.q, self.k, self.v, self.lo, self.hi, *grad, lse, delta)
         _launch("range_dq_kernel", self.grid, *args, dq, *self.sizes, self.scale, ADD=add, **self.meta)
         S = self.k.shape[2]
-        first = torch.arange(0, S, _RANGE_BLOCK, device=self.q.device, dtype=torch.int32)  # (n_key_blocks,)
+        R = self.lo.shape[0]
+        first = torch.arange(0, S, _RANGE_BLOCK, device=self.q.device, dtype=torch.int32).repeat(R, 1)  # (R, NKB)
         q_first = torch.searchsorted(self.hi, first, right=True).to(torch.int32)  # first query with hi > block start
         q_last = torch.searchsorted(self.lo, first + _RANGE_BLOCK).to(torch.int32)  # first with lo >= block end
-        _launch("range_dkdv_kernel", (first.numel(), self.grid[1]), *args, q_first, q_last, dk, dv, *self.sizes,
-                self.scale, G=self.G, **self.meta)
+        _launch("range_dkdv_kernel", (first.shape[1], self.grid[1]), *args, q_first, q_last, dk, dv, *self.sizes,
+                first.shape[1] if R > 1 else 0, self.scale, G=self.G, **self.meta)
         return dq, dk, dv
 
 
@@ -271,15 +296,32 @@ def _pool_weights(geometry: tuple[int, int, int], like: Tensor) -> Tensor:
     return _POOL_WEIGHTS[key]
 
 
-def select_top_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, geometry: tuple[int, int, int],
-                      n_select_blocks: int, q_start: int, n_selected: int, no_slot: int, scale: float) -> Tensor:
+class TopNRanges(NamedTuple):
+    """What `select_top_blocks` reads of each query i, (Q,) for every row of the batch or (B, Q) a row each: it
+    sees compressed blocks [cmp_lo[i], cmp_hi[i]) and chooses among selection blocks block0[i] .. own[i]."""
+
+    cmp_lo: Tensor
+    cmp_hi: Tensor
+    block0: Tensor
+    own: Tensor
+
+    @staticmethod
+    def uniform(n_visible: Tensor, q_start: int, l_sel: int) -> TopNRanges:
+        """Queries at positions [q_start, q_start + Q) of one sequence, query i seeing the first n_visible[i]
+        compressed blocks (Q,)."""
+        own = torch.arange(q_start, q_start + n_visible.shape[0], device=n_visible.device) // l_sel
+        return TopNRanges(torch.zeros_like(n_visible), n_visible, torch.zeros_like(own), own)
+
+
+def select_top_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, ranges: TopNRanges, geometry: tuple[int, int, int],
+                      n_select_blocks: int, n_selected: int, no_slot: int, scale: float) -> Tensor:
     """Top-n selection (`nsa.blocks.select_blocks`) of the importance scores (paper Eqs. 8-10) in one kernel, the
-    scores never in memory: for queries q (B, KV, G*Q, D) (head-major rows) at positions [q_start, q_start + Q),
-    the compression branch's lse (B, KV, G*Q) over compressed keys k_cmp (B, KV, Nc, D), query i seeing the first
-    n_visible[i] of them: the probabilities recomputed from the lse, summed over each group's heads and pooled onto
-    the first n_select_blocks selection blocks with `nsa.blocks.selection_pool_weights` for geometry (l, d, l'),
-    one tile of blocks at a time merged into a running top-n. Block 0 and the query's own and previous blocks are
-    forced in, later blocks excluded, the rest ranked by importance in float32 (exact ties to the lower block, as
+    scores never in memory: for queries q (B, KV, G*Q, D) (head-major rows), the compression branch's lse
+    (B, KV, G*Q) over compressed keys k_cmp (B, KV, Nc, D), each query seeing the blocks `TopNRanges` gives: the
+    probabilities recomputed from the lse, summed over each group's heads and pooled onto the first n_select_blocks
+    selection blocks with `nsa.blocks.selection_pool_weights` for geometry (l, d, l'), one tile of blocks at a time
+    merged into a running top-n. The query's first block (block0) and its own and previous blocks are forced in,
+    blocks outside block0 .. own excluded, the rest ranked by importance in float32 (exact ties to the lower block, as
     nsa/reference.py breaks them; float64 scores closer than float32 resolves count as ties; a NaN score, as
     torch.topk ranks it, above every block). Returns (B, KV, Q, n_selected) long in descending order of score, slots no
     block fills holding `no_slot`."""
@@ -289,11 +331,12 @@ def select_top_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, n_visible: Tensor, 
     per_sel, width, block_c = l_sel // d, len(weights), max(64, _next_power_of_2(len(weights)))
     j_step = (block_c - width) // per_sel + 1  # selection blocks whose compressed blocks fit one tile of block_c
     block_n = _next_power_of_2(n_selected)
-    nq = n_visible.shape[0]
+    tables = [x.to(torch.int32).reshape(-1, x.shape[-1]).contiguous() for x in ranges]  # (R, Q) each
+    R, nq = tables[0].shape
     idx = torch.empty(B, KV, nq, n_selected, dtype=torch.long, device=q.device)
     _launch("selection_topn_kernel", (_cdiv(nq, _RANGE_BLOCK), B * KV), q.contiguous(), k_cmp.contiguous(),
-            lse.to(_acc_dtype(q)).contiguous(), n_visible.to(torch.int32).contiguous(), _pool_weights(geometry, q),
-            idx, q_start, nq, k_cmp.shape[2], n_select_blocks, l_sel, no_slot, scale, G=NR // nq, D=D,
+            lse.to(_acc_dtype(q)).contiguous(), *tables, _pool_weights(geometry, q), idx, nq, k_cmp.shape[2],
+            n_select_blocks, no_slot, KV, nq if R > 1 else 0, scale, G=NR // nq, D=D,
             PER_SEL=per_sel, FIRST=first, WIDTH=width, J_STEP=j_step, N_SEL=n_selected, BLOCK_M=_RANGE_BLOCK,
             BLOCK_J=_tile(j_step), BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_D=_tile(D), **_precision(q))
     return idx

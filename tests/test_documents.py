@@ -6,6 +6,7 @@ past output; no (T, T) tensor exists on the path (fake tensors at 32k)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from model import ModelConfig, Transformer
 from modeling.documents import document_starts
 from modeling.flash import document_attention, explicit_attention
 from modeling.memtrack import LiveBytesTracker
+from nsa.packing import document_blocks
 
 EOD = 1
 
@@ -363,3 +365,127 @@ def test_the_layers_of_a_forward_read_the_document_starts_once(monkeypatch):
         assert len(reads) == 1
         starts[:, 30:] = 30  # another split, in place
         assert modeling.documents.document_spans(starts)[0][-1] == (30, ids.shape[1]) and len(reads) == 2
+
+
+# ---- NSA's packed documents in one call: nsa/packing.py, the reference and the Triton kernels ----------------------
+
+
+def nsa_packed_inputs(rows: list[list[int]], config: ModelConfig, H: int = 4, KV: int = 2, D: int = 8):
+    """Random float64 NSA inputs for rows of documents of the given lengths (each row the same total T): q, the
+    compressed keys/values of each row's documents one after another (B, KV, Ne, D), the selection and window
+    keys/values, gates, doc_start (B, T) and the rows' `DocumentBlocks`."""
+    from nsa.packing import document_blocks
+
+    starts = []
+    for lengths in rows:
+        starts.append(torch.cat([torch.full((n,), sum(lengths[:i])) for i, n in enumerate(lengths)]))
+    doc_start = torch.stack(starts)
+    B, T = doc_start.shape
+    blocks = document_blocks(doc_start, config)
+    Ne = blocks.cmp_start.shape[1]
+    q = torch.randn(B, H, T, D, dtype=torch.float64)
+    k_cmp, v_cmp = (torch.randn(B, KV, Ne, D, dtype=torch.float64) for _ in range(2))
+    kv = [torch.randn(B, KV, T, D, dtype=torch.float64) for _ in range(4)]
+    gates = torch.rand(B, H, T, 3, dtype=torch.float64)
+    return (q, k_cmp, v_cmp, *kv, gates), doc_start, blocks
+
+
+# l = 8, d = 4, l' = 16, n = 4, w = 32: one-token documents, documents shorter than a compressed block, and long
+# ones where top-n chooses among more than n blocks and the window slides; no document aligned to a block
+PACKED_ROWS = [[11, 1, 70, 5, 1, 1, 46], [90, 3, 42]]
+
+
+def test_the_reference_attends_each_packed_document_as_if_alone():
+    """nsa/reference.py with doc_start gives each document of each row what it gives alone (its own sequence from
+    position 0, its own compressed blocks), exactly: the same operations on the same numbers."""
+    from nsa.reference import naive_nsa
+
+    config = ModelConfig.from_preset("tiny", attention_type="nsa")
+    inputs, doc_start, blocks = nsa_packed_inputs(PACKED_ROWS, config)
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = inputs
+    out = naive_nsa(*inputs, config, doc_start=doc_start)
+    l, d = config.nsa_block_size, config.nsa_stride
+    for row, lengths in enumerate(PACKED_ROWS):
+        first, c0 = 0, 0
+        for n in lengths:
+            end, nc = first + n, max(0, (n - l) // d + 1)
+            alone = [x[row:row + 1, :, first:end] for x in (q, k_slc, v_slc, k_win, v_win, gates)]
+            cmp = [x[row:row + 1, :, c0:c0 + nc] for x in (k_cmp, v_cmp)]
+            want = naive_nsa(alone[0], *cmp, *alone[1:], config)
+            torch.testing.assert_close(out[row:row + 1, :, first:end], want, rtol=0, atol=0)
+            first, c0 = end, c0 + nc
+
+
+def test_document_blocks_count_each_document_from_its_first_token():
+    """`nsa.packing.document_blocks` for hand-checked rows (l' = 16, d = 4, l = 8): each document's selection
+    blocks start at its first token and every l' tokens after, ending at its end; its complete compressed blocks
+    start every d tokens from its first token; their virtual slots follow the documents' block-aligned starts."""
+    config = ModelConfig.from_preset("tiny", attention_type="nsa")
+    doc_start = torch.tensor([[0] * 20 + [20] * 3 + [23] * 9])  # documents of 20, 3 and 9 tokens
+    blocks = document_blocks(doc_start, config)
+    assert blocks.block_start.tolist() == [[0, 16, 20, 23]] and blocks.block_end.tolist() == [[16, 20, 23, 32]]
+    assert blocks.virtual[0, [0, 19, 20, 22, 23, 31]].tolist() == [0, 19, 32, 34, 48, 56]
+    assert blocks.cmp_start.tolist() == [[0, 4, 8, 12, 23]]  # a 20-token document: blocks at 0, 4, 8, 12
+    assert blocks.cmp_slot.tolist() == [[0, 1, 2, 3, 12]]  # the third document starts at virtual 48 = slot 12
+    assert (blocks.n_blocks, blocks.n_compressed) == (4, 15)  # virtual length 64
+
+
+@pytest.mark.slow
+def test_triton_packed_documents_match_the_reference():
+    """sparse_attention with `documents` on the Triton kernels (Triton's interpreter): two rows packed differently,
+    one call, against nsa/reference.py with doc_start (float64): the output, and the gradients of every input
+    against autograd through the reference."""
+    pytest.importorskip("triton")
+    from nsa.attention import sparse_attention
+    from nsa.packing import on_virtual_axis
+    from nsa.primitive import triton_kernels
+    from nsa.reference import naive_nsa
+
+    config = ModelConfig.from_preset("tiny", attention_type="nsa")
+    inputs, doc_start, blocks = nsa_packed_inputs(PACKED_ROWS, config)
+    leaves = [x.requires_grad_() for x in inputs]
+    want = naive_nsa(*leaves, config, doc_start=doc_start)
+    grad = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    q, k_cmp, v_cmp, *rest = leaves
+    with triton_kernels():
+        got = sparse_attention(q, on_virtual_axis(k_cmp, blocks), on_virtual_axis(v_cmp, blocks), *rest, config,
+                               documents=blocks)
+        got_grads = torch.autograd.grad(got, leaves, grad)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for name, g, w in zip(("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"), got_grads,
+                          want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compressor", ["mlp", "mean"])
+def test_nsa_layer_packs_documents_in_one_call_where_the_kernels_run(compressor, monkeypatch):
+    """The model on the Triton kernels (interpreter) runs packed documents in one call (`_attend_packed`: compressed
+    keys gathered per document and placed on the virtual axis) and gives the logits and parameter gradients of the
+    document-by-document path (`_attend_documents`, PyTorch), float64."""
+    pytest.importorskip("triton")
+    from nsa.layer import NativeSparseAttention
+    from nsa.primitive import triton_kernels
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("tiny", context_length=256, attention_type="nsa", nsa_compressor=compressor,
+                                     n_layers=1)
+    model = Transformer(config).double()
+    rows = [packed(lengths, config.vocab_size, seed=i)[0] for i, lengths in enumerate(([40, 0, 70, 4], [100, 17]))]
+    ids = torch.cat([row[:, :117] for row in rows])  # 117 and 118 tokens
+    starts = document_starts(ids, EOD)
+    results, calls, loop = [], [], NativeSparseAttention._attend_documents
+    monkeypatch.setattr(NativeSparseAttention, "_attend_documents", lambda self, *a: calls.append(1) or loop(self, *a))
+    for one_call in (False, True):
+        calls.clear()
+        with triton_kernels() if one_call else contextlib.nullcontext():
+            out = model(ids, ids, doc_start=starts)
+            out.loss.backward()
+        assert bool(calls) != one_call
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad()
+    (loop_logits, loop_grads), (call_logits, call_grads) = results
+    torch.testing.assert_close(call_logits, loop_logits, rtol=0, atol=1e-10 * loop_logits.abs().max().item())
+    for name, g in loop_grads.items():
+        torch.testing.assert_close(call_grads[name], g, rtol=0, atol=1e-10 * g.abs().max().item(), msg=name)

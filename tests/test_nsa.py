@@ -515,14 +515,18 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
         ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
         with explicit_attention() if impl == "explicit" else contextlib.nullcontext():
             blocks = [as_blocks(t.detach(), ls) for t in (k, v)]
-            if impl == "triton":
-                from nsa.triton_path import TritonSelection as selection
-            else:
-                selection = torch_path.Selection
-            sel = selection(head_major(q.detach()), *blocks, idx, q_start, D**-0.5)
-            out, lse = sel.forward()
             grad_blocks = [torch.zeros_like(b) for b in blocks]
-            dq = sel.backward(head_major(grad), out, lse, *grad_blocks)
+            if impl == "triton":
+                from nsa.triton_path import BlockTable, TritonSelection
+
+                table = BlockTable.uniform(q_start, Q, ls, q.device)
+                sel = TritonSelection(head_major(q.detach()), *(b.flatten(2, 3) for b in blocks), table, idx, q_start,
+                                      D**-0.5)
+                grads = [g.flatten(2, 3) for g in grad_blocks]
+            else:
+                sel, grads = torch_path.Selection(head_major(q.detach()), *blocks, idx, q_start, D**-0.5), grad_blocks
+            out, lse = sel.forward()
+            dq = sel.backward(head_major(grad), out, lse, *grads)
         torch.testing.assert_close(out, head_major(ref), **F64)
         torch.testing.assert_close(dq, head_major(ref_grads[0]), **F64)
         for g, ref_g in zip(grad_blocks, ref_grads[1:], strict=True):
@@ -735,7 +739,7 @@ def test_triton_top_blocks_match_the_reference_rule(l, d, ls, n, ties):
     queries from before the first complete block to many blocks on, n above and below the blocks that exist. With
     ties (q = 0: uniform probabilities, equal scores for whole blocks) the lower blocks win, as in the reference."""
     pytest.importorskip("triton")
-    from nsa.triton_path import select_top_blocks
+    from nsa.triton_path import TopNRanges, select_top_blocks
 
     B, KV, G, D, q_start, Q = 1, 2, 3, 8, 37, 150
     T = q_start + Q
@@ -750,7 +754,8 @@ def test_triton_top_blocks_match_the_reference_rule(l, d, ls, n, ties):
     lse = logits.masked_fill(~visible, -math.inf).logsumexp(-1)
     p = torch.exp(logits - lse[..., None]).masked_fill(~visible, 0.0).view(B, KV, G, Q, n_cmp).sum(2)
     expected = reference_top_blocks(pool_to_selection_blocks(p, l, d, ls, n_select), pos, ls, n, n_select)
-    got = select_top_blocks(q, k, lse, n_visible, (l, d, ls), n_select, q_start, n, n_select, D**-0.5)
+    got = select_top_blocks(q, k, lse, TopNRanges.uniform(n_visible, q_start, ls), (l, d, ls), n_select, n, n_select,
+                            D**-0.5)
     assert got.sort(-1).values.flatten(0, 2).tolist() == expected
 
 
@@ -761,19 +766,24 @@ def test_triton_selection_half_precision():
     errors within 2e-3, the size of half rounding on O(1) values. float16 stands in for bfloat16, which Triton's
     interpreter cannot compute (numpy has no bfloat16); both take the same code path in the kernels."""
     pytest.importorskip("triton")
-    from nsa.triton_path import TritonSelection
+    from nsa.triton_path import BlockTable, TritonSelection
 
     B, KV, G, Q, D, S, ls, n = 1, 2, 4, 40, 64, 256, 64, 4
     q = torch.randn(B, KV, Q, G, D)
     k, v = (torch.randn(B, KV, S, D) for _ in range(2))
     idx = distinct_selection(B, KV, Q, S - Q, S // ls, ls, n)
     results = []
-    for cls, dtype in ((torch_path.Selection, torch.float32), (TritonSelection, torch.float16)):
+    for dtype in (torch.float32, torch.float16):
         blocks = [as_blocks(t.to(dtype), ls) for t in (k, v)]
-        sel = cls(head_major(q.to(dtype)), *blocks, idx, S - Q, D**-0.5)
-        out, lse = sel.forward()
         grad_blocks = [torch.zeros_like(b) for b in blocks]
-        dq = sel.backward(torch.ones_like(out), out, lse, *grad_blocks)
+        if dtype == torch.float32:
+            sel, grads = torch_path.Selection(head_major(q), *blocks, idx, S - Q, D**-0.5), grad_blocks
+        else:
+            sel = TritonSelection(head_major(q.to(dtype)), *(b.flatten(2, 3) for b in blocks),
+                                  BlockTable.uniform(S - Q, Q, ls, q.device), idx, S - Q, D**-0.5)
+            grads = [g.flatten(2, 3) for g in grad_blocks]
+        out, lse = sel.forward()
+        dq = sel.backward(torch.ones_like(out), out, lse, *grads)
         results.append([t.float() for t in (out, lse, dq, *grad_blocks)])
         assert (out.dtype, lse.dtype, dq.dtype) == (dtype, torch.float32, dtype)
     for got, ref in zip(*reversed(results), strict=True):
@@ -807,8 +817,9 @@ part, parts = int(sys.argv[1]), int(sys.argv[2])  # this process compiles every 
 builds = []
 types = dict(LSE="*fp32", DELTA="*fp32", PTR="*i64", PAIR="*i64", UNION="*i32", COUNT="*i32", DO_ROW="*i64",
              N_SEL="i32", IDX="*i64", L_SEL="i32", NO_SLOT="i32", LO="*i32", HI="*i32", QA="*i32", QB="*i32",
-             NVIS="*i32", W="*fp32", q_start="i32", NQ="i32", NR="i32", NT="i32", U_MAX="i32", S="i32", NB="i32",
-             NC="i32", NS="i32", scale="fp32")
+             W="*fp32", q_start="i32", NQ="i32", NR="i32", NT="i32", U_MAX="i32", S="i32", NB="i32", NC="i32",
+             NS="i32", scale="fp32", START="*i32", END="*i32", C_LO="*i32", C_HI="*i32", BLOCK0="*i32", OWN="*i32",
+             KV="i32", START_STRIDE="i32", LO_STRIDE="i32", QA_STRIDE="i32", TABLE_STRIDE="i32")
 for D in (64, 128):
     common = dict(G=4, D=D, L_SEL=64, BLOCK_D=D, ACC=tl.float32)
     ranged = dict(D=D, BLOCK_M=64, BLOCK_N=64, BLOCK_D=D, ACC=tl.float32)
