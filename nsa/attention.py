@@ -17,6 +17,8 @@ flash-attention kernel, via modeling/flash.py) or, on CUDA with Triton installed
 - On the Triton kernels all the queries of a training forward are one chunk (`_query_chunk`): a layer is a fixed
   number of kernel launches whatever T, with no host sync between them. Without gradients (prefill, evaluation)
   they run in eight chunks, whose branch outputs are gated before the next chunk runs.
+- Packed documents (`documents`, nsa/packing.py), on the Triton kernels only: one chunk of all T queries, each
+  query's compressed, selection and window ranges those of its document, as if the document were alone.
 
 Threads. On CPU tensors the chunks run on one Python thread per PyTorch intra-op thread, each chunk on a single
 intra-op thread (`_for_each_chunk`): a chunk is hundreds of small operators, and with several threads each of them

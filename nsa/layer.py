@@ -214,7 +214,8 @@ class NativeSparseAttention(nn.Module):
                 doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         """x (B, T, C); cos, sin (T, D) for positions [start_pos or 0, +T). start_pos None: full causal forward
         without cache; an int: decode/prefill against the cache (`setup_cache`). doc_start (B, T) long, without the
-        cache: the first position each query may see, splitting each row into documents (`_attend_documents`).
+        cache: the first position each query may see, splitting each row into documents (`_attend_packed` on the
+        Triton kernels, else `_attend_documents`).
         shard: x holds a sequence shard's positions (`_attend_shard`; no doc_start). Returns (B, T, C)."""
         cfg = self.config
         B, T, _ = x.shape

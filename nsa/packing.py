@@ -88,7 +88,7 @@ def _blocks(doc_start: Tensor, geometry: tuple[int, int, int], known: bool = Fal
     first = virtual - rel
     starts_cmp = (rel % d == 0) & (pos + l <= end)  # (B, T): a complete compressed block starts at t
     if known:
-        Tv, Ne = T + int(pad[0, -1]), num_compressed_blocks(T, l, d)
+        Tv, Ne = T + -T % l_sel, num_compressed_blocks(T, l, d)
     else:
         Tv, Ne = (int(x) for x in torch.stack([(virtual[:, -1] + 1 + pad[:, -1]).max(),
                                                starts_cmp.sum(1).max()]).tolist())

@@ -15,6 +15,7 @@ For query t and each of its G query heads (Yuan et al. 2025, https://arxiv.org/a
    two most recent blocks (t's own and the one before) always taken, are attended token by token, causally.
 4. Sliding window: the w keys (t - w, t].
 5. Gates (Eq. 5): o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win.
+6. Packed documents (`doc_start`): each document is a sequence of its own; nothing before its first token is seen.
 
 Notation: B batch, H query heads, KV key/value heads, G = H // KV, T queries (= keys), D head dimension,
 Nc compressed blocks, Ns selection blocks. Geometry from the config: l `nsa_block_size`, d `nsa_stride`,

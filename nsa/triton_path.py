@@ -8,7 +8,9 @@ Selection (paper section 3.4; `TritonSelection`) in tiles of whole queries, 64 r
 heads: full tensor-core tiles, where one program per query pads its G rows to 16).
 - Forward: one program per (tile of queries, batch x KV head) walks the union of the blocks its queries selected
   (`_union_by_tile`: one sorted list per tile, each block once), loading a block's l' keys and values once for all
-  the tile's rows; a row sees a block's keys only if its query selected it. Online softmax, as flash attention:
+  the tile's rows, from the block's first position in a table of block starts (`BlockTable`: every l' keys, or
+  each packed document's blocks from its first token); a row sees a block's keys only if its query selected it.
+  Online softmax, as flash attention:
   the output and lse are written once, with no partial results per (query, slot) in memory.
 - Backward: dQ the same way (a program per tile over its union, the probabilities recomputed from the lse, as
   flash attention's backward: dS = P * (dP - rowsum(dO * O))); dK and dV by one program per key block walking the

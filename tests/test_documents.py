@@ -489,3 +489,31 @@ def test_nsa_layer_packs_documents_in_one_call_where_the_kernels_run(compressor,
     torch.testing.assert_close(call_logits, loop_logits, rtol=0, atol=1e-10 * loop_logits.abs().max().item())
     for name, g in loop_grads.items():
         torch.testing.assert_close(call_grads[name], g, rtol=0, atol=1e-10 * g.abs().max().item(), msg=name)
+
+
+@pytest.mark.slow
+def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k():
+    """FakeTensorMode, one 4B-geometry NSA layer at 131,072 tokens in bfloat16 on the Triton kernels' path (not
+    launched on fake tensors), forward + backward: with a document mask (one call, `_attend_packed`) the peak of live
+    bytes exceeds the unmasked layer's by at most 256 bytes a position (the starts, the virtual axis's tables and
+    each query's ranges: O(T) indices), and no tensor is larger than the unmasked path's largest."""
+    pytest.importorskip("triton")
+    from modeling.config import ComputeConfig
+    from nsa.layer import NativeSparseAttention
+    from nsa.primitive import triton_kernels
+
+    config = ModelConfig.from_preset("4B", attention_type="nsa", context_length=131072)
+    T = 131072
+    torch.set_default_dtype(torch.bfloat16)  # parameters in bfloat16 (the conftest fixture restores the default)
+    results = []
+    with FakeTensorMode():
+        layer = NativeSparseAttention(config, ComputeConfig(attention_query_chunk=2048))
+        x = torch.randn(1, T, config.dim, dtype=torch.bfloat16, requires_grad=True)
+        cos, sin = torch.randn(T, config.head_dim), torch.randn(T, config.head_dim)
+        for doc_start in (None, torch.zeros(1, T, dtype=torch.long)):
+            with triton_kernels(), LiveBytesTracker() as tracker:
+                layer(x, cos, sin, doc_start=doc_start).sum().backward()
+            results.append((tracker.peak, tracker.largest))
+    (peak, largest), (packed_peak, packed_largest) = results
+    assert packed_peak <= peak + 256 * T, (packed_peak - peak) / T
+    assert packed_largest <= largest, (packed_largest, largest)
