@@ -29,6 +29,10 @@ def padding_starts(pads: Tensor, start: int, n_new: int) -> Tensor:
     return torch.minimum(positions, pads[:, None])
 
 
+NOT_DOCUMENTS = ("doc_start must split each row into documents: every position's start is its own position (a "
+                 "document opens) or the start of the position before (modeling.documents.document_starts gives "
+                 "such starts)")
+
 _SPANS = WeakIdKeyDictionary()  # doc_start -> (its version, its spans): every layer of a forward reads them once
 
 
@@ -59,9 +63,7 @@ def _read_spans(doc_start: Tensor) -> list[list[tuple[int, int]]]:
     opens = starts == positions  # (B, T)
     before = torch.cat([starts[:, :1], starts[:, :-1]], dim=1)  # (B, T): each position's predecessor's start
     if not bool((opens | (starts == before)).all()) or not bool(opens[:, 0].all()):
-        raise ValueError("doc_start must split each row into documents: every position's start is its own position "
-                         "(a document opens) or the start of the position before (modeling.documents.document_starts"
-                         " gives such starts)")
+        raise ValueError(NOT_DOCUMENTS)
     spans = []
     for row in opens:
         firsts = row.nonzero().flatten().tolist()

@@ -70,13 +70,20 @@ from modeling.flash import additive_mask, attend_explicit, fused
 from nsa.blocks import (
     as_blocks,
     best_token_scores,
+    choose_blocks,
     num_compressed_blocks,
     pool_to_selection_blocks,
     select_blocks,
 )
-from nsa.packing import DocumentBlocks, QueryRanges, query_ranges
+from nsa.packing import (
+    DocumentBlocks,
+    QueryRanges,
+    as_document_blocks,
+    from_document_blocks,
+    query_ranges,
+)
 from nsa.primitive import exact_scores_active, triton_ready
-from nsa.torch_path import MaskedAttention, Selection, Window, written
+from nsa.torch_path import MaskedAttention, OwnBlocks, Selection, Window, written
 
 if TYPE_CHECKING:
     from modeling.config import ModelConfig
@@ -94,9 +101,10 @@ class _Chunk:
     (B, KV, W, D) at positions [win_start, win_start + W). Every branch attends q as (B, KV, G*Q, D) rows
     (head-major: row g*Q + i is head g of query i).
 
-    Packed documents (`documents`, on the Triton kernels, one chunk of all T queries from position 0): the
-    compressed keys are on the virtual axis of nsa/packing.py, k_blocks and v_blocks are the selection keys and
-    values themselves (B, KV, T, D), and each query's ranges come from the documents' `QueryRanges`."""
+    Packed documents (`documents`: the documents' blocks and the chunk's queries' `QueryRanges`): the compressed
+    keys are all the slots of nsa/packing.py's virtual axis, each query's ranges those of its document; on the
+    Triton selection k_blocks and v_blocks are the selection keys and values themselves (B, KV, S, D), elsewhere the
+    documents' blocks (`nsa.packing.as_document_blocks`)."""
 
     def __init__(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
                  v_win: Tensor, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig,
@@ -117,8 +125,9 @@ class _Chunk:
         self.n_select = (q_start + Q - 1) // l_sel + 1  # of which the chunk's queries may choose the first n_select
         self.triton = triton_ready(q, compute)
         if documents is not None:
-            self._packed(documents, k_win, v_win)
+            self._packed(documents, k_win, v_win, win_start)
             return
+        self.own = OwnBlocks.uniform(q_start, Q, l_sel, q.device)
         if self.triton:  # each query's compressed blocks and window keys are one contiguous range
             from nsa.triton_path import RangeAttention, TopNRanges
 
@@ -146,25 +155,45 @@ class _Chunk:
                 causal = torch.arange(S, device=q.device) <= q_pos.repeat(G)[:, None]  # (G*Q, S)
                 self.prefix = MaskedAttention(self.q_heads, k_all, v_all, additive_mask(causal, q.dtype), self.scale)
 
-    def _packed(self, documents: _Documents, k_win: Tensor, v_win: Tensor) -> None:
+    def _packed(self, documents: _Documents, k_win: Tensor, v_win: Tensor, win_start: int) -> None:
         """The branches of packed documents' queries (see the class docstring): each query's compressed slots,
         window and selection blocks from its document's ranges; the queries that see no compressed block yet (the
-        first l - 1 of each document) are shown their document's first slot and their output is zeroed (`empty`)."""
-        from nsa.triton_path import BlockTable, RangeAttention, TopNRanges
-
+        first l - 1 of each document) are shown their document's first slot and their output is zeroed (`empty`).
+        On the Triton kernels each range is one kernel argument; on PyTorch operators the compression and window
+        take masks built from the ranges (the chunk's (G*Q, Nc) and (G*Q, W): as large as the logits they mask)."""
         blocks, ranges = documents
+        B, KV, G, Q, _ = self.shape
+        l_sel = self.config.nsa_select_block_size
         self.empty = ranges.cmp_hi == ranges.cmp_lo  # (B, Q)
         self.n_blocks = self.n_select = blocks.n_blocks
         self.all_selected = False
-        self.top_n = TopNRanges(ranges.cmp_lo, ranges.cmp_hi, ranges.block0, ranges.own)
-        self.table = BlockTable(blocks.block_start, blocks.block_end, ranges.own, self.config.nsa_select_block_size)
         shown = torch.maximum(ranges.cmp_hi, ranges.cmp_lo + 1)
-        self.compression = RangeAttention(self.q_heads, self.k_cmp, self.v_cmp, ranges.cmp_lo, shown, self.scale)
-        self.window = RangeAttention(self.q_heads, k_win, v_win, ranges.window_lo,
-                                     (self.q_pos + 1).expand_as(ranges.window_lo), self.scale)
+        win_lo, win_hi = ranges.window_lo - win_start, (self.q_pos + 1 - win_start).expand_as(ranges.window_lo)
+        if self.triton:
+            from nsa.triton_path import BlockTable, RangeAttention, TopNRanges
+
+            self.top_n = TopNRanges(ranges.cmp_lo, ranges.cmp_hi, ranges.block0, ranges.own)
+            self.table = BlockTable(blocks.block_start, blocks.block_end, ranges.own, l_sel)
+            self.compression = RangeAttention(self.q_heads, self.k_cmp, self.v_cmp, ranges.cmp_lo, shown, self.scale)
+            self.window = RangeAttention(self.q_heads, k_win, v_win, win_lo, win_hi, self.scale)
+        if not self.triton or not _triton_selects(l_sel):
+            first = ranges.own[:, 0]  # (B,) the chunk's first own block in each row
+            count = int((ranges.own[:, -1] - first).max()) + 1  # one host read: own blocks of a row
+            self.own = OwnBlocks(ranges.own, first, count, (ranges.own - first[:, None]) * l_sel + ranges.in_block)
+        if not self.triton:
+            def within(lo: Tensor, hi: Tensor, n: int) -> Tensor:  # (B, 1, G*Q, n) mask: key j seen iff lo <= j < hi
+                keys = torch.arange(n, device=lo.device)
+                seen = (keys >= lo[..., None]) & (keys < hi[..., None])  # (B, Q, n)
+                return additive_mask(seen.repeat(1, G, 1)[:, None], self.q_heads.dtype)
+
+            self.compression = MaskedAttention(self.q_heads, self.k_cmp, self.v_cmp,
+                                               within(ranges.cmp_lo, shown, self.k_cmp.shape[2]), self.scale)
+            self.window = MaskedAttention(self.q_heads, k_win, v_win, within(win_lo, win_hi, k_win.shape[2]),
+                                          self.scale)
 
     def _zero_empty(self, x: Tensor) -> None:
-        """Zeroes x (B, H, Q, *E) at the queries that see no compressed block (their compression output is 0)."""
+        """Zeroes x (B, H or KV, Q, *E) at the queries that see no compressed block (their compression output is
+        0)."""
         if self.documents is None:
             x[:, :, : self.n_empty] = 0
         else:
@@ -178,11 +207,12 @@ class _Chunk:
             from nsa.triton_path import BlockTable, TritonSelection
 
             if self.documents is not None:  # the keys themselves, read at each block's first position
-                return TritonSelection(self.q_heads, self.k_blocks, self.v_blocks, self.table, idx, 0, self.scale)
+                return TritonSelection(self.q_heads, self.k_blocks, self.v_blocks, self.table, idx, self.q_start,
+                                       self.scale)
             table = BlockTable.uniform(self.q_start, self.shape[3], l_sel, idx.device)
             return TritonSelection(self.q_heads, self.k_blocks.flatten(2, 3), self.v_blocks.flatten(2, 3), table, idx,
                                    self.q_start, self.scale)
-        return Selection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.q_start, self.scale)
+        return Selection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.own, self.scale)
 
     def _pooled(self, p: Tensor, n_select: int) -> Tensor:
         """Eqs. 8-10: compression probabilities p (B, KV, G*Q, Nc'), zero where not visible, summed over the group
@@ -190,7 +220,7 @@ class _Chunk:
         positions, which see no block."""
         cfg, (B, KV, G, Q, _) = self.config, self.shape
         p_cmp = p.view(B, KV, G, Q, -1).sum(2)  # (B, KV, Q, Nc')
-        p_cmp[:, :, : self.n_empty] = 0
+        self._zero_empty(p_cmp)
         return pool_to_selection_blocks(p_cmp, cfg.nsa_block_size, cfg.nsa_stride, cfg.nsa_select_block_size,
                                         n_select)
 
@@ -233,7 +263,11 @@ class _Chunk:
             return select_top_blocks(self.q_heads, self.k_cmp, lse, self.top_n, geometry, n_select, n, n_blocks,
                                      self.scale)
         importance = self._compression(n_select, out, lse)
-        idx, valid = select_blocks(importance, self.q_pos, cfg.nsa_select_block_size, n)  # (B, KV, Q, n')
+        if self.documents is None:
+            idx, valid = select_blocks(importance, self.q_pos, cfg.nsa_select_block_size, n)  # (B, KV, Q, n')
+        else:
+            _, ranges = self.documents
+            idx, valid = choose_blocks(importance, ranges.own[:, None], ranges.block0[:, None], n)
         return F.pad(idx.masked_fill(~valid, n_blocks), (0, n - idx.shape[-1]), value=n_blocks)
 
     def forward(self, outs: Tensor | None = None, lses: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -341,18 +375,15 @@ class _Span(NamedTuple):
 def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, chunk: int, n_cmp: int | None = None
            ) -> list[_Span]:
     """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start,
-    `chunk` queries each; n_cmp given (packed documents): one chunk seeing all n_cmp compressed slots and all T
-    keys."""
-    if n_cmp is not None:
-        return [_Span(slice(0, T), n_cmp, slice(0, T), 0, 0)]
+    `chunk` queries each; n_cmp given (packed documents), each chunk sees all n_cmp compressed slots."""
     l, d, w = config.nsa_block_size, config.nsa_stride, config.nsa_window
     spans = []
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         t0, t1 = q_start + c0, q_start + c1  # absolute positions of the chunk's queries
         w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
-        spans.append(_Span(slice(c0, c1), num_compressed_blocks(t1, l, d), slice(w0, t1 - win_start), t0,
-                           win_start + w0))
+        spans.append(_Span(slice(c0, c1), num_compressed_blocks(t1, l, d) if n_cmp is None else n_cmp,
+                           slice(w0, t1 - win_start), t0, win_start + w0))
     return spans
 
 
@@ -360,16 +391,27 @@ def _chunk(span: _Span, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tenso
            v_win: Tensor, config: ModelConfig, compute: ComputeConfig, documents: _Documents | None = None) -> _Chunk:
     """The `_Chunk` of one span; arguments as in `_SparseAttention.forward`, the selection keys/values as blocks
     (`as_blocks`; with documents the keys/values themselves)."""
+    if documents is not None:
+        documents = (documents[0], documents[1].queries(span.queries))
     return _Chunk(q[:, :, span.queries], k_cmp[:, :, : span.n_cmp], v_cmp[:, :, : span.n_cmp], k_blocks, v_blocks,
                   k_win[:, :, span.window], v_win[:, :, span.window], span.q_start, span.win_start, config, compute,
                   documents)
 
 
-def _selection_keys(k_slc: Tensor, v_slc: Tensor, l_sel: int, documents: _Documents | None) -> tuple[Tensor, Tensor]:
-    """The selection keys and values as `_Chunk` reads them: blocks (B, KV, Nsb, l', D) (`as_blocks`), or with
-    packed documents the keys and values themselves (B, KV, S, D), read at each block's first position."""
-    if documents is not None:
+def _keys_unblocked(q: Tensor, config: ModelConfig, compute: ComputeConfig, documents: _Documents | None) -> bool:
+    """Whether `_Chunk` reads the selection keys as they are (packed documents on the Triton selection, which reads
+    each block at its first position), not as blocks."""
+    return documents is not None and triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size)
+
+
+def _selection_keys(k_slc: Tensor, v_slc: Tensor, l_sel: int, documents: _Documents | None, unblocked: bool
+                    ) -> tuple[Tensor, Tensor]:
+    """The selection keys and values as `_Chunk` reads them: blocks (B, KV, Nsb, l', D) (`as_blocks`; packed
+    documents' blocks, `nsa.packing.as_document_blocks`), or (`unblocked`) the keys and values themselves."""
+    if unblocked:
         return k_slc.contiguous(), v_slc.contiguous()
+    if documents is not None:
+        return as_document_blocks(k_slc, documents[0], l_sel), as_document_blocks(v_slc, documents[0], l_sel)
     return as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)
 
 
@@ -450,9 +492,10 @@ class _SparseAttention(torch.autograd.Function):
                 win_start: int, documents: _Documents | None, grad_enabled: bool) -> Tensor:
         B, H, T, D = q.shape
         KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
-        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents)
+        unblocked = _keys_unblocked(q, config, compute, documents)
+        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents, unblocked)
         keep = grad_enabled and any(ctx.needs_input_grad)  # (forward itself runs with grad mode off)
-        chunk = T if documents is not None else _query_chunk(q, config, compute, keep)
+        chunk = _query_chunk(q, config, compute, keep)
         whole = chunk >= T
         out = torch.empty_like(q)  # (B, H, T, D)
         outs = q.new_empty(3, B, H, T, D) if keep else None
@@ -486,7 +529,8 @@ class _SparseAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         KV = k_cmp.shape[1]
         documents = ctx.documents
-        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents)
+        unblocked = _keys_unblocked(q, config, compute, documents)
+        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents, unblocked)
         g_q = None if ctx.whole else torch.empty_like(q)  # chunks' queries are disjoint: each written once
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
         spans = _spans(T, ctx.q_start, ctx.win_start, config, ctx.chunk,
@@ -526,6 +570,8 @@ class _SparseAttention(torch.autograd.Function):
                                   for t, like in zip(totals[:4], (k_cmp, v_cmp, k_win, v_win), strict=True))
         g_kb, g_vb = totals[4:]
         S = k_slc.shape[2]
+        if documents is not None and not unblocked:  # the documents' blocks' gradients, back at their positions
+            g_kb, g_vb = (from_document_blocks(g, documents[0], S) for g in (g_kb, g_vb))
         g_kb, g_vb = (g.flatten(2, g.dim() - 2)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
         return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None, None, None
 
@@ -552,27 +598,20 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
             eight chunks (`_query_chunk`; default: ComputeConfig()).
         documents: packed documents (nsa/packing.py `document_blocks`), each query attending only its own
             document as if it were alone, in one call: then q_start = win_start = 0, the selection and window keys
-            are at positions [0, T), k_cmp, v_cmp are on the documents' virtual axis (`nsa.packing.on_virtual_axis`),
-            and the call needs the Triton kernels (CUDA, Triton installed, l' a power of two >= 16; all T queries
-            one chunk, with or without gradients) and no `exact_block_scores`.
+            are at positions [0, T), k_cmp, v_cmp are on the documents' virtual axis (`nsa.packing.on_virtual_axis`);
+            not under `exact_block_scores`.
     Returns:
         `(B, H, T, D)`; see `_SparseAttention` for what forward keeps for backward.
     """
     compute = compute or ComputeConfig()
     ranges = None
     if documents is not None:
-        if not packs_documents(q, config, compute) or q_start or win_start:
-            raise ValueError("sparse_attention runs packed documents in one call only on the Triton kernels (CUDA "
-                             "tensors, Triton installed, nsa_select_block_size a power of two >= 16, no "
-                             "exact_block_scores) from position 0; elsewhere attend each document on its own "
-                             "(NativeSparseAttention does)")
+        if exact_scores_active() or q_start or win_start:
+            raise ValueError("sparse_attention takes packed documents from position 0 and not under "
+                             "exact_block_scores; there attend each document on its own (NativeSparseAttention does)")
         ranges = (documents, query_ranges(documents, config))
     return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, compute, q_start,
                                   win_start, ranges, torch.is_grad_enabled())
 
 
-def packs_documents(q: Tensor, config: ModelConfig, compute: ComputeConfig) -> bool:
-    """Whether `sparse_attention` takes packed documents in one call for queries like q: on the Triton kernels,
-    with l' they select with, outside `exact_block_scores`."""
-    return (triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size)
-            and not exact_scores_active())
+

@@ -243,13 +243,21 @@ def select_blocks(scores: Tensor, q_pos: Tensor, select_block_size: int, num_sel
     (B, KV, Q, n') long and a validity mask of the same shape (False for slots that point at a future block because
     fewer than n' blocks exist yet), n' = min(n, Ns). No gradient.
     """
+    return choose_blocks(scores, q_pos // select_block_size, torch.zeros_like(q_pos), num_selected)
+
+
+def choose_blocks(scores: Tensor, own: Tensor, first: Tensor, num_selected: int) -> tuple[Tensor, Tensor]:
+    """`select_blocks` for queries whose own block is own and whose sequence starts at block first (each
+    broadcastable to (B, KV, Q): packed documents, nsa/packing.py): among blocks first .. own, first and the own and
+    previous blocks are forced in. Returns (indices (B, KV, Q, n') long, whether each lies in first .. own)."""
     Ns = scores.shape[-1]
     block = torch.arange(Ns, device=scores.device)  # (Ns,)
-    current = (q_pos // select_block_size)[:, None]  # (Q, 1)
-    forced = (block == 0) | (block == current) | (block == current - 1)  # (Q, Ns)
-    scores = scores.masked_fill(forced, math.inf).masked_fill(block > current, -math.inf)
+    own, first = own[..., None], first[..., None]  # (..., Q, 1)
+    forced = (block == first) | (block == own) | (block == own - 1)  # (..., Q, Ns)
+    allowed = (block >= first) & (block <= own)
+    scores = scores.masked_fill(forced, math.inf).masked_fill(~allowed, -math.inf)
     idx = scores.topk(min(num_selected, Ns), dim=-1, sorted=False).indices  # (B, KV, Q, n')
-    return idx, idx <= current
+    return idx, (idx >= first) & (idx <= own)
 
 
 def pairs_by_block(idx: Tensor, keep: Tensor, n_blocks: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -52,9 +52,10 @@ from modeling.documents import document_spans, padding_starts
 from modeling.layers import RMSNorm, apply_rope
 from modeling.objective import Objective
 from modeling.shard import SequenceShard
-from nsa.attention import packs_documents, sparse_attention
+from nsa.attention import sparse_attention
 from nsa.blocks import num_compressed_blocks
 from nsa.packing import DocumentBlocks, document_blocks, on_virtual_axis
+from nsa.primitive import exact_scores_active
 from nsa.scoring import score_loss_queries, selection_score_loss
 
 
@@ -157,6 +158,9 @@ class _Branches(NamedTuple):
         return _Branches(*(x[pick] if isinstance(pick, slice) else x.index_select(0, pick) for x in self))
 
 
+PACKED_LENGTH = 1.25  # packed documents run in one call while their virtual axis is at most this times T
+
+
 class NativeSparseAttention(nn.Module):
     """NSA layer, the "nsa" attention type (an `attention.AttentionLayer`; see the module docstring).
 
@@ -214,8 +218,7 @@ class NativeSparseAttention(nn.Module):
                 doc_start: Tensor | None = None, shard: SequenceShard | None = None) -> Tensor:
         """x (B, T, C); cos, sin (T, D) for positions [start_pos or 0, +T). start_pos None: full causal forward
         without cache; an int: decode/prefill against the cache (`setup_cache`). doc_start (B, T) long, without the
-        cache: the first position each query may see, splitting each row into documents (`_attend_packed` on the
-        Triton kernels, else `_attend_documents`).
+        cache: the first position each query may see, splitting each row into documents (`_attend_documents`).
         shard: x holds a sequence shard's positions (`_attend_shard`; no doc_start). Returns (B, T, C)."""
         cfg = self.config
         B, T, _ = x.shape
@@ -246,8 +249,6 @@ class NativeSparseAttention(nn.Module):
                 out, score_loss = self._attend_shard(branches, shard)
             elif doc_start is None:
                 out, score_loss, _ = self._attend(branches, 0, cos, sin)
-            elif self._packs(branches):
-                out, score_loss = self._attend_packed(branches, doc_start, cos, sin), None
             else:
                 out, score_loss = self._attend_documents(branches, doc_start, cos, sin)
             if score_loss is not None:
@@ -344,20 +345,22 @@ class NativeSparseAttention(nn.Module):
         k_cmp, v_cmp = (shard.gather_pieces(part, blocks) for part in parts)
         return k_cmp, v_cmp
 
-    def _packs(self, branches: _Branches) -> bool:
-        """Whether packed documents run in one call of the kernels (`_attend_packed`): where
-        `nsa.attention.packs_documents` says the kernels take them and no selection-scoring loss is trained (its
-        loss runs document by document)."""
-        return packs_documents(branches.q, self.config, self.compute) and not (
-            self.objective.nsa_score_loss_coef and torch.is_grad_enabled())
-
-    def _attend_packed(self, branches: _Branches, doc_start: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Packed documents in one call of the Triton kernels, each document attended as if alone, its blocks
-        counted from its first token (nsa/packing.py): what `_attend_documents` gives, without its loop over
-        documents. doc_start (B, T): each position's document start (one host read a forward, shared by the
-        layers). Returns (B, H, T, D)."""
-        b = branches
+    def _packed_blocks(self, doc_start: Tensor) -> DocumentBlocks | None:
+        """The documents' blocks when they run in one call (`_attend_packed`), else None: not while the
+        selection-scoring loss is trained or `exact_block_scores` holds (both run document by document), nor when
+        the virtual axis exceeds PACKED_LENGTH times the sequence (many documents far shorter than l', whose
+        padding would outweigh the one call)."""
+        if exact_scores_active() or (self.objective.nsa_score_loss_coef and torch.is_grad_enabled()):
+            return None
         blocks = document_blocks(doc_start, self.config)
+        fits = blocks.virtual_length(self.config.nsa_select_block_size) <= PACKED_LENGTH * doc_start.shape[1]
+        return blocks if fits else None
+
+    def _attend_packed(self, branches: _Branches, blocks: DocumentBlocks, cos: Tensor, sin: Tensor) -> Tensor:
+        """Packed documents in one call, each document attended as if alone, its blocks counted from its first
+        token (nsa/packing.py): what the loop of `_attend_documents` gives, without the loop. Returns
+        (B, H, T, D)."""
+        b = branches
         k_cmp, v_cmp = self._compress_documents(b.k_cmp_raw, b.v_cmp_raw, blocks, cos, sin)
         return self.sparse_attention(b.q, k_cmp, v_cmp, b.k_slc, b.v_slc, b.k_win, b.v_win, b.gates, self.config,
                                      compute=self.compute, documents=blocks)
@@ -396,7 +399,10 @@ class NativeSparseAttention(nn.Module):
         doc_start (B, T) (`modeling.documents.document_spans`: one host read a forward); rows with the same
         documents run together. One-token documents need no kernel when l > 1 (`_one_token_documents`). Returns (out
         (B, H, T, D), the selection-scoring loss: the documents' losses weighted by their rows, so the mean over all
-        the rows that choose, or None)."""
+        the rows that choose, or None). Where they can, the documents run in one call instead (`_packed_blocks`)."""
+        blocks = self._packed_blocks(doc_start)
+        if blocks is not None:
+            return self._attend_packed(branches, blocks, cos, sin), None
         B, T = branches.q.shape[0], branches.q.shape[2]
         lone = self.config.nsa_block_size > 1  # a one-token document sees no compressed block: no kernel for it
         groups: dict[tuple[tuple[int, int], ...], list[int]] = {}

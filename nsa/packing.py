@@ -31,6 +31,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
+from modeling.documents import NOT_DOCUMENTS
 from nsa.blocks import num_compressed_blocks
 
 if TYPE_CHECKING:
@@ -48,6 +49,10 @@ class DocumentBlocks(NamedTuple):
     cmp_slot: Tensor  # (B, Ne) long: its slot on the virtual axis (n_compressed for the padding of shorter rows)
     n_blocks: int  # Ns
     n_compressed: int  # Nc
+
+    def virtual_length(self, block: int) -> int:
+        """Tv for selection blocks of `block` positions."""
+        return self.n_blocks * block
 
 
 _BLOCKS = WeakIdKeyDictionary()  # doc_start -> {geometry: (its version, its blocks)}: the layers of a forward share
@@ -90,8 +95,10 @@ def _blocks(doc_start: Tensor, geometry: tuple[int, int, int], known: bool = Fal
     if known:
         Tv, Ne = T + -T % l_sel, num_compressed_blocks(T, l, d)
     else:
-        Tv, Ne = (int(x) for x in torch.stack([(virtual[:, -1] + 1 + pad[:, -1]).max(),
-                                               starts_cmp.sum(1).max()]).tolist())
+        split = ((rel[:, 1:] == 0) | (doc_start[:, 1:] == doc_start[:, :-1])).all() & (rel[:, 0] == 0).all()
+        Tv, Ne, ok = torch.stack([(virtual[:, -1] + 1 + pad[:, -1]).max(), starts_cmp.sum(1).max(), split]).tolist()
+        if not ok:
+            raise ValueError(NOT_DOCUMENTS)
     Ns, Nc = Tv // l_sel, num_compressed_blocks(Tv, l, d)
     at = virtual % l_sel == 0  # (B, T): a selection block starts at t
     column = torch.where(at, virtual // l_sel, Ns)  # (B, T): its block, Ns (a spare column) elsewhere
@@ -112,7 +119,12 @@ class QueryRanges(NamedTuple):
     cmp_hi: Tensor  # one past its last visible compressed slot (= cmp_lo: none yet)
     block0: Tensor  # its document's first selection block
     own: Tensor  # its own selection block
+    in_block: Tensor  # its distance from its own block's first key
     window_lo: Tensor  # its first window key (real position)
+
+    def queries(self, pick: slice) -> QueryRanges:
+        """The ranges of the queries `pick` (a slice of positions)."""
+        return QueryRanges(*(x[:, pick] for x in self))
 
 
 def query_ranges(blocks: DocumentBlocks, config: ModelConfig) -> QueryRanges:
@@ -122,7 +134,27 @@ def query_ranges(blocks: DocumentBlocks, config: ModelConfig) -> QueryRanges:
     cmp_lo = blocks.first // d
     t = torch.arange(rel.shape[1], device=rel.device)
     return QueryRanges(cmp_lo, cmp_lo + ((rel + 1 - l).div(d, rounding_mode="floor") + 1).clamp(min=0),
-                       blocks.first // l_sel, blocks.virtual // l_sel, torch.maximum(t - w + 1, t - rel))
+                       blocks.first // l_sel, blocks.virtual // l_sel, rel % l_sel, torch.maximum(t - w + 1, t - rel))
+
+
+def as_document_blocks(x: Tensor, blocks: DocumentBlocks, block: int) -> Tensor:
+    """Selection keys or values x (B, KV, T, D) as the documents' blocks (B, KV, Ns, l', D), block j holding the
+    positions block_start[j] + [0, l') (a copy; positions past a block's end are another document's or the last
+    key, never seen)."""
+    B, KV, T, D = x.shape
+    index = (blocks.block_start[:, :, None] + torch.arange(block, device=x.device)).clamp(max=T - 1)  # (B, Ns, l')
+    return x.gather(2, index.view(B, 1, -1, 1).expand(B, KV, -1, D)).view(B, KV, blocks.n_blocks, block, D)
+
+
+def from_document_blocks(g: Tensor, blocks: DocumentBlocks, length: int) -> Tensor:
+    """The transpose of `as_document_blocks`: gradients of the blocks g (B, KV, Ns, l', D) summed into the keys'
+    positions (B, KV, length, D), the positions past each block's end left out."""
+    B, KV, Ns, block, D = g.shape
+    index = blocks.block_start[:, :, None] + torch.arange(block, device=g.device)  # (B, Ns, l')
+    inside = index < blocks.block_end[:, :, None]
+    g = g.masked_fill(~inside[:, None, :, :, None], 0).view(B, KV, Ns * block, D)
+    index = index.clamp(max=length - 1).view(B, 1, -1, 1).expand(B, KV, -1, D)
+    return g.new_zeros(B, KV, length, D).scatter_add_(2, index, g)
 
 
 def on_virtual_axis(x: Tensor, blocks: DocumentBlocks) -> Tensor:

@@ -64,12 +64,13 @@ def _tiles_per_block(counts: Tensor, P: int) -> tuple[int, Tensor, int]:
 
 @torch.no_grad()
 def tile_plan(idx: Tensor, current: Tensor, n_blocks: int) -> TilePlan:
-    """Group the pairs (query, idx[..., s]) with idx < current (past blocks; idx (B, KV, Q, n), current (Q,) each
-    query's own block) by block into tiles; n_blocks selection blocks per (B, KV). Tiles are made block by block,
-    so n_tiles <= P / R + (distinct blocks selected)."""
+    """Group the pairs (query, idx[..., s]) with idx < current (past blocks; idx (B, KV, Q, n), current (R, Q) each
+    query's own block, R = 1 or B) by block into tiles; n_blocks selection blocks per (B, KV). Tiles are made block
+    by block, so n_tiles <= P / R + (distinct blocks selected)."""
     B, KV, Q, n = idx.shape
     P, BKQ, n_groups, dev = idx.numel(), B * KV * Q, B * KV * n_blocks, idx.device
-    gid, order, counts = pairs_by_block(idx, idx < current[:, None], n_blocks)  # not past: group n_groups, last
+    past = idx < current[:, None, :, None]
+    gid, order, counts = pairs_by_block(idx, past, n_blocks)  # not past: group n_groups, last
     R, tiles, n_tiles = _tiles_per_block(counts[:n_groups], P)
     tile_end = tiles.cumsum(0)
     g_sorted = gid[order]
@@ -112,29 +113,50 @@ def written(result: tuple[Tensor, Tensor], out: Tensor | None, lse: Tensor | Non
     return out, lse
 
 
+class OwnBlocks(NamedTuple):
+    """The selection blocks a chunk's queries own and where each query sits in them, for `Selection`: block (R, Q)
+    each query's own block; first (R,) the chunk's first own block; count the own blocks of a row (the most of any
+    row); row (R, Q) each query's position among the count * l' positions of blocks first .. first + count - 1. R = 1
+    (every row of the batch alike) or B (packed documents, nsa/packing.py: a query's position in its block is its
+    distance from the block's first key)."""
+
+    block: Tensor
+    first: Tensor
+    count: int
+    row: Tensor
+
+    @staticmethod
+    def uniform(q_start: int, Q: int, l_sel: int, device: torch.device) -> OwnBlocks:
+        """Queries at positions [q_start, q_start + Q) of one sequence, blocks of l' keys from position 0."""
+        q_pos = torch.arange(q_start, q_start + Q, device=device)  # (Q,)
+        b0 = q_start // l_sel
+        return OwnBlocks((q_pos // l_sel)[None], torch.tensor([b0], device=device),
+                         (q_start + Q - 1) // l_sel - b0 + 1, (q_pos - b0 * l_sel)[None])
+
+
 class Selection:
-    """The selection branch of one chunk: head-major query rows q (B, KV, G*Q, D) at positions
-    [q_start, q_start + Q), their selected blocks idx (B, KV, Q, n) (entries >= the own block that are not it:
-    unused slots) among the key/value blocks (B, KV, Nsb, l', D).
+    """The selection branch of one chunk: head-major query rows q (B, KV, G*Q, D), their selected blocks idx
+    (B, KV, Q, n) (entries >= the own block that are not it: unused slots) among the key/value blocks
+    (B, KV, Nsb, l', D); `OwnBlocks` own says which block each query owns.
 
-    Own block: the chunk's queries, padded to whole blocks, attend their block with a causal (l'*G, l') mask (rows
-    ordered query-major, G heads per query). Past blocks: tiles of `tile_plan`, unmasked (every key is visible)."""
+    Own block: the chunk's queries, placed at their rows of whole blocks, attend their block with a causal
+    (l'*G, l') mask (rows ordered query-major, G heads per query). Past blocks: tiles of `tile_plan`, unmasked
+    (every key is visible)."""
 
-    def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, q_start: int, scale: float) -> None:
+    def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, own: OwnBlocks,
+                 scale: float) -> None:
         q = _query_major(q, idx.shape[2])  # (B, KV, Q, G, D)
         B, KV, Q, G, D = q.shape
-        l_sel = k_blocks.shape[3]
-        self.shape, self.scale = q.shape, scale
-        self.b0 = q_start // l_sel  # first own block of the chunk
-        self.nb = (q_start + Q - 1) // l_sel - self.b0 + 1  # own blocks of the chunk
-        self.pad = (q_start - self.b0 * l_sel, (self.b0 + self.nb) * l_sel - q_start - Q)  # queries before / after
-        current = torch.arange(q_start, q_start + Q, device=q.device) // l_sel  # (Q,)
-        self.plan = tile_plan(idx, current, k_blocks.shape[2])
+        R, l_sel, n_blocks = own.block.shape[0], k_blocks.shape[3], k_blocks.shape[2]
+        self.shape, self.scale, self.nb = q.shape, scale, own.count
+        self.rows = own.row.view(R, 1, Q, 1)  # each query's row among the own blocks' positions
+        self.plan = tile_plan(idx, own.block, n_blocks)
         self.k_tiles = k_blocks.flatten(0, 2).index_select(0, self.plan.tile_block)[:, None]  # (n_tiles, 1, l', D)
         self.v_tiles = v_blocks.flatten(0, 2).index_select(0, self.plan.tile_block)[:, None]
-        own = slice(self.b0, self.b0 + self.nb)
-        self.k_own = k_blocks[:, :, own].flatten(0, 2)[:, None]  # (B*KV*nb, 1, l', D)
-        self.v_own = v_blocks[:, :, own].flatten(0, 2)[:, None]
+        blocks = (own.first[:, None] + torch.arange(self.nb, device=q.device)).clamp(max=n_blocks - 1)  # (R, nb)
+        self.own_index = blocks.view(R, 1, -1, 1, 1).expand(B, KV, -1, l_sel, D)  # (B, KV, nb, l', D)
+        self.k_own = k_blocks.gather(2, self.own_index).flatten(0, 2)[:, None]  # (B*KV*nb, 1, l', D)
+        self.v_own = v_blocks.gather(2, self.own_index).flatten(0, 2)[:, None]
         query = torch.arange(l_sel * G, device=q.device) // G  # (l'*G,) query of each own-block row
         self.causal = additive_mask(torch.arange(l_sel, device=q.device) <= query[:, None], q.dtype)  # (l'*G, l')
         self.q_tiles, self.q_own = self._tiles(q), self._own(q)
@@ -153,17 +175,22 @@ class Selection:
         out = rows.new_zeros(B * KV * Q + 1, rows.shape[1]).index_add_(0, self.plan.query_of_row, rows)
         return out[:-1].view(B, KV, Q, G, *x.shape[3:])
 
+    def _rows(self, extra: tuple[int, ...]) -> Tensor:
+        """Each query's row among the own blocks' positions as an index shaped (B, KV, Q, G, *extra)."""
+        return self.rows.view(*self.rows.shape, *[1] * len(extra)).expand(*self.shape[:4], *extra)
+
     def _own(self, x: Tensor) -> Tensor:
-        """Per-query x (B, KV, Q, G, *E) -> own-block rows (B*KV*nb, 1, l'*G, *E), zero-padded to whole blocks."""
+        """Per-query x (B, KV, Q, G, *E) -> own-block rows (B*KV*nb, 1, l'*G, *E), zero where no query sits."""
         B, KV, _, G = self.shape[:4]
-        pad = [0, 0] * (x.dim() - 3) + list(self.pad)
-        return F.pad(x, pad).reshape(B * KV * self.nb, 1, -1, *x.shape[4:])
+        rows = x.new_zeros(B, KV, self.nb * self.k_own.shape[2], G, *x.shape[4:])
+        rows.scatter_(2, self._rows(x.shape[4:]), x)
+        return rows.reshape(B * KV * self.nb, 1, -1, *x.shape[4:])
 
     def _unown(self, x: Tensor) -> Tensor:
         """Own-block rows (B*KV*nb, 1, l'*G, *E) -> (B, KV, Q, G, *E)."""
         B, KV, Q, G = self.shape[:4]
         x = x.reshape(B, KV, -1, G, *x.shape[3:])  # (B, KV, nb*l', G, *E)
-        return x[:, :, self.pad[0]: self.pad[0] + Q]
+        return x.gather(2, self._rows(x.shape[4:]))
 
     def forward(self, out: Tensor | None = None, lse_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q)) over each query's selected keys, written into the given
@@ -195,10 +222,9 @@ class Selection:
                                            self._tiles(out), self._tiles(lse), None, self.scale)
         dq_o, dk_o, dv_o = attend_backward(self._own(grad_out), self.q_own, self.k_own, self.v_own, self._own(out),
                                            self._own(lse), self.causal, self.scale)
-        own = slice(self.b0, self.b0 + self.nb)
         for grad, d_tiles, d_own in ((grad_k_blocks, dk_t, dk_o), (grad_v_blocks, dv_t, dv_o)):
             grad.flatten(0, 2).index_add_(0, self.plan.tile_block, d_tiles[:, 0])
-            grad[:, :, own] += d_own.view(B, KV, self.nb, *d_own.shape[2:])
+            grad.scatter_add_(2, self.own_index, d_own.view(B, KV, self.nb, *d_own.shape[2:]))
         return added(dq, _head_major(self._unown(dq_o) + self._untile(dq_t)))
 
 

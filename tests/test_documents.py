@@ -350,21 +350,28 @@ def test_document_starts_made_under_inference_mode():
 
 
 def test_the_layers_of_a_forward_read_the_document_starts_once(monkeypatch):
-    """NSA's layers share one host read of doc_start per tensor (`document_spans`); a change in place is read
-    again."""
+    """NSA's layers share one host read of doc_start per tensor (`document_spans` for the loop over documents,
+    `nsa.packing.document_blocks` for the one call); a change in place is read again."""
     import modeling.documents
+    import nsa.packing
 
     reads = []
-    read = modeling.documents._read_spans
-    monkeypatch.setattr(modeling.documents, "_read_spans", lambda starts: reads.append(1) or read(starts))
+    read_spans, read_blocks = modeling.documents._read_spans, nsa.packing._blocks
+    monkeypatch.setattr(modeling.documents, "_read_spans", lambda *a: reads.append("spans") or read_spans(*a))
+    monkeypatch.setattr(nsa.packing, "_blocks", lambda *a, **k: reads.append("blocks") or read_blocks(*a, **k))
     model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa", n_layers=3))
     ids, _ = packed([20, 15, 30], model.config.vocab_size)
-    starts = document_starts(ids, EOD)
-    with torch.no_grad():
-        model(ids, doc_start=starts)
-        assert len(reads) == 1
-        starts[:, 30:] = 30  # another split, in place
-        assert modeling.documents.document_spans(starts)[0][-1] == (30, ids.shape[1]) and len(reads) == 2
+    for many in ([], [0] * 20):  # documents that run in one call; with 20 one-token documents more, the loop
+        ids = packed([20, 15, 30, *many], model.config.vocab_size)[0]
+        starts = document_starts(ids, EOD)
+        reads.clear()
+        with torch.no_grad():
+            model(ids, doc_start=starts)
+        assert reads == (["blocks"] if not many else ["blocks", "spans"]), reads
+    starts[:, 30:] = 30  # another split, in place
+    assert modeling.documents.document_spans(starts)[0][-1] == (30, ids.shape[1]) and reads[-1] == "spans"
+    blocks = nsa.packing.document_blocks(starts, model.config)  # documents of 20, 10 and 57 tokens: 2 + 1 + 4 blocks
+    assert blocks.n_blocks == 7 and reads[-1] == "blocks"
 
 
 # ---- NSA's packed documents in one call: nsa/packing.py, the reference and the Triton kernels ----------------------
@@ -430,17 +437,20 @@ def test_document_blocks_count_each_document_from_its_first_token():
     assert (blocks.n_blocks, blocks.n_compressed) == (4, 15)  # virtual length 64
 
 
-@pytest.mark.slow
-def test_triton_packed_documents_match_the_reference():
-    """sparse_attention with `documents` on the Triton kernels (Triton's interpreter): two rows packed differently,
-    one call, against nsa/reference.py with doc_start (float64): the output, and the gradients of every input
-    against autograd through the reference."""
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("path", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_packed_documents_in_one_call_match_the_reference(path):
+    """sparse_attention with `documents`, two rows packed differently, one call, against nsa/reference.py with
+    doc_start (float64): the output, and the gradients of every input against autograd through the reference. On
+    PyTorch operators in query chunks of 24 (chunks cut documents and blocks), and on the Triton kernels (Triton's
+    interpreter)."""
+    from modeling.config import ComputeConfig
     from nsa.attention import sparse_attention
     from nsa.packing import on_virtual_axis
     from nsa.primitive import triton_kernels
     from nsa.reference import naive_nsa
 
+    if path == "triton":
+        pytest.importorskip("triton")
     config = ModelConfig.from_preset("tiny", attention_type="nsa")
     inputs, doc_start, blocks = nsa_packed_inputs(PACKED_ROWS, config)
     leaves = [x.requires_grad_() for x in inputs]
@@ -448,25 +458,32 @@ def test_triton_packed_documents_match_the_reference():
     grad = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, leaves, grad)
     q, k_cmp, v_cmp, *rest = leaves
-    with triton_kernels():
+    with triton_kernels() if path == "triton" else contextlib.nullcontext():
         got = sparse_attention(q, on_virtual_axis(k_cmp, blocks), on_virtual_axis(v_cmp, blocks), *rest, config,
-                               documents=blocks)
+                               compute=ComputeConfig(attention_query_chunk=24), documents=blocks)
         got_grads = torch.autograd.grad(got, leaves, grad)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    with torch.no_grad(), triton_kernels() if path == "triton" else contextlib.nullcontext():  # Triton: 8 chunks
+        again = sparse_attention(q, on_virtual_axis(k_cmp, blocks), on_virtual_axis(v_cmp, blocks), *rest, config,
+                                 compute=ComputeConfig(attention_query_chunk=8), documents=blocks)
+    torch.testing.assert_close(again, want, rtol=0, atol=1e-12)
     for name, g, w in zip(("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"), got_grads,
                           want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-11, msg=name)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compressor", ["mlp", "mean"])
-def test_nsa_layer_packs_documents_in_one_call_where_the_kernels_run(compressor, monkeypatch):
-    """The model on the Triton kernels (interpreter) runs packed documents in one call (`_attend_packed`: compressed
-    keys gathered per document and placed on the virtual axis) and gives the logits and parameter gradients of the
-    document-by-document path (`_attend_documents`, PyTorch), float64."""
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("path", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_nsa_layer_packs_documents_in_one_call(compressor, path, monkeypatch):
+    """The model runs packed documents in one call (`_attend_packed`: compressed keys gathered per document and
+    placed on the virtual axis), on PyTorch operators or the Triton kernels (interpreter), and gives the logits and
+    parameter gradients of the document-by-document loop (`_attend_documents`' loop, PyTorch), float64."""
+    from nsa import layer as nsa_layer
     from nsa.layer import NativeSparseAttention
     from nsa.primitive import triton_kernels
+
+    if path == "triton":
+        pytest.importorskip("triton")
 
     torch.manual_seed(0)
     config = ModelConfig.from_preset("tiny", context_length=256, attention_type="nsa", nsa_compressor=compressor,
@@ -475,14 +492,20 @@ def test_nsa_layer_packs_documents_in_one_call_where_the_kernels_run(compressor,
     rows = [packed(lengths, config.vocab_size, seed=i)[0] for i, lengths in enumerate(([40, 0, 70, 4], [100, 17]))]
     ids = torch.cat([row[:, :117] for row in rows])  # 117 and 118 tokens
     starts = document_starts(ids, EOD)
-    results, calls, loop = [], [], NativeSparseAttention._attend_documents
-    monkeypatch.setattr(NativeSparseAttention, "_attend_documents", lambda self, *a: calls.append(1) or loop(self, *a))
+    monkeypatch.setattr(nsa_layer, "PACKED_LENGTH", 100.0)  # one call even for these short documents
+    results, packed_blocks = [], NativeSparseAttention._packed_blocks
     for one_call in (False, True):
-        calls.clear()
-        with triton_kernels() if one_call else contextlib.nullcontext():
+        calls = []
+
+        def blocks(self: NativeSparseAttention, starts: torch.Tensor, calls: list = calls, one_call: bool = one_call):
+            calls.append(packed_blocks(self, starts) if one_call else None)
+            return calls[-1]
+
+        monkeypatch.setattr(NativeSparseAttention, "_packed_blocks", blocks)
+        with triton_kernels() if path == "triton" and one_call else contextlib.nullcontext():
             out = model(ids, ids, doc_start=starts)
             out.loss.backward()
-        assert bool(calls) != one_call
+        assert calls and all((b is not None) == one_call for b in calls)
         results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
         model.zero_grad()
     (loop_logits, loop_grads), (call_logits, call_grads) = results
@@ -517,3 +540,20 @@ def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k():
     (peak, largest), (packed_peak, packed_largest) = results
     assert packed_peak <= peak + 256 * T, (packed_peak - peak) / T
     assert packed_largest <= largest, (packed_largest, largest)
+
+
+def test_nsa_runs_many_short_documents_one_by_one():
+    """Packed documents run in one call while the virtual axis (each document padded to whole l'-blocks) is at most
+    `PACKED_LENGTH` times the row; one-token documents padded to l' = 16 exceed it, and the loop runs them (with
+    its closed form for one-token documents)."""
+    from nsa.layer import PACKED_LENGTH, NativeSparseAttention
+
+    config = ModelConfig.from_preset("tiny", context_length=256, attention_type="nsa")
+    model = Transformer(config).double().eval()
+    layer = next(m for m in model.modules() if isinstance(m, NativeSparseAttention))
+    long_docs, _ = packed([60, 90], config.vocab_size)  # 60 + 91 tokens: 160 virtual positions, 1.06 T
+    short_docs, _ = packed([20] + [0] * 30, config.vocab_size)  # 20 + 30 one-token documents: 496 of them, 9.9 T
+    for ids, one_call in ((long_docs, True), (short_docs, False)):
+        starts = document_starts(ids, EOD)
+        assert (layer._packed_blocks(starts) is not None) == one_call
+        assert (document_blocks(starts, config).virtual_length(16) <= PACKED_LENGTH * ids.shape[1]) == one_call

@@ -445,7 +445,7 @@ def test_tile_plan_structure(monkeypatch, small_tile_cost):
     B, KV, Q, n, n_blocks = 2, 2, 40, 3, 9
     idx = torch.stack([torch.randperm(n_blocks)[:n] for _ in range(B * KV * Q)]).view(B, KV, Q, n)
     current = torch.randint(0, n_blocks, (Q,))
-    plan = torch_path.tile_plan(idx, current, n_blocks)
+    plan = torch_path.tile_plan(idx, current[None], n_blocks)
     R = plan.rows_per_tile
     assert plan.rows_per_tile == (16 if small_tile_cost == 0.0 else 32)
     query = torch.arange(B * KV * Q).view(B, KV, Q, 1).expand_as(idx)
@@ -524,7 +524,8 @@ def test_selection_branch_matches_dense_fixed_indices(monkeypatch, impl, small_t
                                       D**-0.5)
                 grads = [g.flatten(2, 3) for g in grad_blocks]
             else:
-                sel, grads = torch_path.Selection(head_major(q.detach()), *blocks, idx, q_start, D**-0.5), grad_blocks
+                own = torch_path.OwnBlocks.uniform(q_start, Q, ls, q.device)
+                sel, grads = torch_path.Selection(head_major(q.detach()), *blocks, idx, own, D**-0.5), grad_blocks
             out, lse = sel.forward()
             dq = sel.backward(head_major(grad), out, lse, *grads)
         torch.testing.assert_close(out, head_major(ref), **F64)
@@ -777,7 +778,8 @@ def test_triton_selection_half_precision():
         blocks = [as_blocks(t.to(dtype), ls) for t in (k, v)]
         grad_blocks = [torch.zeros_like(b) for b in blocks]
         if dtype == torch.float32:
-            sel, grads = torch_path.Selection(head_major(q), *blocks, idx, S - Q, D**-0.5), grad_blocks
+            own = torch_path.OwnBlocks.uniform(S - Q, Q, ls, q.device)
+            sel, grads = torch_path.Selection(head_major(q), *blocks, idx, own, D**-0.5), grad_blocks
         else:
             sel = TritonSelection(head_major(q.to(dtype)), *(b.flatten(2, 3) for b in blocks),
                                   BlockTable.uniform(S - Q, Q, ls, q.device), idx, S - Q, D**-0.5)

@@ -285,9 +285,11 @@ def _training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_i
                    ) -> tuple[dict[str, dict[str, int]], str]:
     """One training step as train.py runs it (forward + loss under `autocast`, backward, gradient clipping, AdamW
     step, zero_grad) with `probe` read at each stage; `progress` is called with each phase's name as it starts.
-    `doc_start` (B, T): the document starts of --document_mask (under fake tensors their values change no
-    allocation; a real CPU run attends chunks inside one document without a mask). `shard`: the rank's part of the
-    sequence under context parallelism (input_ids, labels and doc_start are its positions).
+    `doc_start` (B, T): the document starts of --document_mask (under fake tensors their values are unknown: full
+    attention allocates the same for any split, NSA is measured with one document a row, in one call; real rows
+    in one call add up to nsa.layer.PACKED_LENGTH - 1 of the compressed keys and the selection-block tables).
+    `shard`: the rank's part of the sequence under context parallelism (input_ids, labels and doc_start are its
+    positions).
 
     Returns ({stage: {"total": bytes, category: bytes, ...}} in time order with the peak of each phase, the loss
     path taken: "standard" or "chunked").
