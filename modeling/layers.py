@@ -129,11 +129,13 @@ def yarn_scale_frequencies(inv_freq: Tensor, scaling: dict[str, float | int | st
 ROPE_CHUNK = 4096  # positions rotated at a time: bounds the float32 temporaries to (B, H, ROPE_CHUNK, D)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool = False) -> Tensor:
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool = False, positions: Tensor | None = None
+            ) -> Tensor:
     """x * cos + rotate_half(x) * sin for x (B, H, T, D), in (at least) float32, chunk by chunk over T, written into
-    a tensor of x's dtype and layout (contiguous (B, H, T, D) when `contiguous`). Under FakeTensorMode nothing is
-    computed, so only the first chunk runs: the memory it shows (the output plus one chunk's temporaries) is the
-    loop's, without thousands of operators at long T."""
+    a tensor of x's dtype and layout (contiguous (B, H, T, D) when `contiguous`); with positions (T,) long, x's t-th
+    row takes the tables' row positions[t]. Under FakeTensorMode nothing is computed, so only the first chunk runs:
+    the memory it shows (the output plus one chunk's temporaries) is the loop's, without thousands of operators at
+    long T."""
     out = x.new_empty(x.shape) if contiguous else torch.empty_like(x)
     half = x.shape[-1] // 2
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -141,7 +143,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool = False) -> Te
     chunks = range(0, min(x.shape[-2], ROPE_CHUNK) if fake else x.shape[-2], ROPE_CHUNK)
     for t0 in chunks:
         t1 = t0 + ROPE_CHUNK
-        xs, c, s = x[..., t0:t1, :].to(compute_dtype), cos[t0:t1], sin[t0:t1]  # (B, H, c, D), (c, D), (c, D)
+        rows = slice(t0, t1) if positions is None else positions[t0:t1]
+        xs, c, s = x[..., t0:t1, :].to(compute_dtype), cos[rows], sin[rows]  # (B, H, c, D), (c, D), (c, D)
         y = xs * c  # (B, H, c, D); then rotate_half(xs) * s added half by half, with no rotated copy of xs
         y[..., :half].addcmul_(xs[..., half:], s[..., :half], value=-1)
         y[..., half:].addcmul_(xs[..., :half], s[..., half:])
@@ -154,18 +157,21 @@ class _ApplyRope(torch.autograd.Function):
     opposite angle (the sin table repeats across the two halves, so rotate_half^T(g * sin) = rotate_half(g) * -sin)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool) -> Tensor:
-        ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, contiguous)
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool, positions: Tensor | None) -> Tensor:
+        ctx.save_for_backward(cos, sin, positions)
+        return _rotate(x, cos, sin, contiguous, positions)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, -sin), None, None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        cos, sin, positions = ctx.saved_tensors
+        return _rotate(grad, cos, -sin, positions=positions), None, None, None, None
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool = False) -> Tensor:
-    """Rotate `x` (B, H, T, D) by the tables `cos`, `sin` (T, D) (rotate-half convention), in (at least) float32.
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool = False, positions: Tensor | None = None
+               ) -> Tensor:
+    """Rotate `x` (B, H, T, D) by the tables `cos`, `sin` (T, D) (rotate-half convention), in (at least) float32;
+    with `positions` (T,) long, x's row t by the tables' row positions[t] (tables for a whole sequence, rows picked
+    without a copy of them being kept).
 
     Returns a tensor of x's shape, dtype and layout, or with `contiguous` a contiguous (B, H, T, D) one (what
     NSA's kernels read: head by head; full attention's SDPA takes x's (B, T, H, D) layout). The float32 work is
@@ -173,7 +179,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, contiguous: bool = False) ->
     one output tensor, not several float32 copies.
     The tables carry no gradient.
     """
-    return _ApplyRope.apply(x, cos, sin, contiguous)
+    return _ApplyRope.apply(x, cos, sin, contiguous, positions)
 
 
 class FeedForward(nn.Module):

@@ -75,13 +75,7 @@ from nsa.blocks import (
     pool_to_selection_blocks,
     select_blocks,
 )
-from nsa.packing import (
-    DocumentBlocks,
-    QueryRanges,
-    as_document_blocks,
-    from_document_blocks,
-    query_ranges,
-)
+from nsa.packing import DocumentBlocks, QueryRanges, as_document_blocks, from_document_blocks
 from nsa.primitive import exact_scores_active, triton_ready
 from nsa.torch_path import MaskedAttention, OwnBlocks, Selection, Window, written
 
@@ -160,7 +154,7 @@ class _Chunk:
         window and selection blocks from its document's ranges; the queries that see no compressed block yet (the
         first l - 1 of each document) are shown their document's first slot and their output is zeroed (`empty`).
         On the Triton kernels each range is one kernel argument; on PyTorch operators the compression and window
-        take masks built from the ranges (the chunk's (G*Q, Nc) and (G*Q, W): as large as the logits they mask)."""
+        take masks built from the ranges (as large as the logits they mask)."""
         blocks, ranges = documents
         B, KV, G, Q, _ = self.shape
         l_sel = self.config.nsa_select_block_size
@@ -177,9 +171,13 @@ class _Chunk:
             self.compression = RangeAttention(self.q_heads, self.k_cmp, self.v_cmp, ranges.cmp_lo, shown, self.scale)
             self.window = RangeAttention(self.q_heads, k_win, v_win, win_lo, win_hi, self.scale)
         if not self.triton or not _triton_selects(l_sel):
-            first = ranges.own[:, 0]  # (B,) the chunk's first own block in each row
-            count = int((ranges.own[:, -1] - first).max()) + 1  # one host read: own blocks of a row
-            self.own = OwnBlocks(ranges.own, first, count, (ranges.own - first[:, None]) * l_sel + ranges.in_block)
+            own = ranges.own.long()  # (B, Q)
+            first = own[:, 0]  # (B,) the chunk's first own block in each row
+            if is_fake(own) or own.device.type == "meta":  # values unknown: what Q queries of one document span
+                count = min(Q, (Q - 1) // l_sel + 2)
+            else:
+                count = int((own[:, -1] - first).max()) + 1  # one host read: own blocks of a row
+            self.own = OwnBlocks(own, first, count, (own - first[:, None]) * l_sel + ranges.in_block)
         if not self.triton:
             def within(lo: Tensor, hi: Tensor, n: int) -> Tensor:  # (B, 1, G*Q, n) mask: key j seen iff lo <= j < hi
                 keys = torch.arange(n, device=lo.device)
@@ -188,8 +186,8 @@ class _Chunk:
 
             self.compression = MaskedAttention(self.q_heads, self.k_cmp, self.v_cmp,
                                                within(ranges.cmp_lo, shown, self.k_cmp.shape[2]), self.scale)
-            self.window = MaskedAttention(self.q_heads, k_win, v_win, within(win_lo, win_hi, k_win.shape[2]),
-                                          self.scale)
+            self.window = Window(self.q_heads, k_win, v_win, self.q_start, win_start, self.config.nsa_window, G,
+                                 self.scale, first=ranges.window_lo)
 
     def _zero_empty(self, x: Tensor) -> None:
         """Zeroes x (B, H or KV, Q, *E) at the queries that see no compressed block (their compression output is
@@ -372,17 +370,25 @@ class _Span(NamedTuple):
     win_start: int
 
 
-def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, chunk: int, n_cmp: int | None = None
-           ) -> list[_Span]:
+def _spans(T: int, q_start: int, win_start: int, config: ModelConfig, chunk: int,
+           documents: _Documents | None = None) -> list[_Span]:
     """The query chunks of T queries at positions [q_start, q_start + T) whose window keys start at win_start,
-    `chunk` queries each; n_cmp given (packed documents), each chunk sees all n_cmp compressed slots."""
+    `chunk` queries each. With packed documents a chunk sees the compressed slots up to its last query's (one host
+    read for all chunks; all of them under fake tensors, whose values are unknown: the last chunk's, the peak)."""
     l, d, w = config.nsa_block_size, config.nsa_stride, config.nsa_window
+    n_cmp = None
+    if documents is not None:
+        (blocks, ranges), n_chunks = documents, -(-T // chunk)
+        n_cmp = [blocks.n_compressed] * n_chunks
+        if not is_fake(ranges.cmp_hi) and ranges.cmp_hi.device.type != "meta":
+            last = torch.arange(min(chunk, T) - 1, T + chunk - 1, chunk, device=ranges.cmp_hi.device).clamp(max=T - 1)
+            n_cmp = torch.maximum(ranges.cmp_hi, ranges.cmp_lo + 1)[:, last].amax(0).tolist()  # (n_chunks,)
     spans = []
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         t0, t1 = q_start + c0, q_start + c1  # absolute positions of the chunk's queries
         w0 = max(t0 - w + 1, win_start) - win_start  # first window key of the chunk, as an index into k_win
-        spans.append(_Span(slice(c0, c1), num_compressed_blocks(t1, l, d) if n_cmp is None else n_cmp,
+        spans.append(_Span(slice(c0, c1), num_compressed_blocks(t1, l, d) if n_cmp is None else n_cmp[len(spans)],
                            slice(w0, t1 - win_start), t0, win_start + w0))
     return spans
 
@@ -501,7 +507,7 @@ class _SparseAttention(torch.autograd.Function):
         outs = q.new_empty(3, B, H, T, D) if keep else None
         lses = q.new_empty(3, B, H, T, dtype=torch.promote_types(q.dtype, torch.float32)) if keep else None
         idx = q.new_empty(B, KV, T, n, dtype=torch.long) if keep else None
-        spans = _spans(T, q_start, win_start, config, chunk, k_cmp.shape[2] if documents is not None else None)
+        spans = _spans(T, q_start, win_start, config, chunk, documents)
 
         def run(worker: int, c: int) -> None:
             qs = spans[c].queries
@@ -533,8 +539,7 @@ class _SparseAttention(torch.autograd.Function):
         k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents, unblocked)
         g_q = None if ctx.whole else torch.empty_like(q)  # chunks' queries are disjoint: each written once
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
-        spans = _spans(T, ctx.q_start, ctx.win_start, config, ctx.chunk,
-                       k_cmp.shape[2] if documents is not None else None)
+        spans = _spans(T, ctx.q_start, ctx.win_start, config, ctx.chunk, documents)
         workers = _workers(q, compute, len(spans))
         # per worker: gradients of k_cmp, v_cmp, k_win, v_win (made by the first chunk: `_add_part`), the blocks'
         sums: list[list[Tensor | None]] = [[None] * 4 + [torch.zeros_like(t) for t in (k_blocks, v_blocks)]
@@ -609,7 +614,7 @@ def sparse_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_s
         if exact_scores_active() or q_start or win_start:
             raise ValueError("sparse_attention takes packed documents from position 0 and not under "
                              "exact_block_scores; there attend each document on its own (NativeSparseAttention does)")
-        ranges = (documents, query_ranges(documents, config))
+        ranges = (documents, documents.ranges)
     return _SparseAttention.apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, compute, q_start,
                                   win_start, ranges, torch.is_grad_enabled())
 

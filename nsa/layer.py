@@ -54,7 +54,7 @@ from modeling.objective import Objective
 from modeling.shard import SequenceShard
 from nsa.attention import sparse_attention
 from nsa.blocks import num_compressed_blocks
-from nsa.packing import DocumentBlocks, document_blocks, on_virtual_axis
+from nsa.packing import DocumentBlocks, document_blocks, document_windows, on_virtual_axis
 from nsa.primitive import exact_scores_active
 from nsa.scoring import score_loss_queries, selection_score_loss
 
@@ -374,19 +374,13 @@ class NativeSparseAttention(nn.Module):
         l = self.config.nsa_block_size
         B, KV, _, D = k_raw.shape
         Ne = blocks.cmp_start.shape[1]
-        at = blocks.cmp_start[:, :, None] + torch.arange(l, device=k_raw.device)  # (B, Ne, l)
-        rows = torch.arange(B, device=k_raw.device)[:, None, None]
-
-        def windows(x: Tensor) -> Tensor:  # (B, KV, T, D) -> (B, KV, Ne, l, D)
-            return x.transpose(1, 2)[rows, at].permute(0, 3, 1, 2, 4)
-
         if self.config.nsa_compressor == "mean":
-            k, v = windows(k_raw).mean(-2), windows(v_raw).mean(-2)
+            k, v = (document_windows(x, blocks, l).mean(-2) for x in (k_raw, v_raw))
         else:
             ends = (blocks.cmp_start + l - 1).flatten()  # (B*Ne,) each block's last position
-            k = self.k_norm(self.k_compress(windows(k_raw)))  # (B, KV, Ne, D)
-            k = apply_rope(k.transpose(0, 1).reshape(KV, 1, B * Ne, D), cos[ends], sin[ends])
-            k, v = k.view(KV, B, Ne, D).transpose(0, 1), self.v_compress(windows(v_raw))
+            k = self.k_norm(self.k_compress(document_windows(k_raw, blocks, l)))  # (B, KV, Ne, D)
+            k = apply_rope(k.transpose(0, 1).reshape(KV, 1, B * Ne, D), cos, sin, positions=ends)
+            k, v = k.view(KV, B, Ne, D).transpose(0, 1), self.v_compress(document_windows(v_raw, blocks, l))
         return on_virtual_axis(k, blocks), on_virtual_axis(v, blocks)
 
     @torch.compiler.disable  # opaque to torch.compile: a Python loop over each row's documents (data-dependent)

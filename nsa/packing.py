@@ -38,15 +38,30 @@ if TYPE_CHECKING:
     from modeling.config import ModelConfig
 
 
-class DocumentBlocks(NamedTuple):
-    """The block geometry of a batch of packed documents (`document_blocks`)."""
+class QueryRanges(NamedTuple):
+    """What each query of a packed batch sees, per row (B, T) int32 each (`document_blocks`)."""
 
-    virtual: Tensor  # (B, T) long: each position on the virtual axis
-    first: Tensor  # (B, T) long: the virtual position of its document's first token (a multiple of l')
+    cmp_lo: Tensor  # first compressed slot
+    cmp_hi: Tensor  # one past its last visible compressed slot (= cmp_lo: none yet)
+    block0: Tensor  # its document's first selection block
+    own: Tensor  # its own selection block
+    in_block: Tensor  # its distance from its own block's first key
+    window_lo: Tensor  # its first window key (real position)
+
+    def queries(self, pick: slice) -> QueryRanges:
+        """The ranges of the queries `pick` (a slice of positions)."""
+        return QueryRanges(*(x[:, pick] for x in self))
+
+
+class DocumentBlocks(NamedTuple):
+    """The block geometry of a batch of packed documents and what each query sees (`document_blocks`)."""
+
+    ranges: QueryRanges  # each query's compressed slots, selection blocks and window
     block_start: Tensor  # (B, Ns) int32: each selection block's first real position (T for blocks a row lacks)
     block_end: Tensor  # (B, Ns) int32: one past its last real position in its document
     cmp_start: Tensor  # (B, Ne) long: the first real position of each complete compressed block of the row
     cmp_slot: Tensor  # (B, Ne) long: its slot on the virtual axis (n_compressed for the padding of shorter rows)
+    virtual: Tensor  # (B, T) int32: each position on the virtual axis
     n_blocks: int  # Ns
     n_compressed: int  # Nc
 
@@ -56,6 +71,7 @@ class DocumentBlocks(NamedTuple):
 
 
 _BLOCKS = WeakIdKeyDictionary()  # doc_start -> {geometry: (its version, its blocks)}: the layers of a forward share
+# them (the ranges are int32, 28 bytes a position with the virtual positions)
 
 
 def document_blocks(doc_start: Tensor, config: ModelConfig) -> DocumentBlocks:
@@ -63,7 +79,7 @@ def document_blocks(doc_start: Tensor, config: ModelConfig) -> DocumentBlocks:
     host read (the virtual length and the most compressed blocks of a row), kept while doc_start lives unchanged,
     so the layers of a forward share it. Fake and meta tensors, whose values are unknown, get one document a row
     (the virtual axis as long as the sequence)."""
-    geometry = (config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size)
+    geometry = (config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_window)
     if doc_start.device.type == "meta" or is_fake(doc_start):
         return _blocks(torch.zeros_like(doc_start), geometry, known=True)
     if doc_start.is_inference():  # no version counter to tell a change in place: made every time
@@ -76,9 +92,9 @@ def document_blocks(doc_start: Tensor, config: ModelConfig) -> DocumentBlocks:
     return blocks
 
 
-def _blocks(doc_start: Tensor, geometry: tuple[int, int, int], known: bool = False) -> DocumentBlocks:
+def _blocks(doc_start: Tensor, geometry: tuple[int, int, int, int], known: bool = False) -> DocumentBlocks:
     """`document_blocks` made; known: one document a row, the sizes known without reading the device."""
-    l, d, l_sel = geometry
+    l, d, l_sel, w = geometry
     B, T = doc_start.shape
     dev = doc_start.device
     pos = torch.arange(T, device=dev).expand(B, T)  # (B, T)
@@ -107,34 +123,12 @@ def _blocks(doc_start: Tensor, geometry: tuple[int, int, int], known: bool = Fal
     block_end.scatter_(1, column, torch.minimum(pos + l_sel, end).to(torch.int32))
     cmp_start = torch.where(starts_cmp, pos, T).sort(1).values[:, :Ne]  # (B, Ne): in order, T for padding
     cmp_slot = torch.where(cmp_start < T, virtual.gather(1, cmp_start.clamp(max=T - 1)) // d, Nc)
-    return DocumentBlocks(virtual, first, block_start[:, :Ns].contiguous(), block_end[:, :Ns].contiguous(),
-                          cmp_start.clamp(max=T - l),
-                          cmp_slot, Ns, Nc)
-
-
-class QueryRanges(NamedTuple):
-    """What each query of a packed batch sees (`query_ranges`), per row (B, T) each."""
-
-    cmp_lo: Tensor  # first compressed slot
-    cmp_hi: Tensor  # one past its last visible compressed slot (= cmp_lo: none yet)
-    block0: Tensor  # its document's first selection block
-    own: Tensor  # its own selection block
-    in_block: Tensor  # its distance from its own block's first key
-    window_lo: Tensor  # its first window key (real position)
-
-    def queries(self, pick: slice) -> QueryRanges:
-        """The ranges of the queries `pick` (a slice of positions)."""
-        return QueryRanges(*(x[:, pick] for x in self))
-
-
-def query_ranges(blocks: DocumentBlocks, config: ModelConfig) -> QueryRanges:
-    """Each query's compressed slots, selection blocks and window (see the module docstring)."""
-    l, d, l_sel, w = config.nsa_block_size, config.nsa_stride, config.nsa_select_block_size, config.nsa_window
-    rel = blocks.virtual - blocks.first  # (B, T)
-    cmp_lo = blocks.first // d
-    t = torch.arange(rel.shape[1], device=rel.device)
-    return QueryRanges(cmp_lo, cmp_lo + ((rel + 1 - l).div(d, rounding_mode="floor") + 1).clamp(min=0),
-                       blocks.first // l_sel, blocks.virtual // l_sel, rel % l_sel, torch.maximum(t - w + 1, t - rel))
+    cmp_lo = first // d
+    ranges = QueryRanges(cmp_lo, cmp_lo + ((rel + 1 - l).div(d, rounding_mode="floor") + 1).clamp(min=0),
+                         first // l_sel, virtual // l_sel, rel % l_sel, torch.maximum(pos - w + 1, doc_start))
+    return DocumentBlocks(QueryRanges(*(x.to(torch.int32) for x in ranges)), block_start[:, :Ns].contiguous(),
+                          block_end[:, :Ns].contiguous(), cmp_start.clamp(max=T - l), cmp_slot,
+                          virtual.to(torch.int32), Ns, Nc)
 
 
 def as_document_blocks(x: Tensor, blocks: DocumentBlocks, block: int) -> Tensor:
@@ -164,3 +158,34 @@ def on_virtual_axis(x: Tensor, blocks: DocumentBlocks) -> Tensor:
     B, KV, Ne, D = x.shape
     slot = blocks.cmp_slot[:, None, :, None].expand(B, KV, Ne, D)  # the padding goes to a spare slot Nc
     return x.new_zeros(B, KV, blocks.n_compressed + 1, D).scatter(2, slot, x)[:, :, : blocks.n_compressed]
+
+
+def document_windows(x: Tensor, blocks: DocumentBlocks, size: int) -> Tensor:
+    """The windows of `size` positions from each complete compressed block's first position
+    (`DocumentBlocks.cmp_start`) of x (B, KV, T, D): (B, KV, Ne, size, D), a copy; backward keeps only the starts."""
+    return _Windows.apply(x, blocks.cmp_start, size)
+
+
+def _window_index(starts: Tensor, size: int, shape: torch.Size) -> Tensor:
+    """The gather index (B, KV, Ne*size, D) (an expanded view) of the windows at starts (B, Ne) in x of `shape`."""
+    B, KV, _, D = shape
+    index = (starts[:, :, None] + torch.arange(size, device=starts.device)).view(B, 1, -1, 1)  # (B, 1, Ne*size, 1)
+    return index.expand(B, KV, -1, D)
+
+
+class _Windows(torch.autograd.Function):
+    """`document_windows`, whose backward keeps the starts (B, Ne), not the (B, Ne*size) gather index."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, starts: Tensor, size: int) -> Tensor:
+        ctx.save_for_backward(starts)
+        ctx.shape, ctx.size = x.shape, size
+        B, KV, _, D = x.shape
+        return x.gather(2, _window_index(starts, size, x.shape)).view(B, KV, -1, size, D)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (starts,) = ctx.saved_tensors
+        B, KV, _, D = ctx.shape
+        flat = grad.reshape(B, KV, -1, D)  # (B, KV, Ne*size, D)
+        return flat.new_zeros(ctx.shape).scatter_add_(2, _window_index(starts, ctx.size, ctx.shape), flat), None, None

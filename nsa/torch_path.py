@@ -253,10 +253,11 @@ class Window:
     [q_start, q_start + Q) over keys/values k, v (B, KV, W, D) at positions [k_start, k_start + W) with
     k_start >= q_start - w + 1. The queries are cut into ns pieces of s = min(`_WINDOW_ROWS`, Q) (the last one
     zero-padded); piece j attends keys [q_start + j*s - w + 1, q_start + (j+1)*s) under a band mask, so each
-    query meets s + w - 1 keys instead of the chunk's Q + w - 1."""
+    query meets s + w - 1 keys instead of the chunk's Q + w - 1. With `first` (B, Q), query i of row b sees no key
+    before position first[b, i] (packed documents: its document's start; the mask is then one per row)."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int, G: int,
-                 scale: float) -> None:
+                 scale: float, first: Tensor | None = None) -> None:
         B, KV, GQ, D = q.shape
         self.scale = scale
         Q, W = GQ // G, k.shape[2]
@@ -271,8 +272,13 @@ class Window:
         slot = torch.arange(self.width, device=q.device)  # (s + w - 1,)
         row = torch.arange(G * s, device=q.device) % s  # (G*s,) query of each row within its piece
         band = (slot >= row[:, None]) & (slot <= row[:, None] + window - 1)  # (G*s, s + w - 1): w keys, own last
-        real = torch.arange(ns, device=q.device)[:, None] * s + slot >= self.left  # (ns, s + w - 1)
-        self.mask = additive_mask(band & real[:, None, None], q.dtype)  # (ns, 1, G*s, s + w - 1)
+        key = torch.arange(ns, device=q.device)[:, None] * s + slot  # (ns, s + w - 1) into the padded keys
+        seen = (band & (key >= self.left)[:, None])[:, None]  # (ns, 1, G*s, s + w - 1)
+        if first is not None:  # key position k_start - left + key at or after the query's first
+            first = F.pad(first, (0, self.right)).view(B, ns, 1, s).expand(B, ns, G, s).reshape(B, ns, G * s)
+            after = key[None, :, None] + (k_start - self.left) >= first[..., None]  # (B, ns, G*s, s + w - 1)
+            seen = (seen[:, :, None] & after.transpose(0, 1)[:, :, None]).expand(ns, B, KV, G * s, -1).flatten(1, 2)
+        self.mask = additive_mask(seen, q.dtype)  # (ns, 1 or B*KV, G*s, s + w - 1)
 
     def _split(self, x: Tensor) -> Tensor:
         """Rows (B, KV, G*Q, *E) -> pieces (ns, B*KV, G*s, *E), queries zero-padded to ns * s."""

@@ -437,12 +437,13 @@ def test_document_blocks_count_each_document_from_its_first_token():
     assert (blocks.n_blocks, blocks.n_compressed) == (4, 15)  # virtual length 64
 
 
-@pytest.mark.parametrize("path", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
-def test_packed_documents_in_one_call_match_the_reference(path):
+@pytest.mark.parametrize("path,chunk", [("torch", 24), ("torch", 200),
+                                        pytest.param("triton", 24, marks=pytest.mark.slow)])
+def test_packed_documents_in_one_call_match_the_reference(path, chunk):
     """sparse_attention with `documents`, two rows packed differently, one call, against nsa/reference.py with
     doc_start (float64): the output, and the gradients of every input against autograd through the reference. On
-    PyTorch operators in query chunks of 24 (chunks cut documents and blocks), and on the Triton kernels (Triton's
-    interpreter)."""
+    PyTorch operators in query chunks of 24 (chunks cut documents and blocks) and of 200 (one chunk, the window in
+    two pieces of 128 queries), and on the Triton kernels (Triton's interpreter)."""
     from modeling.config import ComputeConfig
     from nsa.attention import sparse_attention
     from nsa.packing import on_virtual_axis
@@ -460,7 +461,7 @@ def test_packed_documents_in_one_call_match_the_reference(path):
     q, k_cmp, v_cmp, *rest = leaves
     with triton_kernels() if path == "triton" else contextlib.nullcontext():
         got = sparse_attention(q, on_virtual_axis(k_cmp, blocks), on_virtual_axis(v_cmp, blocks), *rest, config,
-                               compute=ComputeConfig(attention_query_chunk=24), documents=blocks)
+                               compute=ComputeConfig(attention_query_chunk=chunk), documents=blocks)
         got_grads = torch.autograd.grad(got, leaves, grad)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     with torch.no_grad(), triton_kernels() if path == "triton" else contextlib.nullcontext():  # Triton: 8 chunks
