@@ -75,7 +75,7 @@ from nsa.blocks import (
     pool_to_selection_blocks,
     select_blocks,
 )
-from nsa.packing import DocumentBlocks, QueryRanges, as_document_blocks, from_document_blocks
+from nsa.packing import DocumentBlocks, QueryRanges
 from nsa.primitive import exact_scores_active, triton_ready
 from nsa.torch_path import MaskedAttention, OwnBlocks, Selection, Window, written
 
@@ -96,9 +96,9 @@ class _Chunk:
     (head-major: row g*Q + i is head g of query i).
 
     Packed documents (`documents`: the documents' blocks and the chunk's queries' `QueryRanges`): the compressed
-    keys are all the slots of nsa/packing.py's virtual axis, each query's ranges those of its document; on the
-    Triton selection k_blocks and v_blocks are the selection keys and values themselves (B, KV, S, D), elsewhere the
-    documents' blocks (`nsa.packing.as_document_blocks`)."""
+    keys are all the slots of nsa/packing.py's virtual axis, each query's ranges those of its document, and
+    k_blocks and v_blocks are the selection keys and values themselves (B, KV, S, D), each block read from its first
+    position."""
 
     def __init__(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tensor, v_blocks: Tensor, k_win: Tensor,
                  v_win: Tensor, q_start: int, win_start: int, config: ModelConfig, compute: ComputeConfig,
@@ -210,6 +210,9 @@ class _Chunk:
             table = BlockTable.uniform(self.q_start, self.shape[3], l_sel, idx.device)
             return TritonSelection(self.q_heads, self.k_blocks.flatten(2, 3), self.v_blocks.flatten(2, 3), table, idx,
                                    self.q_start, self.scale)
+        if self.documents is not None:  # the keys themselves, each block read from its first position
+            return Selection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.own, self.scale,
+                             self.documents[0].block_start, l_sel)
         return Selection(self.q_heads, self.k_blocks, self.v_blocks, idx, self.own, self.scale)
 
     def _pooled(self, p: Tensor, n_select: int) -> Tensor:
@@ -404,20 +407,12 @@ def _chunk(span: _Span, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_blocks: Tenso
                   documents)
 
 
-def _keys_unblocked(q: Tensor, config: ModelConfig, compute: ComputeConfig, documents: _Documents | None) -> bool:
-    """Whether `_Chunk` reads the selection keys as they are (packed documents on the Triton selection, which reads
-    each block at its first position), not as blocks."""
-    return documents is not None and triton_ready(q, compute) and _triton_selects(config.nsa_select_block_size)
-
-
-def _selection_keys(k_slc: Tensor, v_slc: Tensor, l_sel: int, documents: _Documents | None, unblocked: bool
+def _selection_keys(k_slc: Tensor, v_slc: Tensor, l_sel: int, documents: _Documents | None
                     ) -> tuple[Tensor, Tensor]:
-    """The selection keys and values as `_Chunk` reads them: blocks (B, KV, Nsb, l', D) (`as_blocks`; packed
-    documents' blocks, `nsa.packing.as_document_blocks`), or (`unblocked`) the keys and values themselves."""
-    if unblocked:
-        return k_slc.contiguous(), v_slc.contiguous()
+    """The selection keys and values as `_Chunk` reads them: blocks (B, KV, Nsb, l', D) (`as_blocks`), or with
+    packed documents the keys and values themselves (each block read from its first position)."""
     if documents is not None:
-        return as_document_blocks(k_slc, documents[0], l_sel), as_document_blocks(v_slc, documents[0], l_sel)
+        return k_slc.contiguous(), v_slc.contiguous()
     return as_blocks(k_slc, l_sel), as_blocks(v_slc, l_sel)
 
 
@@ -498,8 +493,7 @@ class _SparseAttention(torch.autograd.Function):
                 win_start: int, documents: _Documents | None, grad_enabled: bool) -> Tensor:
         B, H, T, D = q.shape
         KV, n, l_sel = k_cmp.shape[1], config.nsa_num_selected, config.nsa_select_block_size
-        unblocked = _keys_unblocked(q, config, compute, documents)
-        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents, unblocked)
+        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents)
         keep = grad_enabled and any(ctx.needs_input_grad)  # (forward itself runs with grad mode off)
         chunk = _query_chunk(q, config, compute, keep)
         whole = chunk >= T
@@ -535,8 +529,7 @@ class _SparseAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         KV = k_cmp.shape[1]
         documents = ctx.documents
-        unblocked = _keys_unblocked(q, config, compute, documents)
-        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents, unblocked)
+        k_blocks, v_blocks = _selection_keys(k_slc, v_slc, l_sel, documents)
         g_q = None if ctx.whole else torch.empty_like(q)  # chunks' queries are disjoint: each written once
         g_gates = torch.empty_like(gates)  # (B, H, T, 3)
         spans = _spans(T, ctx.q_start, ctx.win_start, config, ctx.chunk, documents)
@@ -575,8 +568,6 @@ class _SparseAttention(torch.autograd.Function):
                                   for t, like in zip(totals[:4], (k_cmp, v_cmp, k_win, v_win), strict=True))
         g_kb, g_vb = totals[4:]
         S = k_slc.shape[2]
-        if documents is not None and not unblocked:  # the documents' blocks' gradients, back at their positions
-            g_kb, g_vb = (from_document_blocks(g, documents[0], S) for g in (g_kb, g_vb))
         g_kb, g_vb = (g.flatten(2, g.dim() - 2)[:, :, :S] for g in (g_kb, g_vb))  # (B, KV, S, D)
         return g_q, g_kc, g_vc, g_kb, g_vb, g_kw, g_vw, g_gates, None, None, None, None, None, None
 

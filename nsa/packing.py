@@ -131,26 +131,6 @@ def _blocks(doc_start: Tensor, geometry: tuple[int, int, int, int], known: bool 
                           virtual.to(torch.int32), Ns, Nc)
 
 
-def as_document_blocks(x: Tensor, blocks: DocumentBlocks, block: int) -> Tensor:
-    """Selection keys or values x (B, KV, T, D) as the documents' blocks (B, KV, Ns, l', D), block j holding the
-    positions block_start[j] + [0, l') (a copy; positions past a block's end are another document's or the last
-    key, never seen)."""
-    B, KV, T, D = x.shape
-    index = (blocks.block_start[:, :, None] + torch.arange(block, device=x.device)).clamp(max=T - 1)  # (B, Ns, l')
-    return x.gather(2, index.view(B, 1, -1, 1).expand(B, KV, -1, D)).view(B, KV, blocks.n_blocks, block, D)
-
-
-def from_document_blocks(g: Tensor, blocks: DocumentBlocks, length: int) -> Tensor:
-    """The transpose of `as_document_blocks`: gradients of the blocks g (B, KV, Ns, l', D) summed into the keys'
-    positions (B, KV, length, D), the positions past each block's end left out."""
-    B, KV, Ns, block, D = g.shape
-    index = blocks.block_start[:, :, None] + torch.arange(block, device=g.device)  # (B, Ns, l')
-    inside = index < blocks.block_end[:, :, None]
-    g = g.masked_fill(~inside[:, None, :, :, None], 0).view(B, KV, Ns * block, D)
-    index = index.clamp(max=length - 1).view(B, 1, -1, 1).expand(B, KV, -1, D)
-    return g.new_zeros(B, KV, length, D).scatter_add_(2, index, g)
-
-
 def on_virtual_axis(x: Tensor, blocks: DocumentBlocks) -> Tensor:
     """Compressed keys or values of each row's complete blocks x (B, KV, Ne, D), in the order of
     `DocumentBlocks.cmp_start`, placed at their virtual slots: (B, KV, Nc, D), zero at the slots no block fills

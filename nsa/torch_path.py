@@ -137,26 +137,30 @@ class OwnBlocks(NamedTuple):
 class Selection:
     """The selection branch of one chunk: head-major query rows q (B, KV, G*Q, D), their selected blocks idx
     (B, KV, Q, n) (entries >= the own block that are not it: unused slots) among the key/value blocks
-    (B, KV, Nsb, l', D); `OwnBlocks` own says which block each query owns.
+    (B, KV, Nsb, l', D), or with `starts` (B, Nsb) (packed documents) among blocks of l' keys from those positions
+    of the keys and values themselves (B, KV, S, D), read without a copy of them as blocks; `OwnBlocks` own says
+    which block each query owns.
 
     Own block: the chunk's queries, placed at their rows of whole blocks, attend their block with a causal
     (l'*G, l') mask (rows ordered query-major, G heads per query). Past blocks: tiles of `tile_plan`, unmasked
     (every key is visible)."""
 
-    def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, own: OwnBlocks,
-                 scale: float) -> None:
+    def __init__(self, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, idx: Tensor, own: OwnBlocks, scale: float,
+                 starts: Tensor | None = None, block: int | None = None) -> None:
         q = _query_major(q, idx.shape[2])  # (B, KV, Q, G, D)
         B, KV, Q, G, D = q.shape
-        R, l_sel, n_blocks = own.block.shape[0], k_blocks.shape[3], k_blocks.shape[2]
-        self.shape, self.scale, self.nb = q.shape, scale, own.count
+        self.starts, R = starts, own.block.shape[0]
+        l_sel, n_blocks = (k_blocks.shape[3], k_blocks.shape[2]) if starts is None else (block, starts.shape[1])
+        self.shape, self.scale, self.nb, self.block_shape = q.shape, scale, own.count, (KV, n_blocks, l_sel, D)
         self.rows = own.row.view(R, 1, Q, 1)  # each query's row among the own blocks' positions
         self.plan = tile_plan(idx, own.block, n_blocks)
-        self.k_tiles = k_blocks.flatten(0, 2).index_select(0, self.plan.tile_block)[:, None]  # (n_tiles, 1, l', D)
-        self.v_tiles = v_blocks.flatten(0, 2).index_select(0, self.plan.tile_block)[:, None]
+        self.k_tiles = self._read(k_blocks, self.plan.tile_block)[:, None]  # (n_tiles, 1, l', D)
+        self.v_tiles = self._read(v_blocks, self.plan.tile_block)[:, None]
         blocks = (own.first[:, None] + torch.arange(self.nb, device=q.device)).clamp(max=n_blocks - 1)  # (R, nb)
-        self.own_index = blocks.view(R, 1, -1, 1, 1).expand(B, KV, -1, l_sel, D)  # (B, KV, nb, l', D)
-        self.k_own = k_blocks.gather(2, self.own_index).flatten(0, 2)[:, None]  # (B*KV*nb, 1, l', D)
-        self.v_own = v_blocks.gather(2, self.own_index).flatten(0, 2)[:, None]
+        bkv = torch.arange(B * KV, device=q.device).view(B, KV, 1)
+        self.own_blocks = (bkv * n_blocks + blocks[:, None]).flatten()  # (B*KV*nb,) among the B*KV*Nsb blocks
+        self.k_own = self._read(k_blocks, self.own_blocks)[:, None]  # (B*KV*nb, 1, l', D)
+        self.v_own = self._read(v_blocks, self.own_blocks)[:, None]
         query = torch.arange(l_sel * G, device=q.device) // G  # (l'*G,) query of each own-block row
         self.causal = additive_mask(torch.arange(l_sel, device=q.device) <= query[:, None], q.dtype)  # (l'*G, l')
         self.q_tiles, self.q_own = self._tiles(q), self._own(q)
@@ -174,6 +178,30 @@ class Selection:
         rows = x.reshape(self.plan.query_of_row.numel(), G * math.prod(x.shape[3:]))  # (n_tiles * R, G * prod(E))
         out = rows.new_zeros(B * KV * Q + 1, rows.shape[1]).index_add_(0, self.plan.query_of_row, rows)
         return out[:-1].view(B, KV, Q, G, *x.shape[3:])
+
+    def _key_rows(self, blocks: Tensor, length: int) -> Tensor:
+        """With `starts`: the rows (N * l',) of the keys flattened to (B*KV*S, D) (S = length) of the blocks (N,)
+        (numbered among the B*KV*Nsb), positions past S clamped to its last (never seen)."""
+        KV, n_blocks, l_sel, _ = self.block_shape
+        bkv, j = blocks.div(n_blocks, rounding_mode="floor"), blocks % n_blocks
+        first = self.starts[bkv.div(KV, rounding_mode="floor"), j]  # (N,)
+        positions = (first[:, None] + torch.arange(l_sel, device=blocks.device)).clamp(max=length - 1)  # (N, l')
+        return (bkv[:, None] * length + positions).flatten()
+
+    def _read(self, x: Tensor, blocks: Tensor) -> Tensor:
+        """The keys or values (N, l', D) of the blocks (N,) of x (blocks (B, KV, Nsb, l', D), or with `starts` keys
+        (B, KV, S, D))."""
+        if self.starts is None:
+            return x.flatten(0, 2).index_select(0, blocks)
+        _, _, l_sel, D = self.block_shape
+        return x.reshape(-1, D).index_select(0, self._key_rows(blocks, x.shape[2])).view(-1, l_sel, D)
+
+    def _add(self, grad: Tensor, blocks: Tensor, d: Tensor) -> None:
+        """Adds the blocks' gradients d (N, l', D) into grad (laid out as `_read`'s x)."""
+        if self.starts is None:
+            grad.flatten(0, 2).index_add_(0, blocks, d)
+        else:
+            grad.view(-1, d.shape[-1]).index_add_(0, self._key_rows(blocks, grad.shape[2]), d.flatten(0, 1))
 
     def _rows(self, extra: tuple[int, ...]) -> Tensor:
         """Each query's row among the own blocks' positions as an index shaped (B, KV, Q, G, *extra)."""
@@ -214,8 +242,8 @@ class Selection:
     def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, grad_k_blocks: Tensor, grad_v_blocks: Tensor,
                  dq: Tensor | None = None) -> Tensor:
         """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q) of the branch: adds the blocks' gradients into
-        grad_k_blocks / grad_v_blocks (B, KV, Nsb, l', D) and returns the gradient of q (B, KV, G*Q, D), added
-        into dq when given."""
+        grad_k_blocks / grad_v_blocks (laid out as the keys and values given) and returns the gradient of q
+        (B, KV, G*Q, D), added into dq when given."""
         B, KV, Q = self.shape[:3]
         grad_out, out, lse = (_query_major(x, Q) for x in (grad_out, out, lse))  # (B, KV, Q, G[, D])
         dq_t, dk_t, dv_t = attend_backward(self._tiles(grad_out), self.q_tiles, self.k_tiles, self.v_tiles,
@@ -223,8 +251,8 @@ class Selection:
         dq_o, dk_o, dv_o = attend_backward(self._own(grad_out), self.q_own, self.k_own, self.v_own, self._own(out),
                                            self._own(lse), self.causal, self.scale)
         for grad, d_tiles, d_own in ((grad_k_blocks, dk_t, dk_o), (grad_v_blocks, dv_t, dv_o)):
-            grad.flatten(0, 2).index_add_(0, self.plan.tile_block, d_tiles[:, 0])
-            grad.scatter_add_(2, self.own_index, d_own.view(B, KV, self.nb, *d_own.shape[2:]))
+            self._add(grad, self.plan.tile_block, d_tiles[:, 0])
+            self._add(grad, self.own_blocks, d_own[:, 0])
         return added(dq, _head_major(self._unown(dq_o) + self._untile(dq_t)))
 
 
@@ -277,8 +305,10 @@ class Window:
         if first is not None:  # key position k_start - left + key at or after the query's first
             first = F.pad(first, (0, self.right)).view(B, ns, 1, s).expand(B, ns, G, s).reshape(B, ns, G * s)
             after = key[None, :, None] + (k_start - self.left) >= first[..., None]  # (B, ns, G*s, s + w - 1)
-            seen = (seen[:, :, None] & after.transpose(0, 1)[:, :, None]).expand(ns, B, KV, G * s, -1).flatten(1, 2)
-        self.mask = additive_mask(seen, q.dtype)  # (ns, 1 or B*KV, G*s, s + w - 1)
+            seen = seen & after.transpose(0, 1)  # (ns, B, G*s, s + w - 1)
+        self.mask = additive_mask(seen, q.dtype)  # (ns, 1 or B, G*s, s + w - 1)
+        if first is not None and B > 1:  # one mask a row, each for its KV heads' pieces
+            self.mask = self.mask[:, :, None].expand(ns, B, KV, G * s, -1).flatten(1, 2)  # (ns, B*KV, G*s, ...)
 
     def _split(self, x: Tensor) -> Tensor:
         """Rows (B, KV, G*Q, *E) -> pieces (ns, B*KV, G*s, *E), queries zero-padded to ns * s."""

@@ -516,12 +516,15 @@ def test_nsa_layer_packs_documents_in_one_call(compressor, path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k():
-    """FakeTensorMode, one 4B-geometry NSA layer at 131,072 tokens in bfloat16 on the Triton kernels' path (not
-    launched on fake tensors), forward + backward: with a document mask (one call, `_attend_packed`) the peak of live
-    bytes exceeds the unmasked layer's by at most 256 bytes a position (the starts, the virtual axis's tables and
-    each query's ranges: O(T) indices), and no tensor is larger than the unmasked path's largest."""
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k(path):
+    """FakeTensorMode, one 4B-geometry NSA layer at 131,072 tokens in bfloat16, forward + backward, on PyTorch
+    operators (query chunks of 2048) and on the Triton kernels' path (not launched on fake tensors): with a document
+    mask (one call, `_attend_packed`) the peak of live bytes exceeds the unmasked layer's by at most 256 bytes a
+    position (the starts, the virtual axis's tables, each query's ranges and the window's mask a row: O(T)), and no
+    tensor is larger than the unmasked path's largest."""
+    if path == "triton":
+        pytest.importorskip("triton")
     from modeling.config import ComputeConfig
     from nsa.layer import NativeSparseAttention
     from nsa.primitive import triton_kernels
@@ -535,7 +538,7 @@ def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k():
         x = torch.randn(1, T, config.dim, dtype=torch.bfloat16, requires_grad=True)
         cos, sin = torch.randn(T, config.head_dim), torch.randn(T, config.head_dim)
         for doc_start in (None, torch.zeros(1, T, dtype=torch.long)):
-            with triton_kernels(), LiveBytesTracker() as tracker:
+            with triton_kernels() if path == "triton" else contextlib.nullcontext(), LiveBytesTracker() as tracker:
                 layer(x, cos, sin, doc_start=doc_start).sum().backward()
             results.append((tracker.peak, tracker.largest))
     (peak, largest), (packed_peak, packed_largest) = results
