@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from modeling.attention import add_aux_loss, attention_flops, projection_flops
 from modeling.config import ComputeConfig, ModelConfig
@@ -55,7 +56,7 @@ from modeling.shard import SequenceShard
 from nsa.attention import sparse_attention
 from nsa.blocks import num_compressed_blocks
 from nsa.packing import DocumentBlocks, document_blocks, document_windows, on_virtual_axis
-from nsa.primitive import exact_scores_active
+from nsa.primitive import exact_scores_active, triton_ready
 from nsa.scoring import score_loss_queries, selection_score_loss
 
 
@@ -159,6 +160,12 @@ class _Branches(NamedTuple):
 
 
 PACKED_LENGTH = 1.25  # packed documents run in one call while their virtual axis is at most this times T
+
+
+def _split_alike(doc_start: Tensor) -> bool:
+    """Whether every row of doc_start (B, T) splits into the same documents (fake and meta tensors, whose values are
+    unknown: one document a row, as `document_spans` reads them)."""
+    return doc_start.device.type == "meta" or is_fake(doc_start) or bool((doc_start == doc_start[:1]).all())
 
 
 class NativeSparseAttention(nn.Module):
@@ -345,12 +352,16 @@ class NativeSparseAttention(nn.Module):
         k_cmp, v_cmp = (shard.gather_pieces(part, blocks) for part in parts)
         return k_cmp, v_cmp
 
-    def _packed_blocks(self, doc_start: Tensor) -> DocumentBlocks | None:
+    def _packed_blocks(self, doc_start: Tensor, q: Tensor) -> DocumentBlocks | None:
         """The documents' blocks when they run in one call (`_attend_packed`), else None: not while the
-        selection-scoring loss is trained or `exact_block_scores` holds (both run document by document), nor when
-        the virtual axis exceeds PACKED_LENGTH times the sequence (many documents far shorter than l', whose
-        padding would outweigh the one call)."""
-        if exact_scores_active() or (self.objective.nsa_score_loss_coef and torch.is_grad_enabled()):
+        selection-scoring loss is trained or `exact_block_scores` holds (both run document by document); not on CPU
+        tensors without the Triton kernels when every row is split alike, where the loop (one batched call a
+        document, no kernel launches, each call over its document's keys with no mask) is the faster, while rows
+        split differently run one by one in the loop, slower than the one call (benchmarks/nsa_documents.py); nor
+        when the virtual axis exceeds PACKED_LENGTH times the sequence (documents far shorter than l', whose padding
+        would outweigh the one call)."""
+        scores = exact_scores_active() or (self.objective.nsa_score_loss_coef and torch.is_grad_enabled())
+        if scores or (q.device.type == "cpu" and not triton_ready(q, self.compute) and _split_alike(doc_start)):
             return None
         blocks = document_blocks(doc_start, self.config)
         fits = blocks.virtual_length(self.config.nsa_select_block_size) <= PACKED_LENGTH * doc_start.shape[1]
@@ -394,7 +405,7 @@ class NativeSparseAttention(nn.Module):
         documents run together. One-token documents need no kernel when l > 1 (`_one_token_documents`). Returns (out
         (B, H, T, D), the selection-scoring loss: the documents' losses weighted by their rows, so the mean over all
         the rows that choose, or None). Where they can, the documents run in one call instead (`_packed_blocks`)."""
-        blocks = self._packed_blocks(doc_start)
+        blocks = self._packed_blocks(doc_start, branches.q)
         if blocks is not None:
             return self._attend_packed(branches, blocks, cos, sin), None
         B, T = branches.q.shape[0], branches.q.shape[2]

@@ -354,20 +354,22 @@ def test_the_layers_of_a_forward_read_the_document_starts_once(monkeypatch):
     `nsa.packing.document_blocks` for the one call); a change in place is read again."""
     import modeling.documents
     import nsa.packing
+    from nsa.primitive import triton_kernels
 
+    pytest.importorskip("triton")
     reads = []
     read_spans, read_blocks = modeling.documents._read_spans, nsa.packing._blocks
     monkeypatch.setattr(modeling.documents, "_read_spans", lambda *a: reads.append("spans") or read_spans(*a))
     monkeypatch.setattr(nsa.packing, "_blocks", lambda *a, **k: reads.append("blocks") or read_blocks(*a, **k))
     model = Transformer(ModelConfig.from_preset("tiny", attention_type="nsa", n_layers=3))
-    ids, _ = packed([20, 15, 30], model.config.vocab_size)
-    for many in ([], [0] * 20):  # documents that run in one call; with 20 one-token documents more, the loop
+    # on CPU tensors the loop; on the Triton kernels one call, but the loop for 20 one-token documents more
+    for kernels, many, want in ((False, [], ["spans"]), (True, [], ["blocks"]), (True, [0] * 20, ["blocks", "spans"])):
         ids = packed([20, 15, 30, *many], model.config.vocab_size)[0]
         starts = document_starts(ids, EOD)
         reads.clear()
-        with torch.no_grad():
+        with torch.no_grad(), triton_kernels() if kernels else contextlib.nullcontext():
             model(ids, doc_start=starts)
-        assert reads == (["blocks"] if not many else ["blocks", "spans"]), reads
+        assert reads == want, (kernels, many, reads)
     starts[:, 30:] = 30  # another split, in place
     assert modeling.documents.document_spans(starts)[0][-1] == (30, ids.shape[1]) and reads[-1] == "spans"
     blocks = nsa.packing.document_blocks(starts, model.config)  # documents of 20, 10 and 57 tokens: 2 + 1 + 4 blocks
@@ -493,13 +495,13 @@ def test_nsa_layer_packs_documents_in_one_call(compressor, path, monkeypatch):
     rows = [packed(lengths, config.vocab_size, seed=i)[0] for i, lengths in enumerate(([40, 0, 70, 4], [100, 17]))]
     ids = torch.cat([row[:, :117] for row in rows])  # 117 and 118 tokens
     starts = document_starts(ids, EOD)
-    monkeypatch.setattr(nsa_layer, "PACKED_LENGTH", 100.0)  # one call even for these short documents
-    results, packed_blocks = [], NativeSparseAttention._packed_blocks
+    results = []
     for one_call in (False, True):
         calls = []
 
-        def blocks(self: NativeSparseAttention, starts: torch.Tensor, calls: list = calls, one_call: bool = one_call):
-            calls.append(packed_blocks(self, starts) if one_call else None)
+        def blocks(self: NativeSparseAttention, starts: torch.Tensor, q: torch.Tensor, calls: list = calls,
+                   one_call: bool = one_call):  # one call even on CPU tensors and for these short documents
+            calls.append(nsa_layer.document_blocks(starts, self.config) if one_call else None)
             return calls[-1]
 
         monkeypatch.setattr(NativeSparseAttention, "_packed_blocks", blocks)
@@ -517,7 +519,7 @@ def test_nsa_layer_packs_documents_in_one_call(compressor, path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["torch", "triton"])
-def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k(path):
+def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k(path, monkeypatch):
     """FakeTensorMode, one 4B-geometry NSA layer at 131,072 tokens in bfloat16, forward + backward, on PyTorch
     operators (query chunks of 2048) and on the Triton kernels' path (not launched on fake tensors): with a document
     mask (one call, `_attend_packed`) the peak of live bytes exceeds the unmasked layer's by at most 256 bytes a
@@ -528,6 +530,11 @@ def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k(path):
     from modeling.config import ComputeConfig
     from nsa.layer import NativeSparseAttention
     from nsa.primitive import triton_kernels
+
+    def one_call(self: NativeSparseAttention, starts: torch.Tensor, q: torch.Tensor):
+        return document_blocks(starts, self.config)
+
+    monkeypatch.setattr(NativeSparseAttention, "_packed_blocks", one_call)  # on CPU tensors too (`_packed_blocks`)
 
     config = ModelConfig.from_preset("4B", attention_type="nsa", context_length=131072)
     T = 131072
@@ -546,18 +553,25 @@ def test_nsa_packed_documents_add_only_indices_to_the_peak_at_131k(path):
     assert packed_largest <= largest, (packed_largest, largest)
 
 
-def test_nsa_runs_many_short_documents_one_by_one():
-    """Packed documents run in one call while the virtual axis (each document padded to whole l'-blocks) is at most
-    `PACKED_LENGTH` times the row; one-token documents padded to l' = 16 exceed it, and the loop runs them (with
-    its closed form for one-token documents)."""
+def test_nsa_chooses_the_one_call_or_the_loop():
+    """Packed documents run in one call on the Triton kernels while the virtual axis (each document padded to whole
+    l'-blocks) is at most `PACKED_LENGTH` times the row: one-token documents padded to l' = 16 exceed it. On CPU
+    tensors without the kernels the loop runs rows split alike, the one call rows split differently
+    (benchmarks/nsa_documents.py)."""
     from nsa.layer import PACKED_LENGTH, NativeSparseAttention
+    from nsa.primitive import triton_kernels
 
     config = ModelConfig.from_preset("tiny", context_length=256, attention_type="nsa")
-    model = Transformer(config).double().eval()
-    layer = next(m for m in model.modules() if isinstance(m, NativeSparseAttention))
+    layer = NativeSparseAttention(config)
     long_docs, _ = packed([60, 90], config.vocab_size)  # 60 + 91 tokens: 160 virtual positions, 1.06 T
     short_docs, _ = packed([20] + [0] * 30, config.vocab_size)  # 20 + 30 one-token documents: 496 of them, 9.9 T
     for ids, one_call in ((long_docs, True), (short_docs, False)):
         starts = document_starts(ids, EOD)
-        assert (layer._packed_blocks(starts) is not None) == one_call
+        q = torch.zeros(1, config.n_heads, ids.shape[1], config.head_dim)
+        with triton_kernels():
+            assert (layer._packed_blocks(starts, q) is not None) == one_call
         assert (document_blocks(starts, config).virtual_length(16) <= PACKED_LENGTH * ids.shape[1]) == one_call
+        assert layer._packed_blocks(starts.expand(2, -1), q.expand(2, -1, -1, -1)) is None  # CPU, rows alike
+    other, _ = packed([100, 50], config.vocab_size)
+    rows = document_starts(torch.cat([long_docs, other]), EOD)  # two rows split differently
+    assert layer._packed_blocks(rows, torch.zeros(2, config.n_heads, rows.shape[1], config.head_dim)) is not None
