@@ -197,7 +197,8 @@ SECTIONS = [
             lambda work: [[sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu",
                            "tests/test_context_parallel.py"]], _needs_cuda,
             lambda outputs, work: _tail(outputs[0])),
-    Section("documents", "Full attention's document mask on PyTorch's flash varlen kernel against the chunks (bf16)",
+    Section("documents", "Document masks on CUDA: full attention's varlen kernel against the chunks (bf16), NSA's "
+            "packed documents in one call against the loop (float32)",
             lambda work: [[sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu", "tests/test_documents.py"]],
             _needs_cuda, lambda outputs, work: _tail(outputs[0])),
     Section("estimate", "profile_memory.py: estimate against measured peak",

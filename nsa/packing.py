@@ -161,7 +161,7 @@ class _Windows(torch.autograd.Function):
         ctx.save_for_backward(starts)
         ctx.shape, ctx.size = x.shape, size
         B, KV, _, D = x.shape
-        return x.gather(2, _window_index(starts, size, x.shape)).view(B, KV, -1, size, D)
+        return x.gather(2, _window_index(starts, size, x.shape)).view(B, KV, starts.shape[1], size, D)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:

@@ -307,8 +307,18 @@ class Window:
             after = key[None, :, None] + (k_start - self.left) >= first[..., None]  # (B, ns, G*s, s + w - 1)
             seen = seen & after.transpose(0, 1)  # (ns, B, G*s, s + w - 1)
         self.mask = additive_mask(seen, q.dtype)  # (ns, 1 or B, G*s, s + w - 1)
-        if first is not None and B > 1:  # one mask a row, each for its KV heads' pieces
-            self.mask = self.mask[:, :, None].expand(ns, B, KV, G * s, -1).flatten(1, 2)  # (ns, B*KV, G*s, ...)
+        # one mask a row: the attention then takes the pieces as (ns*B, KV, ...), the mask as (ns*B, 1, ...)
+        self.rows = first is not None and B > 1
+        if self.rows:
+            self.mask = self.mask.reshape(ns * B, 1, G * s, -1)
+
+    def _attention(self, x: Tensor) -> Tensor:
+        """Pieces (ns, B*KV, *E) as the attention takes them with this mask: (ns*B, KV, *E) when one a row."""
+        return x.reshape(self.ns * self.shape[0], self.shape[1], *x.shape[2:]) if self.rows else x
+
+    def _pieces(self, x: Tensor) -> Tensor:
+        """The inverse of `_attention`."""
+        return x.reshape(self.ns, -1, *x.shape[2:]) if self.rows else x
 
     def _split(self, x: Tensor) -> Tensor:
         """Rows (B, KV, G*Q, *E) -> pieces (ns, B*KV, G*s, *E), queries zero-padded to ns * s."""
@@ -341,13 +351,14 @@ class Window:
 
     def forward(self, out: Tensor | None = None, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Returns (out (B, KV, G*Q, D), lse (B, KV, G*Q)), written into the given tensors when there are."""
-        o, o_lse = attend(self.q, self.k, self.v, self.mask, self.scale)
-        return written((self._merge(o), self._merge(o_lse)), out, lse)
+        o, o_lse = attend(*(self._attention(x) for x in (self.q, self.k, self.v)), self.mask, self.scale)
+        return written((self._merge(self._pieces(o)), self._merge(self._pieces(o_lse))), out, lse)
 
     def backward(self, grad_out: Tensor, out: Tensor, lse: Tensor, dq: Tensor | None = None
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """Given grad_out, out (B, KV, G*Q, D) and lse (B, KV, G*Q): gradients of q (B, KV, G*Q, D; added into dq
         when given) and of k, v (B, KV, W, D)."""
-        d_q, dk, dv = attend_backward(self._split(grad_out), self.q, self.k, self.v, self._split(out),
-                                      self._split(lse), self.mask, self.scale)
+        inputs = (self._split(grad_out), self.q, self.k, self.v, self._split(out), self._split(lse))
+        d_q, dk, dv = (self._pieces(d) for d in attend_backward(*(self._attention(x) for x in inputs), self.mask,
+                                                                 self.scale))
         return added(dq, self._merge(d_q)), self._unwindows(dk), self._unwindows(dv)

@@ -17,7 +17,7 @@ from model import ModelConfig, Transformer
 from modeling.documents import document_starts
 from modeling.flash import document_attention, explicit_attention
 from modeling.memtrack import LiveBytesTracker
-from nsa.packing import document_blocks
+from nsa.packing import document_blocks, document_windows
 
 EOD = 1
 
@@ -126,6 +126,35 @@ def test_full_attention_on_the_varlen_kernel_on_cuda():
     want = [expected, *torch.autograd.grad(expected, full, grad)]
     for a, b in zip(got, want, strict=True):
         assert ((a.float() - b).norm() / b.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs NSA's Triton kernels on CUDA")
+def test_nsa_packed_documents_in_one_call_on_cuda(monkeypatch):
+    """NSA on the real Triton kernels (float32, IEEE products): two rows split differently into documents of every
+    kind, in one call (`_attend_packed`, the choice on CUDA) against the loop over documents on the same kernels:
+    logits and parameter gradients within float32 rounding (norms, 1e-4). gpu_check.py's `documents` section runs
+    it."""
+    pytest.importorskip("triton")
+    from nsa.layer import NativeSparseAttention
+
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset("tiny", context_length=1024, attention_type="nsa", nsa_select_block_size=16)
+    model = Transformer(config).cuda()
+    rows = [packed(lengths, config.vocab_size, seed=i)[0] for i, lengths in enumerate(([300, 0, 5, 500, 150],
+                                                                                       [700, 255]))]
+    ids = torch.cat([row[:, :957] for row in rows]).cuda()
+    starts = document_starts(ids, EOD)
+    results = []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(NativeSparseAttention, "_packed_blocks", lambda self, starts, q: None)
+        out = model(ids, ids, doc_start=starts)
+        out.loss.backward()
+        results.append([out.logits.detach(), *(p.grad.clone() for p in model.parameters())])
+        model.zero_grad()
+    for a, b in zip(*results, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 1e-4
 
 
 def packed(lengths: list[int], vocab: int, seed: int = 0) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -383,8 +412,6 @@ def nsa_packed_inputs(rows: list[list[int]], config: ModelConfig, H: int = 4, KV
     """Random float64 NSA inputs for rows of documents of the given lengths (each row the same total T): q, the
     compressed keys/values of each row's documents one after another (B, KV, Ne, D), the selection and window
     keys/values, gates, doc_start (B, T) and the rows' `DocumentBlocks`."""
-    from nsa.packing import document_blocks
-
     starts = []
     for lengths in rows:
         starts.append(torch.cat([torch.full((n,), sum(lengths[:i])) for i, n in enumerate(lengths)]))
@@ -437,6 +464,9 @@ def test_document_blocks_count_each_document_from_its_first_token():
     assert blocks.cmp_start.tolist() == [[0, 4, 8, 12, 23]]  # a 20-token document: blocks at 0, 4, 8, 12
     assert blocks.cmp_slot.tolist() == [[0, 1, 2, 3, 12]]  # the third document starts at virtual 48 = slot 12
     assert (blocks.n_blocks, blocks.n_compressed) == (4, 15)  # virtual length 64
+    short = document_blocks(torch.tensor([[0] * 5 + [5] * 6]), config)  # 5 and 6 tokens: no block complete (l = 8)
+    assert short.cmp_start.shape == (1, 0)
+    assert document_windows(torch.zeros(1, 2, 11, 4), short, 8).shape == (1, 2, 0, 8, 4)
 
 
 @pytest.mark.parametrize("path,chunk", [("torch", 24), ("torch", 200),
@@ -558,6 +588,7 @@ def test_nsa_chooses_the_one_call_or_the_loop():
     l'-blocks) is at most `PACKED_LENGTH` times the row: one-token documents padded to l' = 16 exceed it. On CPU
     tensors without the kernels the loop runs rows split alike, the one call rows split differently
     (benchmarks/nsa_documents.py)."""
+    pytest.importorskip("triton")
     from nsa.layer import PACKED_LENGTH, NativeSparseAttention
     from nsa.primitive import triton_kernels
 
