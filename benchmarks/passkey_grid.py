@@ -41,6 +41,7 @@ COPY = {"nsa_block_size": 32, "nsa_stride": 16, "nsa_select_block_size": 32, "ns
 MODEL = Path("model") / "config.json"  # a finished run's export
 FORM = ["--nsa_score_loss_coef", "0.1", "--nsa_score_loss_stride", "8", "--nsa_score_loss_top", "24",  # docs/nsa.md's
         "--nsa_score_loss_random", "8", "--nsa_exact_selection_steps", "200", "--lr", "1e-3"]
+PROMPT_SEED = 1000  # the prompts scored: a seed no training run draws (their seeds are the grid's, below 1000)
 PASSKEY = ["--synthetic_mix", "1.0", "--synthetic_task", "passkey", "--answer_loss", "--checkpoint_interval", "0",
            "--sample_tokens", "0", "--lr", "3e-3"]
 
@@ -51,19 +52,20 @@ def plan(args: argparse.Namespace) -> list[tuple[Path, list[str]]]:
     steps = []
     for kind in args.types:
         overrides = dict(NSA) if kind == "nsa" else {"qk_norm": False}
-        base = out / "base"
-        steps.append((base / f"{kind}-seed0" / "copy-T64" / MODEL, [
-            py, "benchmarks/recall_experiment.py", "--types", kind, "--seeds", "0", "--stages", "copy:64:1000",
-            "--samples", "64", "--out_dir", str(base), "--model_overrides", json.dumps(overrides),
-            *(["--copy_overrides", json.dumps(COPY)] if kind == "nsa" else [])]))
         form = args.form if kind == "nsa" else []
-        short = out / f"{kind}-passkey256"
-        steps.append((short / MODEL, [py, "train.py", "--init_from", str(base / f"{kind}-seed0" / "copy-T64" / "model"),
-                              "--context_length", "256", "--max_steps", "600", "--batch_size", "32", *PASSKEY,
-                              "--out_dir", str(short), *(["--nsa_score_loss_coef", "0.1", "--model_overrides",
-                                                          json.dumps(BLOCKS)] if kind == "nsa" else [])]))
-        for T in args.lengths:
-            for seed in args.seeds:
+        for seed in args.seeds:  # every stage with the run's seed: no result rests on one shared early model
+            base = out / "base"
+            copied = base / f"{kind}-seed{seed}" / "copy-T64" / "model"
+            steps.append((copied / "config.json", [
+                py, "benchmarks/recall_experiment.py", "--types", kind, "--seeds", str(seed), "--stages",
+                "copy:64:1000", "--samples", "64", "--out_dir", str(base), "--model_overrides", json.dumps(overrides),
+                *(["--copy_overrides", json.dumps(COPY)] if kind == "nsa" else [])]))
+            short = out / f"{kind}-passkey256-seed{seed}"
+            steps.append((short / MODEL, [
+                py, "train.py", "--init_from", str(copied), "--context_length", "256", "--max_steps", "600",
+                "--batch_size", "32", *PASSKEY, "--seed", str(seed), "--out_dir", str(short),
+                *(["--nsa_score_loss_coef", "0.1", "--model_overrides", json.dumps(BLOCKS)] if kind == "nsa" else [])]))
+            for T in args.lengths:
                 run = out / f"{kind}-T{T}-seed{seed}"
                 steps.append((run / MODEL, [
                     py, "train.py", "--init_from", str(short / "model"), "--context_length", str(T), "--max_steps",
@@ -71,11 +73,12 @@ def plan(args: argparse.Namespace) -> list[tuple[Path, list[str]]]:
                     str(seed), "--out_dir", str(run), *form]))
                 steps.append((run / "eval-model" / "eval.json", [
                     py, "eval.py", str(run / "model"), "--tasks", "passkey", "--lengths", "256", str(T - 10),
-                    "--samples", str(args.samples)]))
+                    "--samples", str(args.samples), "--seed", str(PROMPT_SEED)]))
                 if kind == "nsa":  # the same passkey with each block judged by its best key: the ceiling
                     steps.append((run / "ablation.json", [
                         py, "benchmarks/nsa_branch_ablation.py", str(run / "model"), "--task", "passkey", "--length",
-                        str(T - 10), "--samples", str(args.samples), "--json", str(run / "ablation.json")]))
+                        str(T - 10), "--samples", str(args.samples), "--seed", str(PROMPT_SEED), "--json",
+                        str(run / "ablation.json")]))
     return steps
 
 
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     if min(args.lengths) <= 256 or min(args.steps, args.batch_size, args.samples) < 1:
         p.error("--lengths must be above 256 (the short passkey stage); --steps, --batch_size, --samples positive")
+    if not all(0 <= seed < PROMPT_SEED for seed in args.seeds):
+        p.error(f"--seeds must lie in [0, {PROMPT_SEED}): seed {PROMPT_SEED} draws the prompts every run is scored on")
     if args.form is not None and "nsa" not in args.types:
         p.error("--form applies to NSA's stages: add nsa to --types, or leave --form out")
     own = {name for action in p._actions for name in action.option_strings}

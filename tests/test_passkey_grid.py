@@ -23,7 +23,7 @@ def test_the_plan_is_the_recipe_for_each_type_length_and_seed(capsys):
     assert len(commands) == 2 * (2 + 2 * 2) + 2  # per type: copying, passkey at 256, a run and its eval per length;
     ablations = [c[2:] for c in commands if c[1] == "benchmarks/nsa_branch_ablation.py"]  # NSA's exact-score ceiling
     assert ablations[0] == ["grid/nsa-T1024-seed3/model", "--task", "passkey", "--length", "1014", "--samples", "10",
-                            "--json", "grid/nsa-T1024-seed3/ablation.json"] and len(ablations) == 2
+                            "--seed", "1000", "--json", "grid/nsa-T1024-seed3/ablation.json"] and len(ablations) == 2
     trains = [c[2:] for c in commands if c[1] == "train.py"]
     configs = [parse_config(argv) for argv in trains]
     long = [(c.context_length, c.seed, c.nsa_exact_selection_steps) for c in configs if c.context_length > 256]
@@ -31,7 +31,10 @@ def test_the_plan_is_the_recipe_for_each_type_length_and_seed(capsys):
     assert configs[0].model_overrides == GRID["BLOCKS"] and configs[0].nsa_score_loss_coef == 0.1
     evals = [c for c in commands if c[1] == "eval.py"]
     assert evals[0][2:] == ["grid/nsa-T1024-seed3/model", "--tasks", "passkey", "--lengths", "256", "1014",
-                            "--samples", "10"]
+                            "--samples", "10", "--seed", "1000"]  # prompts no training run drew
+    copies = [c[c.index("--seeds") + 1] for c in commands if c[1] == "benchmarks/recall_experiment.py"]
+    assert copies == ["3", "3"]  # every stage with the run's seed, the copying and 256-token stages too
+    assert [c.seed for c in configs if c.context_length == 256] == [3, 3]
 
 
 def test_the_default_form_is_the_recommended_recipe(capsys):
