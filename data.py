@@ -10,15 +10,15 @@ source (`corpus.stdlib_files`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from storage.manifest import MANIFEST_NAME
+from storage.places import holds, kept_output
 from text.corpus import (
     RECORD_SUFFIXES,
+    check_document_size,
     find_input_files,
     has_pairs,
     iter_documents,
@@ -27,7 +27,6 @@ from text.corpus import (
 from text.shards import DEFAULT_SHARD_TOKENS, DEFAULT_VALIDATION_FRACTION, prepare
 from text.tokenizer import Tokenizer, load_tokenizer
 from training.cli import Parser
-from training.run_directory import holds_run, run_record
 
 # ---------------------------------------------------------------- command line
 
@@ -86,6 +85,8 @@ def check_tokenizer_options(args: argparse.Namespace) -> Path:
         raise ValueError(f"--model_prefix {args.model_prefix}: a file name without .model (it writes "
                          f"MODEL_PREFIX.model, e.g. --model_prefix {prefix.parent / prefix.stem}/tok)")
     target = prefix.with_name(prefix.name + ".model")
+    if reason := kept_output(target.parent):
+        raise FileExistsError(f"--model_prefix {args.model_prefix}: {reason}; write the tokenizer elsewhere")
     if target.exists() and not args.overwrite:
         raise FileExistsError(f"{target} exists (prepared data may name it); pass --overwrite to replace it, or "
                               "another --model_prefix")
@@ -96,25 +97,11 @@ def check_tokenizer_options(args: argparse.Namespace) -> Path:
     return target
 
 
-def _owner(place: Path) -> str | None:
-    """What `place` is when training rewrites or prunes its files (a model, a checkpoint, a run); else None."""
-    if (place / MANIFEST_NAME).is_file() or (place / "config.json").is_file() and any(place.glob("*.safetensors")):
-        return "a model or checkpoint"
-    with contextlib.suppress(FileExistsError):  # a config.json that is nobody's run
-        if run_record(place) is not None or not (place / "config.json").is_file() and holds_run(place):
-            return "a training run"
-    return None
-
-
 def check_out_dir(out_dir: str) -> None:
-    """FileExistsError unless --out_dir lies outside every run, model and checkpoint directory, whose files training
-    rewrites or prunes (prepared data there would be deleted with them)."""
+    """FileExistsError unless --out_dir lies outside every run, model and checkpoint directory (storage/places.py),
+    whose files training rewrites or prunes (prepared data there would be deleted with them)."""
     for place in (Path(out_dir).resolve(), *Path(out_dir).resolve().parents):
-        try:
-            owner = _owner(place)
-        except OSError:  # a directory we may pass through but not list
-            continue
-        if owner:
+        if (owner := holds(place)) in ("a training checkpoint", "a model", "a training run"):
             raise FileExistsError(f"--out_dir {out_dir} is inside {place}, {owner}, whose files training replaces "
                                   "or prunes: prepare the data outside it (e.g. --out_dir data/NAME)")
 
@@ -123,6 +110,8 @@ def input_files(args: argparse.Namespace) -> list[Path]:
     """The files --input names (the standard library without it), after checking that --text_field and --errors
     can act on them: ValueError naming the option otherwise."""
     files = stdlib_files() if args.input is None else find_input_files(args.input)
+    for file in files:  # before minutes of tokenizing
+        check_document_size(file)
     records = [f for f in files if f.suffix in RECORD_SUFFIXES]
     if args.text_field != "text" and all(has_pairs(f, args.text_field) for f in records):
         raise ValueError(f"--text_field {args.text_field} has no effect: it names the text field of .jsonl and "

@@ -117,6 +117,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     found, setting = check_inputs(args)
     checkpoint = Path(args.checkpoint)
     tasks = {name: task_class(name)(name, setting) for name in setting.tasks}
+    if all(task.work == 0 for task in tasks.values()):  # work that produces nothing is an error, not an empty file
+        raise ValueError(f"nothing to score: every length of {', '.join(tasks)} was skipped (the lines above say "
+                         f"why); pass --lengths that the task's text and the context of {setting.context} tokens hold")
     check_writable(setting.out_dir, "--out_dir", directory=True)
 
     model = load_model(found, device=args.device, compute=ComputeConfig()).eval()  # its files checked once
@@ -219,6 +222,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[Stored, Setting]:
     if (checkpoint / "metrics.jsonl").is_file():
         raise ValueError(f"{checkpoint} is a run directory, not a model: pass {checkpoint / 'model'} (its export) or "
                          f"{checkpoint / 'step-N'} (a checkpoint)")
+    found = stored(checkpoint)  # what the path holds first: the errors below assume a model
     run_dir, run = _run_config(checkpoint)
     data_dir = args.data_dir or run.get("data_dir")
     tokenizer = model_tokenizer(checkpoint, args.tokenizer, (run.get("tokenizer"),
@@ -228,7 +232,6 @@ def check_inputs(args: argparse.Namespace) -> tuple[Stored, Setting]:
         reading = [name for name in EVAL_TASKS if "data_dir" in task_class(name).reads]
         raise ValueError(f"--data_dir is read only by the task(s) {', '.join(reading)} (and for its tokenizer.model "
                          "when the checkpoint holds no tokenizer), which this call does not need: leave it out")
-    found = stored(checkpoint)
     check_vocab(tokenizer, found.config.vocab_size)
     if args.context_length and args.context_length > found.config.context_length:
         raise ValueError(f"--context_length {args.context_length} exceeds the model's context_length "

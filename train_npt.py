@@ -68,6 +68,9 @@ class NPTConfig:
     def __post_init__(self) -> None:
         for name in ("mse_weight", "kl_weight", "l2_weight"):
             check_real(name, getattr(self, name), math.inf, zero_allowed=True)
+        if self.mse_weight == self.kl_weight == self.l2_weight == 0:  # a run that would change nothing
+            raise ValueError("--mse_weight, --kl_weight and --l2_weight are all 0: the objective has no term and the "
+                             "adapters would not change; give --mse_weight or --kl_weight a weight > 0")
         if self.kl_chunk_size < 1:
             raise ValueError(f"--kl_chunk_size must be >= 1, got {self.kl_chunk_size}")
 

@@ -33,7 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from training.options import parse_config, same_value, upgraded_record  # noqa: E402
+from training.cli import check_writable  # noqa: E402
+from training.options import parse_config  # noqa: E402
+from training.resume import same_value, upgraded_record  # noqa: E402
 
 BLOCKS = {"nsa_block_size": 8, "nsa_stride": 8, "nsa_select_block_size": 8, "nsa_num_selected": 18}
 NSA = {"qk_norm": False, "nsa_separate_kv": False, "nsa_compressor": "mean", **BLOCKS}
@@ -140,6 +142,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         p.error(f"--form takes train.py's options to the end of the line, and {swallowed[0]} is this script's: put "
                 "--form last")
     args.form = FORM if args.form is None else args.form
+    if not args.dry_run:
+        try:
+            check_writable(Path(args.out_dir), "--out_dir", directory=True)
+        except ValueError as e:
+            p.error(str(e))
     steps = plan(args)
     for marker, command in steps:
         if marker.is_file() and command[1] == "train.py" and (stale := changed(marker.parent.parent, command[2:])):

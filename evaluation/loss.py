@@ -135,6 +135,11 @@ class LossTask(EvalTask):
         check_tokenizer(load_index(setting.data_dir), setting.tokenizer)  # the data must be this tokenizer's ids
         options = setting.options
         self.windows, _ = validation_windows(setting.data_dir, setting.context, options.eval_tokens, options.seed)
+        eod = setting.tokenizer.eod_id
+        if options.document_mask and not bool((self.windows[:, :-1] == eod).any()):
+            raise ValueError(f"--document_mask: no window of {setting.data_dir}'s validation split holds the end of "
+                             "a document before its last token, so the mask keeps nothing apart; leave "
+                             "--document_mask out")
 
     @property
     def work(self) -> int:

@@ -59,8 +59,8 @@ from storage.manifest import (
     fsync,
     read_manifest,
 )
+from storage.places import STATE_NAME
 
-STATE_NAME = "train_state.json"
 # A checkpoint holds the trained parameters only: a frozen base (LoRA) comes from the run's --init_from weights.
 # strict=False on load: the entries come from `_trained_state` of the same model, and DCP fails on any it lacks.
 TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -238,7 +238,9 @@ def checkpoint_to_resume(out_dir: Path, resume: str | None) -> Path | None:
         return None
     if resume != "auto":
         if not Path(resume).is_dir():
-            raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
+            what = "is a file, not a" if Path(resume).exists() else "names no"
+            raise FileNotFoundError(f"--resume {resume} {what} checkpoint directory: pass one (OUT_DIR/step-N), or "
+                                    "--resume alone to continue --out_dir's newest")
         verify_checkpoint(Path(resume))
         return Path(resume)
     errors = []

@@ -23,8 +23,11 @@ the row's blocks from its first real token).
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -35,9 +38,49 @@ from modeling.config import ModelConfig, register_attention
 from modeling.documents import padding_starts
 from modeling.layers import RotaryEmbedding
 from nsa.layer import NativeSparseAttention
+from storage.manifest import MANIFEST_NAME, verify_files
 
 register_attention("full", FullAttention)  # the classes themselves: their module paths differ inside an export
 register_attention("nsa", NativeSparseAttention)
+
+
+# config.json's fields that tools read without loading the model -> the ModelConfig field each mirrors.
+MIRRORED = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+            "num_attention_heads": "n_heads", "max_position_embeddings": "context_length",
+            "tie_word_embeddings": "tie_embeddings"}
+
+
+def check_export(path: Path) -> None:
+    """Before transformers builds anything from export directory `path`: its files against its manifest.json
+    (sizes, checksums), config.json's mirrored fields against its longctx_model, and the tensors in the weights'
+    headers (names, shapes) against the model longctx_model describes. ValueError in one line naming the file and
+    what to do; no tensor data is read but for the checksums."""
+    if (path / MANIFEST_NAME).is_file():
+        verify_files(path)
+    config_file = path / "config.json"
+    described = json.loads(config_file.read_text())
+    inner = described.get("longctx_model") or {}
+    for key, field in MIRRORED.items():
+        if key in described and field in inner and described[key] != inner[field]:
+            raise ValueError(f"{config_file}: {key} {described[key]} disagrees with longctx_model's {field} "
+                             f"{inner[field]}, which the weights follow; restore config.json from the export, or "
+                             "export the model again")
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_dict(inner))
+    expected = {f"model.{name}": tuple(t.shape) for name, t in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        expected.pop("model.lm_head.weight")
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            found |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (no dict)
+    if model.config.tie_embeddings:  # stored once, under the embedding's name, or under both
+        found.pop("model.lm_head.weight", None)
+    if wrong := sorted(name for name in expected.keys() | found.keys() if expected.get(name) != found.get(name)):
+        name = wrong[0]
+        raise ValueError(f"{path}: the weights do not fit config.json's longctx_model ({len(wrong)} tensors differ, "
+                         f"e.g. {name}: stored {found.get(name)}, described {expected.get(name)}); restore "
+                         "config.json from the export, or export the model again")
 
 
 class LongctxConfig(PretrainedConfig):
@@ -94,6 +137,15 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
         self.model = Transformer(ModelConfig.from_dict(config.longctx_model))
         self._generation_length: int | None = None  # set by generate: the length its cache is set up for
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, *args: object,
+                        **kwargs: object) -> LongctxForCausalLM:
+        """transformers' from_pretrained, after `check_export` of a local directory (its manifest, its config.json
+        against its weights): a damaged or edited export is refused in one line before anything is built."""
+        if Path(str(pretrained_model_name_or_path)).is_dir():
+            check_export(Path(str(pretrained_model_name_or_path)))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args: object,
                                               **kwargs: object) -> str:

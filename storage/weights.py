@@ -176,6 +176,10 @@ def stored(path: str | Path) -> Stored:
         return Stored("export", config, weights, home, records)
     if path.is_dir() and "model_type" in json_object(path / CONFIG_NAME):
         return Stored("hf", check_hf_checkpoint(path), path, home, records)
+    if (path / "adapter_config.json").is_file() or (path / "adapters.safetensors").is_file():
+        raise ValueError(f"{path} holds adapters, not a model: evaluate the model they adapt merged with them (a LoRA "
+                         "run with --merge exports it to OUT_DIR/model), or load them on their base with peft "
+                         "(docs/finetuning.md)")
     hint = f"; did you mean {path / 'model'} (a run's export)?" if (path / "model" / WEIGHTS_NAME).is_file() else ""
     raise ValueError(f"{path} is not a model: expected a training checkpoint step-N/ ({STATE_NAME} + .metadata), "
                      f"the project's export ({WEIGHTS_NAME} + {CONFIG_NAME} with \"format\": \"{FORMAT}\"), or a "

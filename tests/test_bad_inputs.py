@@ -79,9 +79,12 @@ def test_the_overrides_of_a_run_are_checked_before_its_model_is_built(data_dir, 
         train.main(["--model_size", "tiny", "--data_dir", str(data_dir), "--out_dir", str(tmp_path),
                     "--model_overrides", '{"tie_embeddings": "no"}'])
     assert not (tmp_path / "config.json").exists()
-    with pytest.raises(FileNotFoundError, match="--resume /no/such/step-3: no such checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match="--resume /no/such/step-3 names no checkpoint directory"):
         train.main(["--model_size", "tiny", "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "b"),
                     "--resume", "/no/such/step-3"])
+    with pytest.raises(FileNotFoundError, match="--resume .*README.md is a file, not a checkpoint directory: pass one"):
+        train.main(["--model_size", "tiny", "--data_dir", str(data_dir), "--out_dir", str(tmp_path / "b"),
+                    "--resume", "README.md"])
 
 
 def test_generation_and_loading_arguments():
@@ -393,6 +396,37 @@ def test_a_refused_resume_moves_and_deletes_no_checkpoint(four_checkpoints, data
             "step-1", "step-2", "step-3", "step-4"]
 
 
+def test_a_run_whose_config_json_was_cut_short_resumes_from_its_checkpoints(four_checkpoints, data_dir, tmp_path):
+    """config.json cut short (a full disk, a kill) is no reason to call the run a model: its newest checkpoint
+    records the same options, the run resumes with them and writes config.json again."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(four_checkpoints, run)
+    text = (run / "config.json").read_text()
+    (run / "config.json").write_text(text[: len(text) // 2])
+    train.main(["--out_dir", str(run), "--resume", "--max_steps", "5"])
+    assert json.loads((run / "config.json").read_text())["train"]["max_steps"] == 5
+    assert (run / "step-5").is_dir()
+
+
+def test_data_whose_tokenizer_is_gone_names_the_way_back(data_dir, tmp_path):
+    """Prepared data whose own tokenizer.model was deleted: its ids are that tokenizer's, so the fix is that file
+    (or --tokenizer naming the same one), never a new tokenizer."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    index = json.loads((data / "index.json").read_text())
+    index["tokenizer"]["path"] = str(data / "tokenizer.model")
+    (data / "index.json").write_text(json.dumps(index))
+    (data / "tokenizer.model").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.model, is missing, and the data's ids are that tokenizer's"):
+        train.main([*TINY, "--data_dir", str(data), "--out_dir", str(tmp_path / "run")])
+    train.main([*TINY, "--data_dir", str(data), "--out_dir", str(tmp_path / "run"), "--tokenizer",
+                str(data_dir / "tokenizer.model")])
+
+
 def test_a_run_refused_before_its_first_step_leaves_nothing(data_dir, tmp_path, monkeypatch):
     """A fresh run that fails before it completes a step (here its tracker) removes what it wrote, so that the
     same command, corrected, starts there again instead of being sent to --resume."""
@@ -469,8 +503,9 @@ def test_unwritable_or_wrong_kind_outputs_are_one_line(four_checkpoints, data_di
     (tmp_path / "file").write_text("x")
     one_line_usage_error(data.main, ["prepare", "--tokenizer", str(data_dir / "tokenizer.model"), "--out_dir",
                                      str(tmp_path / "file" / "sub")], capsys)
-    err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "passkey", "--out_dir",
-                                                 str(tmp_path / "file")], capsys)
+    err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "loss", "--data_dir",
+                                               str(data_dir), "--eval_tokens", "64", "--out_dir",
+                                               str(tmp_path / "file")], capsys)
     assert "--out_dir" in err and "is a file" in err
     assert "is a directory" in one_line_usage_error(gpu_check.main, ["--dry_run", "--out", str(tmp_path)], capsys)
 
@@ -498,6 +533,59 @@ def test_evaluations_never_overwrite_one_another(four_checkpoints, data_dir, tmp
         assert "cannot write in" in err and "choose another path" in err
 
 
+# Every option that names where an entry point writes: (script, option, whether it names a directory).
+OUTPUTS = [("eval.py", "--out_dir", True), ("data.py", "--out_dir", True), ("data.py", "--model_prefix", False),
+           ("profile_memory.py", "--plot", False), ("gpu_check.py", "--out", False), ("train.py", "--out_dir", True),
+           ("train_npt.py", "--out_dir", True), ("benchmarks/recall_experiment.py", "--out_dir", True),
+           ("benchmarks/long_context_experiment.py", "--out_dir", True),
+           ("benchmarks/passkey_grid.py", "--out_dir", True), ("benchmarks/nsa_branch_ablation.py", "--json", False)]
+
+
+def test_the_output_table_names_every_output_option():
+    """OUTPUTS (below) walks every option through which an entry point writes: a new one must join it."""
+    root = Path(__file__).resolve().parent.parent
+    found = set()
+    for script in [*root.glob("*.py"), *root.glob("benchmarks/*.py")]:
+        for match in re.finditer(r'add_argument\(\s*"(--out_dir|--out|--plot|--json|--model_prefix|--save\w*)"'
+                                 r"([^)]*)\)", script.read_text()):
+            if "store_true" not in match.group(2):
+                found.add((str(script.relative_to(root)), match.group(1)))
+    assert found == {(script, option) for script, option, _ in OUTPUTS if script not in ("train.py", "train_npt.py")}
+
+
+REFUSED_PLACE = (r"holds a (run|training run|model|training checkpoint)|lies inside|is inside|of the training run|"
+                 r"not a training run's|is the --init_from model")
+
+
+def test_no_entry_writes_inside_a_model_a_checkpoint_or_a_run(four_checkpoints, data_dir, tmp_path, capsys):
+    """The one rule for outputs (storage/places.py kept_output): every output option of every entry point refuses
+    a run directory itself, its model/ and step-N/ (existing or to come) and anything inside a model or a
+    checkpoint, with one line naming the option, before any work and without writing there."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(four_checkpoints, run)
+    model, tokenizer = str(run / "model"), str(data_dir / "tokenizer.model")
+    arguments = {"eval.py": [model, "--tasks", "loss", "--data_dir", str(data_dir), "--eval_tokens", "64"],
+                 "data.py --out_dir": ["prepare", "--tokenizer", tokenizer],
+                 "data.py --model_prefix": ["train-tokenizer", "--vocab_size", "64"],
+                 "gpu_check.py": ["--dry_run"], "train.py": [*TINY, "--data_dir", str(data_dir)],
+                 "train_npt.py": ["--init_from", model, "--data_dir", str(data_dir), "--max_steps", "1"],
+                 "benchmarks/nsa_branch_ablation.py": [model]}
+    before = sorted(str(p) for p in run.rglob("*"))
+    for script, option, directory in OUTPUTS:
+        for place in (run, run / "model", run / "step-4", run / "step-9", run / "model" / "x", run / "step-2" / "x"):
+            target = place if directory else place / {"--model_prefix": "tok", "--plot": "x.png"}.get(option, "x.json")
+            argv = [*arguments.get(f"{script} {option}", arguments.get(script, [])), option, str(target)]
+            main = runpy.run_path(str(Path(__file__).resolve().parent.parent / script))["main"]
+            with pytest.raises((SystemExit, ValueError, FileExistsError)) as refusal:
+                main(argv)
+            err = capsys.readouterr().err if refusal.type is SystemExit else str(refusal.value)
+            assert refusal.type is not SystemExit or refusal.value.code == 2, (script, option, place, err)
+            assert re.search(REFUSED_PLACE, err), (script, option, place, err)
+    assert sorted(str(p) for p in run.rglob("*")) == before  # nothing written, nothing removed
+
+
 def test_a_harness_call_where_no_task_ran_is_an_error(four_checkpoints, tmp_path, monkeypatch):
     """Every RULER length too short for its prompts: an error naming the fix, not an empty result and exit 0."""
     from evaluation import harness
@@ -508,6 +596,14 @@ def test_a_harness_call_where_no_task_ran_is_an_error(four_checkpoints, tmp_path
         eval_cli.evaluate(eval_cli.build_parser().parse_args([str(four_checkpoints / "model"), "--harness",
                                                                   "niah_single_1", "--lengths", "16", "--out_dir",
                                                                   str(tmp_path / "e")]))
+
+
+def test_an_evaluation_where_every_cell_is_skipped_is_an_error(four_checkpoints, tmp_path, capsys):
+    """Work that produces nothing is an error: every passkey length too short for its text, before the model loads
+    and without an empty eval.json."""
+    err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "passkey", "--lengths",
+                                               "8", "--out_dir", str(tmp_path / "e")], capsys)
+    assert "nothing to score: every length of passkey was skipped" in err and not (tmp_path / "e").exists()
 
 
 def test_offline_ruler_tasks_download_nothing(monkeypatch):
@@ -573,8 +669,8 @@ def test_prepare_deletes_nothing_it_did_not_write(four_checkpoints, data_dir, tm
     refusals = [(tmp_path / "results", re.escape("holds files that are not prepared data (validation)")),
                 (corpus, re.escape("holds files that are not prepared data (0.txt, 1.txt, 2.txt and 4 more)")),
                 (four_checkpoints / "x", "is inside .*, a training run"),
-                (four_checkpoints / "model" / "data", "is inside .*model, a model or checkpoint"),
-                (four_checkpoints / "step-2" / "data", "is inside .*step-2, a model or checkpoint")]
+                (four_checkpoints / "model" / "data", "is inside .*model, a model,"),
+                (four_checkpoints / "step-2" / "data", "is inside .*step-2, a training checkpoint")]
     for out_dir, message in refusals:
         for extra in ([], ["--overwrite"]):
             err = one_line_usage_error(data.main, ["prepare", "--input", str(corpus), "--tokenizer", tokenizer,
@@ -618,6 +714,21 @@ def test_a_damaged_shard_is_named_when_a_run_opens_it(data_dir, tmp_path):
         TokenLoader(copy, 16, 1)
     with pytest.raises(ValueError, match="is damaged"):
         train.main([*TINY, "--data_dir", str(copy), "--out_dir", str(tmp_path / "run")])
+
+
+def test_a_document_larger_than_the_tokenizer_holds_is_refused_before_any_work(data_dir, tmp_path, capsys):
+    """A plain file is one document: one of 300 MiB (sparse zeros, as the strict mode's advice leads to --errors
+    replace) is refused in one line naming it, for prepare and train-tokenizer, before any input is tokenized."""
+    import data
+
+    big = tmp_path / "zeros.txt"
+    with big.open("wb") as f:
+        f.truncate(300 * 2**20)
+    for argv in (["prepare", "--tokenizer", str(data_dir / "tokenizer.model"), "--out_dir", str(tmp_path / "o")],
+                 ["train-tokenizer", "--vocab_size", "64", "--model_prefix", str(tmp_path / "tok")]):
+        err = one_line_usage_error(data.main, [*argv, "--input", str(big), "--errors", "replace"], capsys)
+        assert f"{big} is 0.3 GiB, one document" in err and "split it into files" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["zeros.txt"]
 
 
 def test_wide_text_is_refused_in_both_error_modes(data_dir, tmp_path, capsys):
@@ -673,6 +784,8 @@ def test_a_damaged_export_is_written_again_by_resume(data_dir, tmp_path, capsys)
     (["--eval_tokens", "64"], "--eval_tokens has no effect without --eval_interval N"),
     (["--offload_activations"], "--offload_activations has no effect without a GPU: it moves what the blocks save"),
     (["--sample_tokens", "", "--sample_prompt", "word " * 40], "--sample_prompt is"),
+    (["--config", "configs/nsa-retrieval.json", "--nsa_score_loss_coef", "0"],  # every one a recipe sets, at once
+     "--nsa_score_loss_random, --nsa_score_loss_stride, --nsa_score_loss_top have no effect without"),
 ])
 def test_options_that_contradict_or_do_nothing_are_refused(args, message, data_dir, tmp_path, capsys):
     args = [a for a in args if a]  # "" drops --sample_tokens's value: back to its default
@@ -836,6 +949,24 @@ def test_data_and_eval_options_that_cannot_act_are_refused(four_checkpoints, dat
     assert "--seeds must lie in [0, " in one_line_usage_error(recall["main"], ["--seeds", "0", "-1"], capsys)
 
 
+def test_options_that_depend_on_the_data_are_checked_against_it(four_checkpoints, data_dir, tmp_path, capsys):
+    """--document_mask keeps documents apart: on training data of one document (train.py) or on validation windows
+    that hold no document's end (eval.py's loss task) it would do nothing, so it is refused with one line."""
+    import data
+
+    (tmp_path / "one.txt").write_text("def f():\n    return 1\n" * 400)
+    tokenizer = str(data_dir / "tokenizer.model")
+    data.main(["prepare", "--input", str(tmp_path / "one.txt"), "--tokenizer", tokenizer, "--out_dir",
+               str(tmp_path / "one"), "--validation_fraction", "0"])
+    with pytest.raises(ValueError, match="--document_mask: .* holds 1 document, so no row holds the end of one"):
+        train.main([*TINY, "--data_dir", str(tmp_path / "one"), "--out_dir", str(tmp_path / "run"), "--document_mask"])
+    assert not (tmp_path / "run").exists()
+    err = one_line_usage_error(eval_cli.main, [str(four_checkpoints / "model"), "--tasks", "loss", "--data_dir",
+                                               str(data_dir), "--eval_tokens", "64", "--context_length", "8",
+                                               "--document_mask"], capsys)
+    assert "--document_mask: no window of" in err and "holds the end of a document" in err
+
+
 EVAL_ACT_ALONE = ("help", "checkpoint", "tasks", "harness", "tokenizer", "context_length", "device", "out_dir")
 DATA_ACT_ALONE = ("help", "input", "tokenizer", "out_dir", "shard_tokens", "overwrite", "validation_fraction",
                   "vocab_size", "model_prefix", "max_train_mb")
@@ -903,6 +1034,7 @@ def test_a_lora_rank_beyond_a_layer_is_refused(four_checkpoints, data_dir, tmp_p
 @pytest.mark.parametrize("args, message", [
     (["--mse_weight", "inf"], "--mse_weight must be a finite number >= 0"),
     (["--kl_weight", "nan"], "--kl_weight must be a finite number >= 0"),
+    (["--mse_weight", "0", "--kl_weight", "0", "--l2_weight", "0"], "all 0: the objective has no term"),
     (["--z_loss_coef", "0.5"], "--z_loss_coef has no effect here: equivalence training minimises the equivalence"),
     (["--sample_tokens", "20"], "--sample_tokens has no effect here"),
     (["--loss", "chunked"], "--loss has no effect here"),
@@ -988,6 +1120,12 @@ def test_inspection_and_verification_errors_are_one_line(four_checkpoints, tmp_p
     err = one_line_usage_error(inspection.main, [str(four_checkpoints / "model"), "--text", "@" + str(tmp_path / "x")],
                                capsys)
     assert "no file" in err
+    adapters = tmp_path / "adapter"  # a LoRA run's OUT_DIR/adapter: what it is and what to pass instead
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text("{}")
+    for main, extra in ((inspection.main, ["--text", "x"]), (eval_cli.main, [])):
+        err = one_line_usage_error(main, [str(adapters), *extra], capsys)
+        assert "holds adapters, not a model: evaluate the model they adapt merged with them" in err
 
 
 def test_find_text_absent_from_the_prompt_is_refused(tmp_path, data_dir, capsys):
@@ -1031,3 +1169,14 @@ def test_each_file_of_init_from_and_of_an_evaluated_model_is_checked_once(four_c
     eval_cli.main([str(model), "--tasks", "documents", "--documents", str(tmp_path / "doc.txt"), "--out_dir",
                    str(tmp_path / "eval")])
     assert sorted(read) == files, read
+
+
+def test_a_one_process_mode_names_where_the_processes_come_from(capsys):
+    """profile_memory.py estimates a launch it does not make: a one-process mode asked for two names --world_size
+    beside torchrun, not torchrun alone."""
+    import profile_memory
+
+    for mode in (["--finetune", "npt"], ["--finetune", "lora", "--quantize_base", "int8"]):
+        err = one_line_usage_error(profile_memory.main, [*mode, "--world_size", "2"], capsys)
+        assert "runs in one process, and this run has 2 (torchrun's processes, or profile_memory.py's --world_size)" \
+            in err, err

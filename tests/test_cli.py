@@ -55,3 +55,28 @@ def test_train_help_in_a_fresh_interpreter():
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "--context_length" in proc.stdout and "70% of it" in proc.stdout
+
+
+def test_a_recipe_and_the_command_line_merge_key_by_key(tmp_path, capsys):
+    """The one rule for how a recipe merges (training/options.py merged_options), walked over every dict-valued
+    option: --config FILE's keys stay unless the command line gives the same key; the merge is printed; a resume
+    merges the given keys over the run's record the same way."""
+    import dataclasses
+    import json
+
+    from training.options import TrainConfig, parse_config
+    from training.resume import continue_options, record
+
+    values = {"model_overrides": ({"nsa_window": 32, "nsa_num_selected": 8}, {"nsa_window": 16}),
+              "rope_scaling": ({"rope_type": "yarn", "factor": 2.0}, {"original_max_position_embeddings": 128})}
+    dicts = {f.name for f in dataclasses.fields(TrainConfig) if isinstance(getattr(TrainConfig(), f.name), dict)}
+    assert dicts == set(values)  # every dict-valued option is walked
+    for name, (recipe, given) in values.items():
+        (tmp_path / "recipe.json").write_text(json.dumps({name: recipe}))
+        cfg = parse_config(["--config", str(tmp_path / "recipe.json"), f"--{name}", json.dumps(given)])
+        assert getattr(cfg, name) == {**recipe, **given}
+        err = capsys.readouterr().err
+        assert f"--{name} {json.dumps({**recipe, **given})}: " in err and "from the command line" in err
+        run = record(TrainConfig(**{name: recipe}))
+        resumed = continue_options(TrainConfig(**{name: given}), frozenset({name}), run)
+        assert getattr(resumed, name) == {**recipe, **given}

@@ -49,7 +49,7 @@ def test_the_headline_command_runs_end_to_end_on_cpu(data_dir: Path, tmp_path: P
     assert "step 2: micro-batch 1/1, " in second.stdout  # the heartbeat inside the long step
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(row["step"], "loss" in row) for row in rows] == [(1, True), (1, False), (2, True)]
-    assert rows[1]["resumed_with"] == {"max_steps": [1, 2]}
+    assert rows[1]["resumed_with"] == {"max_steps": [1, 2], "sample_tokens": [0, 8]}  # every change recorded
     verify_checkpoint(tmp_path / "step-2")
     model = load_model(tmp_path / "model")
     assert model.config.context_length == 131072 and model.config.attention_type == "nsa"

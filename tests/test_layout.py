@@ -78,7 +78,7 @@ def test_no_module_imports_a_script_and_imports_have_no_cycle():
 def test_option_parsing_loads_no_model_code():
     code = ("import sys; from training.options import parse_config; parse_config(['--finetune', 'lora']); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('model', 'nsa', 'npt', 'storage') "
-            "and m not in ('storage', 'storage.manifest') "  # the checksums prepared data shares: no model code
+            "and m not in ('storage', 'storage.manifest', 'storage.places') "  # checksums, places: no model code
             "or m in ('modeling.attention', 'training.modes', 'training.lora')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]", proc.stdout

@@ -604,7 +604,8 @@ def test_the_retrieval_recipe_is_one_config_file(data_dir: Path, tmp_path: Path)
 def test_a_run_recorded_with_the_objective_in_its_overrides_resumes_with_the_options() -> None:
     """Runs once recorded the objective's terms among --model_overrides (ComputeConfig fields then): a resume reads
     them as the options of the same names."""
-    from training.options import TrainConfig, continue_options
+    from training.options import TrainConfig
+    from training.resume import continue_options
 
     old = {"model_overrides": {"n_layers": 2, "nsa_score_loss_coef": 0.1, "nsa_score_loss_stride": 4,
                                "z_loss_coef": 1e-4}, "attention_type": "nsa", "context_length": 256}

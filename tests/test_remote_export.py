@@ -260,3 +260,33 @@ def test_nsa_branch_gate_is_named_apart_from_the_mlp_gate_and_old_exports_still_
     with torch.no_grad():
         for loaded in (load_model(tmp_path / "model"), load_hf_checkpoint(old_hf)):
             torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_a_damaged_or_edited_export_is_refused_before_transformers_builds_it(nsa_export, tmp_path):
+    """The export's own door (modeling_longctx.check_export): flipped bytes against its manifest.json, a config.json
+    whose mirrored fields or longctx_model no longer fit the weights (a copy without the manifest, as transformers'
+    own save writes), each one line naming the file."""
+    import shutil
+
+    path, _ = nsa_export
+    for case in ("flipped", "vocab", "type"):
+        copy = tmp_path / case
+        shutil.copytree(path, copy)
+        if case == "flipped":
+            with (copy / "model.safetensors").open("r+b") as f:
+                f.seek(-100, 2)
+                f.write(b"\xff\xfe")
+        else:
+            (copy / "manifest.json").unlink()
+            config = json.loads((copy / "config.json").read_text())
+            if case == "vocab":
+                config["vocab_size"] = 1000
+            else:
+                config["longctx_model"]["attention_type"] = "full"
+            (copy / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError) as refusal:
+            transformers.AutoModelForCausalLM.from_pretrained(copy, trust_remote_code=True)
+        message = str(refusal.value)
+        assert "\n" not in message and str(copy) in message, message
+        assert {"flipped": "is damaged: model.safetensors", "vocab": "vocab_size 1000 disagrees with longctx_model's",
+                "type": "the weights do not fit config.json's longctx_model"}[case] in message, message

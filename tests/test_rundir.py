@@ -108,3 +108,57 @@ def test_a_resumed_run_records_what_changes_its_steps_and_keeps_its_data(data_di
         with pytest.raises(ValueError, match=f"--{option} .*: the run in .* trains with .*leave --{option} out"):
             train.main([*run, "--max_steps", "5", "--resume", f"--{option}", value])
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4  # nothing trained
+    capsys.readouterr()
+    train.main([*run, "--max_steps", "5", "--resume", "--z_loss_coef", "0.01", "--document_mask"])
+    out = capsys.readouterr().out
+    assert "--z_loss_coef 0.01 takes effect from step 5 (the checkpoint was trained with 0.0)" in out
+    assert "--document_mask True takes effect from step 5 (the checkpoint was trained with False)" in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 4, "resumed_with": {"z_loss_coef": [0.0, 0.01], "document_mask": [False, True],
+                                        "max_steps": [4, 5]}} in rows
+
+
+# A value other than the default of every option, for the walk over what a resume may change.
+OTHER = {"model_size": "tiny", "attention_type": "nsa", "init_from": "elsewhere", "rope_scaling": {"rope_type": "yarn",
+         "factor": 2.0, "original_max_position_embeddings": 128}, "model_overrides": {"nsa_window": 32},
+         "finetune": "lora", "lora_targets": "q,v", "quantize_base": "int8", "npt_layers": "all", "npt_targets": "gate",
+         "npt_residual_mode": "additive", "adapter": "adapters", "loss": "chunked", "dtype": "float32",
+         "nsa_score_loss_target": "selection", "data_dir": "data/other", "tokenizer": "tok.model",
+         "synthetic_task": "mqar", "tracker": "tensorboard", "export_dtype": "float32", "out_dir": "elsewhere",
+         "resume": "auto", "sample_prompt": "x", "synthetic_mix": 0.5, "lr": 1e-3, "min_lr_ratio": 0.5,
+         "max_memory": 10.0}
+
+NEEDS = {"nsa_score_loss_random": {"nsa_score_loss_top": 4}, "synthetic_pairs": {"synthetic_task": "mqar"}}
+
+
+def test_every_option_given_on_resume_is_refused_or_announced():
+    """The one rule for what a resume changes (training/resume.py), walked over every option: given with a value
+    other than the run's, it is refused with one line naming it (continue_options), or it is one of the changes the
+    trainer announces and records (resume_changes); only the options about one invocation are neither."""
+    import dataclasses
+
+    from training.options import TrainConfig
+    from training.resume import NOT_CONTINUED, continue_options, record, resume_changes
+
+    base = TrainConfig(out_dir="run")
+    refused = set()
+    for field in dataclasses.fields(TrainConfig):
+        name, value = field.name, getattr(base, field.name)
+        if name in OTHER:
+            other = OTHER[name]
+        elif isinstance(value, bool) or value is None and field.type == "bool | None":
+            other = not value
+        else:
+            other = 2 if value is None else value + 1 if isinstance(value, int) else value / 2 if value else 0.5
+        start = dataclasses.replace(base, **NEEDS.get(name, {}))  # a run where the option can take a value
+        recorded = record(start)
+        try:
+            continued = continue_options(dataclasses.replace(start, **{name: other}), frozenset({name}), recorded)
+        except ValueError as e:
+            assert f"--{name} " in str(e) and "\n" not in str(e), (name, str(e))
+            refused.add(name)
+            continue
+        assert name in resume_changes(continued, recorded) or name in NOT_CONTINUED, name
+    assert refused == {"data_dir", "seed", "synthetic_mix", "synthetic_task", "synthetic_pairs", "answer_loss",
+                       "finetune", "lora_rank", "lora_alpha", "lora_targets", "npt_rank", "npt_layers", "npt_targets",
+                       "npt_residual_mode", "adapter", "init_from"}

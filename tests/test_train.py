@@ -108,7 +108,9 @@ def test_resume_is_bitwise_exact(single_run: Path, data_dir: Path, tmp_path: Pat
     shutil.copytree(single_run / "step-2", tmp_path / "step-2")
     (tmp_path / "step-9.tmp").mkdir()
     run(data_dir, tmp_path, "--gradient_accumulation_steps", "2", "--resume")
-    for got, want in zip(metrics(tmp_path), metrics(single_run)[2:], strict=True):
+    changed, *rows = metrics(tmp_path)
+    assert changed == {"step": 2, "resumed_with": {"sample_tokens": [8, 0]}}  # every changed option is recorded
+    for got, want in zip(rows, metrics(single_run)[2:], strict=True):
         assert (got["step"], got["loss"], got["grad_norm"], got["lr"]) == (
             want["step"], want["loss"], want["grad_norm"], want["lr"])
     resumed, uninterrupted = (load_file(out / "model" / "model.safetensors") for out in (tmp_path, single_run))
@@ -314,7 +316,9 @@ def test_compute_knobs_may_change_on_resume(single_run: Path, data_dir: Path, tm
     shutil.copytree(single_run / "step-2", tmp_path / "step-2")
     knobs = '{"ffn_chunk_size": 8, "loss_mode": "chunked", "loss_chunk_size": 16}'
     run(data_dir, tmp_path, "--gradient_accumulation_steps", "2", "--resume", "--model_overrides", knobs)
-    for got, want in zip(metrics(tmp_path), metrics(single_run)[2:], strict=True):
+    changed, *rows = metrics(tmp_path)
+    assert changed["resumed_with"]["model_overrides"] == [{}, json.loads(knobs)]
+    for got, want in zip(rows, metrics(single_run)[2:], strict=True):
         assert got["step"] == want["step"] and got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     resolved = json.loads((tmp_path / "config.json").read_text())
     assert resolved["compute"]["ffn_chunk_size"] == 8 and resolved["compute"]["loss_mode"] == "chunked"

@@ -24,6 +24,7 @@ UNSUPPORTED = {".json": "a JSON document, not records: write one record per line
                "or .parquet records", **{s: "compressed: decompress it first" for s in (".gz", ".bz2", ".xz", ".zst",
                                                                                       ".zip", ".tar", ".7z")}}
 NUL = b"\0"  # in a file that should be text: a binary file
+MAX_DOCUMENT_BYTES = 256 * 2**20  # a plain file is one document, which the tokenizer holds whole (with its ids)
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -169,6 +170,7 @@ def documents_with_sizes(files: Sequence[Path], text_field: str, decode: Decoder
             yield from _parquet_documents(path, text_field)
             continue
         if path.suffix != ".jsonl":
+            check_document_size(path)
             data = path.read_bytes()
             yield Document(decode(data, path)), len(data)
             continue
@@ -182,6 +184,16 @@ def documents_with_sizes(files: Sequence[Path], text_field: str, decode: Decoder
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
                 yield _record_documents(record, text_field, f"{path}:{lineno}"), len(line)
+
+
+def check_document_size(path: Path) -> None:
+    """ValueError naming `path` when it is a plain file (one document) larger than MAX_DOCUMENT_BYTES, which the
+    tokenizer would hold whole: refused before any file is read, not after minutes of work and an allocation
+    failure."""
+    if path.suffix not in RECORD_SUFFIXES and (size := path.stat().st_size) > MAX_DOCUMENT_BYTES:
+        raise ValueError(f"{path} is {size / 2**30:.1f} GiB, one document (a plain file is one), and a document over "
+                         f"{MAX_DOCUMENT_BYTES // 2**20} MiB is more than the tokenizer holds at once: split it into "
+                         "files (or .jsonl records, one document a line) of at most that size")
 
 
 def iter_documents(files: Sequence[Path], text_field: str = "text", errors: str = "strict") -> Iterator[str]:

@@ -1,7 +1,7 @@
 """The command line's conventions, shared by every entry script: a bad input is one line naming it and the fix,
 exit code 2, printed once per torchrun job (`exit_with_error`, `Parser`); JSON options are objects
-(`json_object`); outputs are checked writable before the work (`check_writable`) and new ones never
-overwrite old ones (`numbered`)."""
+(`json_object`); outputs are checked writable, and outside every model, checkpoint and run, before the work
+(`check_writable`) and new ones never overwrite old ones (`numbered`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import tempfile
 import time
 import typing
 from pathlib import Path
+
+from storage.places import kept_output
 
 FOLLOWER_DELAY = 2.0  # seconds a rank other than 0 waits before exiting on an error under torchrun
 
@@ -72,8 +74,12 @@ def numbered(path: Path) -> typing.Iterator[Path]:
 
 def check_writable(path: Path, option: str, directory: bool = False) -> None:
     """ValueError naming `option` unless `path` (a file in an existing directory; a directory when `directory`,
-    created if missing) can be written: checked before the work whose result it holds, not after."""
+    created if missing) can be written and keeps what is there: not inside a model, a checkpoint or a run directory
+    itself (storage/places.py `kept_output`, the one rule every entry point's outputs follow); checked before the
+    work whose result it holds, not after."""
     folder = path if directory else path.parent
+    if reason := kept_output(folder):
+        raise ValueError(f"{option} {path}: {reason}; write it in a directory of its own (e.g. beside it)")
     try:
         if directory and path.exists() and not path.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "it is a file")

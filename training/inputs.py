@@ -56,8 +56,17 @@ def prepare_data(cfg: TrainConfig, rt: Runtime, resume_from: Path | None, source
     if passes > 1 and rt.rank == 0:
         print(f"data: {loader.num_windows} windows of {cfg.context_length} tokens, {loader.steps_per_epoch} "
               f"batches a pass: --max_steps {cfg.max_steps} reads it {passes:.1f} times (each pass in a new order)")
+    if not tokenizer_path(cfg).is_file():  # the data's ids are its tokenizer's: a new one would not fit them
+        raise FileNotFoundError(f"the tokenizer of {cfg.data_dir}, {tokenizer_path(cfg)}, is missing, and the data's "
+                                "ids are that tokenizer's (a new one would not fit them): copy it back there, or pass "
+                                "--tokenizer FILE holding the same tokenizer (its checksum is checked)")
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     check_tokenizer(loader.index, tokenizer)
+    documents = loader.index.get("num_documents", 2)  # data prepared before the count was kept: not known
+    if cfg.document_mask and cfg.synthetic_mix < 1 and documents < 2:
+        raise ValueError(f"--document_mask: {cfg.data_dir} holds {documents} document, so no row holds the end of one "
+                         "and the start of another and the mask keeps nothing apart; leave --document_mask out, or "
+                         "prepare data of several documents")
     cfg = dataclasses.replace(cfg, tokenizer=str(Path(tokenizer.path).resolve()))  # config.json names it
     prompt = len(tokenizer.encode(cfg.sample_prompt))
     if cfg.sample_tokens is None and prompt >= cfg.context_length:  # the default sample: the context after it

@@ -129,7 +129,8 @@ class LoRA:
 
     def check(self, world_size: int) -> None:
         if self.quantize and world_size > 1:
-            raise ValueError("--quantize_base runs in one process: launch without torchrun")
+            raise ValueError(f"--quantize_base runs in one process, and this run has {world_size} (torchrun's "
+                             "processes, or profile_memory.py's --world_size): use one")
 
     def prepare(self, model: Transformer) -> None:
         apply_lora(model, self.rank, self.alpha, self.targets)
@@ -187,7 +188,8 @@ class NPT:
 
     def check(self, world_size: int) -> None:
         if world_size > 1:
-            raise ValueError("--finetune npt runs in one process: launch without torchrun")
+            raise ValueError(f"--finetune npt runs in one process, and this run has {world_size} (torchrun's "
+                             "processes, or profile_memory.py's --world_size): use one")
 
     def prepare(self, model: Transformer) -> None:
         convert(model, self.layers, self.rank, self.targets, self.residual_mode)

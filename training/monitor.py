@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from modeling.config import GiB, ModelConfig, attention_class
-from training.options import TrainConfig, record
+from training.options import TrainConfig
+from training.resume import record
 
 # Dense bf16 peak FLOP/s per GPU for the MFU estimate, matched against torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}

@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,6 +397,21 @@ def parse_run(argv: list[str] | None = None) -> tuple[TrainConfig, frozenset[str
     return cfg, given
 
 
+def merged_options(recipe: dict, given: dict, source: str | None) -> dict:
+    """The options of a `--config` file (`recipe`) under those of the command line (`given`): a dict-valued option
+    (--model_overrides, --rope_scaling) merges key by key, the command line winning per key; each such merge is
+    printed (standard error, rank 0), and the merged value is what the run records."""
+    values = {**recipe, **given}
+    for name in sorted(set(recipe) & set(given)):
+        if isinstance(recipe[name], dict) and isinstance(given[name], dict) and recipe[name]:
+            values[name] = {**recipe[name], **given[name]}
+            if int(os.environ.get("RANK", "0")) == 0:
+                kept = sorted(set(recipe[name]) - set(given[name]))
+                print(f"--{name} {json.dumps(values[name])}: {', '.join(kept) or 'nothing'} from {source}, "
+                      f"{', '.join(sorted(given[name]))} from the command line", file=sys.stderr)
+    return values
+
+
 def parse_options(parser: argparse.ArgumentParser, argv: list[str] | None = None
                   ) -> tuple[TrainConfig, dict, frozenset[str]]:
     """(TrainConfig, the tool's own options, the TrainConfig options given) from `parser`: build_parser()'s options
@@ -403,28 +420,11 @@ def parse_options(parser: argparse.ArgumentParser, argv: list[str] | None = None
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     own = {k: v for k, v in args.items() if k not in names and k != "config"}
     try:
-        values = {**(load_config_file(args["config"]) if "config" in args else {}),
-                  **{k: v for k, v in args.items() if k in names}}
+        recipe = load_config_file(args["config"]) if "config" in args else {}
+        values = merged_options(recipe, {k: v for k, v in args.items() if k in names}, args.get("config"))
         return TrainConfig(**values), own, frozenset(values)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-
-
-# ---- a run's record: absolute paths, and what a resumed run continues ---------------------------------------------
-
-PATH_OPTIONS = ("data_dir", "tokenizer", "init_from", "adapter")  # a file or a directory each (and out_dir)
-# What a resumed run cannot change: they define its data, and the loader's position is a position in that data
-# (its tokenizer is checked against the checkpoint's: run_data.resolve_tokenizer).
-DATA_OPTIONS = ("data_dir", "seed", "synthetic_mix", "synthetic_task", "synthetic_pairs", "answer_loss")
-# About one invocation, never taken from the record (the process layout is the launcher's: torchrun's processes and
-# how they split each sequence).
-NOT_CONTINUED = ("resume", "out_dir", "verbose", "context_parallel")
-# What a resumed run cannot change either: the geometry of the adapters its checkpoints hold (rank, scale, places).
-ADAPTER_OPTIONS = ("finetune", "lora_rank", "lora_alpha", "lora_targets", "npt_rank", "npt_layers", "npt_targets",
-                   "npt_residual_mode")
-# Nor the adapters it started from: the checkpoint holds them (--adapter's are not read). (A frozen base is read from
-# --init_from again, and checked against the one the run recorded: storage.weights.)
-START_OPTIONS = ("adapter",)
 
 
 # Options that act only beside another: option -> (whether it acts in this run, on this device; what it needs). One
@@ -475,69 +475,6 @@ def check_effects(cfg: TrainConfig, given: frozenset[str] | None, device: torch.
     if "warmup_steps" in given and cfg.warmup_steps > cfg.max_steps:
         log(f"warning: --warmup_steps {cfg.warmup_steps} is longer than --max_steps {cfg.max_steps}: the learning "
             f"rate never reaches --lr {cfg.lr}")
-
-
-def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """cfg with the files and directories it reads (PATH_OPTIONS, and a --resume path) absolute, so that what a
-    run records holds from any working directory (`record`)."""
-    names = [*PATH_OPTIONS, *(["resume"] if cfg.resume not in (None, "auto") else [])]
-    values = {name: str(Path(getattr(cfg, name)).resolve()) for name in names if getattr(cfg, name) is not None}
-    return dataclasses.replace(cfg, **values)
-
-
-def record(cfg: TrainConfig) -> dict:
-    """The options as a run records them (config.json, every checkpoint): every path absolute, the run directory
-    included."""
-    return {**dataclasses.asdict(absolute_paths(cfg)), "out_dir": str(Path(cfg.out_dir).resolve())}
-
-
-def continue_options(cfg: TrainConfig, given: frozenset[str], recorded: dict) -> TrainConfig:
-    """The options of a resumed run: those given (`given`: in --config or on the command line) as they are, the
-    others as the run recorded them (`recorded`: the "train" section of its config.json), so that --resume
-    continues a run as it was, from any working directory. ValueError, naming the option, when a given one would
-    change the run's data (DATA_OPTIONS), its adapters (ADAPTER_OPTIONS), the adapters it started from
-    (START_OPTIONS: a resumed run reads its checkpoint's instead) or, where every weight trains, the weights it
-    started from (--init_from: another path only where the recorded one no longer exists)."""
-    recorded = upgraded_record(recorded)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    weights = f"a new run from its weights (--init_from {Path(cfg.out_dir) / 'step-N'})"
-    for fixed, what, instead in ((DATA_OPTIONS, "its data", weights),
-                                 (ADAPTER_OPTIONS, "its adapters as they are", "a new run in another --out_dir"),
-                                 (START_OPTIONS, "from its checkpoint's adapters", "a new run in another --out_dir")):
-        for name in fixed:
-            if name in given and name in recorded and not same_value(name, getattr(cfg, name), recorded[name]):
-                raise ValueError(f"--{name} {getattr(cfg, name)}: the run in {cfg.out_dir} trains with "
-                                 f"{recorded[name]}, and a resumed run continues {what}; leave --{name} out, or start "
-                                 f"{instead}")
-    # Where every weight trains, the checkpoint holds them all: --init_from gives only the architecture, tokenizer and
-    # export details, and may name another path only where the recorded one is gone (moved). A frozen base is read
-    # again, and its checksum checked against the run's (trainer.resume), wherever it lies.
-    was = recorded.get("init_from")
-    if "init_from" in given and not finetune_class(recorded.get("finetune", cfg.finetune)).frozen_base and \
-            not same_value("init_from", cfg.init_from, was) and (was is None or Path(was).exists()):
-        raise ValueError(f"--init_from {cfg.init_from}: the run in {cfg.out_dir} started from "
-                         f"{was or 'a random initialisation'}, and a resumed run continues from its checkpoint's "
-                         f"weights; leave --init_from out, or start {weights}")
-    continued = {k: v for k, v in recorded.items() if k in names and k not in given and k not in NOT_CONTINUED}
-    return dataclasses.replace(cfg, **continued)
-
-
-def upgraded_record(recorded: dict) -> dict:
-    """A run's recorded options in today's names: the objective's terms, which runs once recorded among their
-    --model_overrides (ComputeConfig fields then), become the options of the same names."""
-    overrides = recorded.get("model_overrides") or {}
-    moved = {name: overrides[name] for name in OBJECTIVE_FIELDS if name in overrides}
-    if not moved:
-        return recorded
-    kept = {name: value for name, value in overrides.items() if name not in moved}
-    return {**recorded, **moved, "model_overrides": kept}
-
-
-def same_value(name: str, value: object, recorded: object) -> bool:
-    """Whether an option's value is what the run recorded: the same path (resolved), else equal."""
-    if name in PATH_OPTIONS and value is not None and recorded is not None:
-        return Path(value).resolve() == Path(recorded).resolve()
-    return value == recorded
 
 
 def resolve_config(cfg: TrainConfig, device: torch.device, log: typing.Callable[[str], None] = print) -> TrainConfig:
@@ -678,8 +615,10 @@ def check_objective(model: ModelConfig, objective: Objective, given: set[str]) -
         raise ValueError(f"--nsa_score_loss_coef has no effect without attention_type 'nsa', and this run's is "
                          f"{model.attention_type!r}: leave it out, or pass --attention_type nsa")
     if loose := sorted(given & set(SCORE_LOSS_OPTIONS)) if objective.nsa_score_loss_coef == 0 else []:
-        raise ValueError(f"--{loose[0]} has no effect without --nsa_score_loss_coef > 0: add it, or leave "
-                         f"--{loose[0]} out")
+        named = ", ".join(f"--{name}" for name in loose)  # all at once: a recipe may set several
+        them = "it" if len(loose) == 1 else "them"
+        raise ValueError(f"{named} {'has' if len(loose) == 1 else 'have'} no effect without --nsa_score_loss_coef "
+                         f"> 0: add it, or leave {them} out (of the command line or the --config file)")
     if objective.nsa_score_loss_coef:
         from nsa.scoring import check_score_loss  # NSA's own rule; parsing options loads no model code
 

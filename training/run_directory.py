@@ -26,10 +26,10 @@ import signal
 import socket
 from pathlib import Path
 
-from storage.checkpoint import STATE_NAME, checkpoints, latest_checkpoint
+from storage.checkpoint import checkpoints, latest_checkpoint
+from storage.places import RUN_FILES, STATE_NAME, enclosing, holds_run, run_options
 
 LOCK_NAME = ".lock"
-RUN_FILES = ("config.json", "metrics.jsonl")  # with step-N/, what makes a directory hold a run
 
 
 class RunLock:
@@ -99,26 +99,33 @@ def clear_unstarted(out_dir: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-def holds_run(out_dir: Path) -> bool:
-    """Whether `out_dir` holds a run: its config.json, metrics.jsonl or a step-N checkpoint."""
-    return any((out_dir / name).exists() for name in RUN_FILES) or latest_checkpoint(out_dir) is not None
+def _is_json(file: Path) -> bool:
+    try:
+        json.loads(file.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def run_record(out_dir: Path) -> dict | None:
-    """The options the run in `out_dir` recorded (the "train" section of its config.json), or None when it holds
-    no config.json. FileExistsError when that config.json is not a training run's (a model's: an export, a Hugging
-    Face directory), which a run would overwrite."""
-    file = out_dir / "config.json"
-    if not file.is_file():
+    """The options the run in `out_dir` recorded (the "train" section of its config.json; where that file is cut
+    short, those its newest checkpoint recorded, the same, and config.json is written again on resume), or None
+    when it holds no config.json. FileExistsError when that config.json is not a training run's (a model's: an
+    export, a Hugging Face directory), which a run would overwrite."""
+    if not (out_dir / "config.json").is_file():
         return None
-    try:
-        values = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        values = None
-    if not (isinstance(values, dict) and isinstance(values.get("train"), dict)):
+    options = run_options(out_dir)
+    if options is None and not _is_json(out_dir / "config.json") and (newest := latest_checkpoint(out_dir)):
+        try:
+            options = json.loads((newest / STATE_NAME).read_text())["config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ValueError(f"{out_dir / 'config.json'} and {newest / STATE_NAME} are unreadable: resume from an "
+                             f"earlier checkpoint (--resume {out_dir / 'step-N'}), or start a new run from its "
+                             f"weights (--init_from {newest})") from None
+    if options is None:
         raise FileExistsError(f"{out_dir} holds a config.json that is not a training run's (a model's?), which a run "
                               "would overwrite; choose another --out_dir")
-    return values["train"]
+    return options
 
 
 def check_run_directory(out_dir: Path, resume: str | None, init_from: str | None = None) -> None:
@@ -140,10 +147,8 @@ def check_run_directory(out_dir: Path, resume: str | None, init_from: str | None
     if (out_dir / "index.json").is_file():
         raise FileExistsError(f"{out_dir} holds prepared data (index.json), which a run would mix its files into; "
                               "choose another --out_dir")
-    for inside in out_dir.resolve().parents:
-        if (inside / STATE_NAME).is_file() or (inside / "model.safetensors").is_file():
-            raise FileExistsError(f"--out_dir {out_dir} lies inside {inside}, a checkpoint or a model; choose a "
-                                  "directory of its own")
+    if reason := enclosing(out_dir):
+        raise FileExistsError(f"--out_dir {reason}; choose a directory of its own")
     if resume is None and holds_run(out_dir):
         what = latest_checkpoint(out_dir).name if latest_checkpoint(out_dir) else "a run without a checkpoint"
         raise FileExistsError(f"{out_dir} already holds a run ({what}); pass --resume to continue it (from scratch "

@@ -74,16 +74,14 @@ from training.monitor import (
 )
 from training.options import (
     TrainConfig,
-    absolute_paths,
     build_model_config,
     check_effects,
     check_model_size,
-    continue_options,
     default_out_dir,
-    record,
     resolve_config,
 )
 from training.parallel import Runtime, apply_fsdp, context_shard, init_sharded_weights
+from training.resume import absolute_paths, continue_options, record, resume_changes
 from training.run_directory import RunLock, check_run_directory, clear_unstarted, run_record, start_timeline
 from training.tracking import check_tracker, tracking
 
@@ -438,7 +436,8 @@ def resume(run: Run) -> dict:
     run.step, run.bad_steps = state["step"], state["bad_steps"]
     run.scheduler.load_state_dict(state["scheduler"])
     run.loader.load_state_dict(state["loader"])
-    changed = apply_optimizer_options(run.optimizer, run.scheduler, run.cfg, state["config"])
+    changed = {**resume_changes(run.cfg, state["config"]),  # every option, announced and recorded
+               **apply_optimizer_options(run.optimizer, run.scheduler, run.cfg, state["config"])}
     # What a step is: the tokens it trains on (a checkpoint of W ranks resumes on any number of ranks).
     now = {"batch_size": run.cfg.batch_size, "gradient_accumulation_steps": run.cfg.gradient_accumulation_steps,
            "world_size": run.rt.world_size, "context_parallel": run.cfg.context_parallel}
