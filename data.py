@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from storage.places import holds, kept_output
+from storage.places import Holds, holds, kept_output
 from text.corpus import (
     RECORD_SUFFIXES,
     check_document_size,
@@ -85,7 +85,7 @@ def check_tokenizer_options(args: argparse.Namespace) -> Path:
         raise ValueError(f"--model_prefix {args.model_prefix}: a file name without .model (it writes "
                          f"MODEL_PREFIX.model, e.g. --model_prefix {prefix.parent / prefix.stem}/tok)")
     target = prefix.with_name(prefix.name + ".model")
-    if reason := kept_output(target.parent):
+    if reason := kept_output(target, directory=False):
         raise FileExistsError(f"--model_prefix {args.model_prefix}: {reason}; write the tokenizer elsewhere")
     if target.exists() and not args.overwrite:
         raise FileExistsError(f"{target} exists (prepared data may name it); pass --overwrite to replace it, or "
@@ -101,9 +101,9 @@ def check_out_dir(out_dir: str) -> None:
     """FileExistsError unless --out_dir lies outside every run, model and checkpoint directory (storage/places.py),
     whose files training rewrites or prunes (prepared data there would be deleted with them)."""
     for place in (Path(out_dir).resolve(), *Path(out_dir).resolve().parents):
-        if (owner := holds(place)) in ("a training checkpoint", "a model", "a training run"):
-            raise FileExistsError(f"--out_dir {out_dir} is inside {place}, {owner}, whose files training replaces "
-                                  "or prunes: prepare the data outside it (e.g. --out_dir data/NAME)")
+        if (owner := holds(place)) in (Holds.CHECKPOINT, Holds.MODEL, Holds.RUN):
+            raise FileExistsError(f"--out_dir {out_dir} is inside {place}, {owner.value}, whose files training "
+                                  "replaces or prunes: prepare the data outside it (e.g. --out_dir data/NAME)")
 
 
 def input_files(args: argparse.Namespace) -> list[Path]:

@@ -43,11 +43,11 @@ from training.options import (
     default_out_dir,
     field_help,
     load_config_file,
+    merged_options,
     option,
     resolve_config,
 )
 from training.parallel import Runtime, init_runtime
-from training.run_directory import run_record
 from training.trainer import Run, Task, build_model, one_line_errors, run_command
 
 # train.py's options of the language-modelling task, which equivalence training does not run.
@@ -87,8 +87,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig,
         group.add_argument(f"--{f.name}", help=field_help(f), **kwargs)
     args = vars(parser.parse_args(argv))  # only what was given (the parser's default is SUPPRESS)
     try:
-        given = {**(load_config_file(args.pop("config"), TrainConfig, NPTConfig) if "config" in args else {}),
-                 **args}
+        source = args.pop("config", None)
+        given = merged_options(load_config_file(source, TrainConfig, NPTConfig) if source else {}, args, source)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     values = {"finetune": "npt", **given}
@@ -115,11 +115,17 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig,
 
 
 def continued_npt_options(cfg: TrainConfig, npt_cfg: NPTConfig, given: frozenset[str], rt: Runtime) -> NPTConfig:
-    """For --resume: the equivalence options the run recorded (config.json's "npt"), but those given."""
+    """For --resume: the equivalence options the run recorded (npt_config.json, which config.json's "npt" repeats),
+    but those given, each given one that differs announced."""
     out_dir = Path(cfg.out_dir) if cfg.out_dir != "auto" else default_out_dir(resolve_config(cfg, rt.device,
                                                                                            lambda m: None))
-    recorded = json.loads((out_dir / "config.json").read_text()).get("npt", {}) if run_record(out_dir) else {}
+    recorded = json.loads((out_dir / "npt_config.json").read_text()) if (out_dir / "npt_config.json").is_file() \
+        else {}
     names = {f.name for f in dataclasses.fields(NPTConfig)}
+    for name in sorted(names & given & set(recorded)):
+        if getattr(npt_cfg, name) != recorded[name] and rt.rank == 0:
+            print(f"--{name} {getattr(npt_cfg, name)} takes effect from the resumed step (the run was trained with "
+                  f"{recorded[name]})")
     return dataclasses.replace(npt_cfg, **{k: v for k, v in recorded.items() if k in names and k not in given})
 
 

@@ -77,10 +77,10 @@ def plan(args: argparse.Namespace) -> list[tuple[Path, list[str]]]:
                     py, "eval.py", str(run / "model"), "--tasks", "passkey", "--lengths", "256", str(T - 10),
                     "--samples", str(args.samples), "--seed", str(PROMPT_SEED)]))
                 if kind == "nsa":  # the same passkey with each block judged by its best key: the ceiling
-                    steps.append((run / "ablation.json", [
+                    steps.append((run / "eval-model" / "ablation.json", [
                         py, "benchmarks/nsa_branch_ablation.py", str(run / "model"), "--task", "passkey", "--length",
                         str(T - 10), "--samples", str(args.samples), "--seed", str(PROMPT_SEED), "--json",
-                        str(run / "ablation.json")]))
+                        str(run / "eval-model" / "ablation.json")]))
     return steps
 
 
@@ -92,11 +92,12 @@ def answer_loss(run: Path, last: int = 50) -> float:
 
 
 def row(kind: str, T: int, seed: int, run: Path) -> dict:
-    """One line of the grid from a run's eval.json, metrics.jsonl and (NSA) ablation.json: its passkey with exact
-    block scores beyond the window, the ceiling of what its selection could read (None for full attention)."""
+    """One line of the grid from a run's eval.json, metrics.jsonl and (NSA) eval-model/ablation.json: its passkey
+    with exact block scores beyond the window, the ceiling of what its selection could read (None for full
+    attention)."""
     passkey = json.loads((run / "eval-model" / "eval.json").read_text())["passkey"]
     short, long = passkey["accuracy"]  # (depths,) at 256 and at T - 10
-    exact, ablation = None, run / "ablation.json"
+    exact, ablation = None, run / "eval-model" / "ablation.json"
     if ablation.is_file():  # accuracy (lengths, depths) of the variant
         exact = statistics.mean(json.loads(ablation.read_text())["exact block scores"]["accuracy"][0][:-1])
     return {"type": kind, "T": T, "seed": seed, "beyond_window": statistics.mean(long[:-1]), "at_end": long[-1],

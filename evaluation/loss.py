@@ -136,9 +136,9 @@ class LossTask(EvalTask):
         options = setting.options
         self.windows, _ = validation_windows(setting.data_dir, setting.context, options.eval_tokens, options.seed)
         eod = setting.tokenizer.eod_id
-        if options.document_mask and not bool((self.windows[:, :-1] == eod).any()):
+        if options.document_mask and not bool((self.windows[:, :-2] == eod).any()):  # an end before a scored token
             raise ValueError(f"--document_mask: no window of {setting.data_dir}'s validation split holds the end of "
-                             "a document before its last token, so the mask keeps nothing apart; leave "
+                             "a document before a token it scores, so the mask keeps nothing apart; leave "
                              "--document_mask out")
 
     @property

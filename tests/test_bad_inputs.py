@@ -563,6 +563,9 @@ def test_no_entry_writes_inside_a_model_a_checkpoint_or_a_run(four_checkpoints, 
     checkpoint, with one line naming the option, before any work and without writing there."""
     import shutil
 
+    from storage.places import RUN_NAMES, STARTED_FILES, holds, kept_output
+    from training.trainer import FINISHED_NAME
+
     run = tmp_path / "run"
     shutil.copytree(four_checkpoints, run)
     model, tokenizer = str(run / "model"), str(data_dir / "tokenizer.model")
@@ -574,7 +577,8 @@ def test_no_entry_writes_inside_a_model_a_checkpoint_or_a_run(four_checkpoints, 
                  "benchmarks/nsa_branch_ablation.py": [model]}
     before = sorted(str(p) for p in run.rglob("*"))
     for script, option, directory in OUTPUTS:
-        for place in (run, run / "model", run / "step-4", run / "step-9", run / "model" / "x", run / "step-2" / "x"):
+        for place in (run, run / "model", run / "step-4", run / "step-9", run / "model" / "x", run / "step-2" / "x",
+                      run / "adapter", run / "step-3.tmp"):
             target = place if directory else place / {"--model_prefix": "tok", "--plot": "x.png"}.get(option, "x.json")
             argv = [*arguments.get(f"{script} {option}", arguments.get(script, [])), option, str(target)]
             main = runpy.run_path(str(Path(__file__).resolve().parent.parent / script))["main"]
@@ -584,6 +588,12 @@ def test_no_entry_writes_inside_a_model_a_checkpoint_or_a_run(four_checkpoints, 
             assert refusal.type is not SystemExit or refusal.value.code == 2, (script, option, place, err)
             assert re.search(REFUSED_PLACE, err), (script, option, place, err)
     assert sorted(str(p) for p in run.rglob("*")) == before  # nothing written, nothing removed
+    project = tmp_path / "project"  # a config.json that is no run's (an editor's) makes nothing of a directory
+    project.mkdir()
+    (project / "config.json").write_text('{"editor": "x"}')
+    assert kept_output(project / "out", directory=True) is None and holds(project) is None
+    assert kept_output(run / "eval-model", directory=True) is None  # eval.py's default, beside the run's files
+    assert RUN_NAMES.fullmatch(FINISHED_NAME) and all(RUN_NAMES.fullmatch(name) for name in STARTED_FILES)
 
 
 def test_a_harness_call_where_no_task_ran_is_an_error(four_checkpoints, tmp_path, monkeypatch):

@@ -23,7 +23,8 @@ def test_the_plan_is_the_recipe_for_each_type_length_and_seed(capsys):
     assert len(commands) == 2 * (2 + 2 * 2) + 2  # per type: copying, passkey at 256, a run and its eval per length;
     ablations = [c[2:] for c in commands if c[1] == "benchmarks/nsa_branch_ablation.py"]  # NSA's exact-score ceiling
     assert ablations[0] == ["grid/nsa-T1024-seed3/model", "--task", "passkey", "--length", "1014", "--samples", "10",
-                            "--seed", "1000", "--json", "grid/nsa-T1024-seed3/ablation.json"] and len(ablations) == 2
+                            "--seed", "1000", "--json", "grid/nsa-T1024-seed3/eval-model/ablation.json"]
+    assert len(ablations) == 2
     trains = [c[2:] for c in commands if c[1] == "train.py"]
     configs = [parse_config(argv) for argv in trains]
     long = [(c.context_length, c.seed, c.nsa_exact_selection_steps) for c in configs if c.context_length > 256]
@@ -60,7 +61,7 @@ def test_a_row_reads_the_passkey_grid_and_the_answer_loss(tmp_path: Path):
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(s) for s in [{"note": "start"}, *steps]))
     assert GRID["row"]("nsa", 1024, 0, run)["exact_beyond_window"] is None  # no ablation.json (full attention)
     exact = {"all": {"accuracy": [[0.5, 1, 0, 0.5, 1]]}, "exact block scores": {"accuracy": [[1, 1, 0.9, 0.9, 1]]}}
-    (run / "ablation.json").write_text(json.dumps(exact))
+    (run / "eval-model" / "ablation.json").write_text(json.dumps(exact))
     row = GRID["row"]("nsa", 1024, 0, run)
     assert row["exact_beyond_window"] == pytest.approx(0.95)
     assert row["beyond_window"] == 0.5 and row["at_end"] == 1.0 and row["at_256"] == pytest.approx(0.98)

@@ -74,11 +74,11 @@ def numbered(path: Path) -> typing.Iterator[Path]:
 
 def check_writable(path: Path, option: str, directory: bool = False) -> None:
     """ValueError naming `option` unless `path` (a file in an existing directory; a directory when `directory`,
-    created if missing) can be written and keeps what is there: not inside a model, a checkpoint or a run directory
-    itself (storage/places.py `kept_output`, the one rule every entry point's outputs follow); checked before the
-    work whose result it holds, not after."""
+    created if missing) can be written and keeps what is there: not inside a model or a checkpoint, nor at a name a
+    run writes in its directory (storage/places.py `kept_output`, the one rule every entry point's outputs follow);
+    checked before the work whose result it holds, not after."""
     folder = path if directory else path.parent
-    if reason := kept_output(folder):
+    if reason := kept_output(path, directory):
         raise ValueError(f"{option} {path}: {reason}; write it in a directory of its own (e.g. beside it)")
     try:
         if directory and path.exists() and not path.is_dir():

@@ -408,7 +408,7 @@ def merged_options(recipe: dict, given: dict, source: str | None) -> dict:
             if int(os.environ.get("RANK", "0")) == 0:
                 kept = sorted(set(recipe[name]) - set(given[name]))
                 print(f"--{name} {json.dumps(values[name])}: {', '.join(kept) or 'nothing'} from {source}, "
-                      f"{', '.join(sorted(given[name]))} from the command line", file=sys.stderr)
+                      f"{', '.join(sorted(given[name])) or 'nothing'} from the command line", file=sys.stderr)
     return values
 
 

@@ -27,7 +27,7 @@ import socket
 from pathlib import Path
 
 from storage.checkpoint import checkpoints, latest_checkpoint
-from storage.places import RUN_FILES, STATE_NAME, enclosing, holds_run, run_options
+from storage.places import STARTED_FILES, STATE_NAME, enclosing, holds_run, run_options
 
 LOCK_NAME = ".lock"
 
@@ -83,8 +83,6 @@ class RunLock:
             self.fd = None
 
 
-# What a run writes before its first step, all removed again when that step never completes (`clear_unstarted`).
-STARTED_FILES = (*RUN_FILES, "npt_config.json", "wandb_id", "wandb", "tensorboard")
 
 
 def clear_unstarted(out_dir: Path) -> None:
