@@ -100,8 +100,12 @@ class NSACache(nn.Module):
     un-normed and un-rotated for the "mlp" compressor, normed and rotated for "mean"); cmp_k/cmp_v (B, KV, Nc_max,
     D): compressed keys/values; slc_k/slc_v (B, KV, S_cap, D): the full cache the selection branch reads (capacity
     rounded up to whole selection blocks); win_k/win_v (B, KV, w, D): ring of the last w window keys (only with
-    separate K/V; shared K/V read the window from slc_k/slc_v).
+    separate K/V; shared K/V read the window from slc_k/slc_v). The rings keep REWIND positions more than they
+    read, so the sequence may be cut back by up to REWIND tokens (`rewind`: speculative decoding drops rejected
+    draft tokens) and continued exactly.
     """
+
+    REWIND = 64
 
     def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device | str | None) -> None:
@@ -110,9 +114,10 @@ class NSACache(nn.Module):
         KV, D = config.n_kv_heads, config.head_dim
         n_cmp = num_compressed_blocks(max_seq_len, config.nsa_block_size, config.nsa_stride)
         slc = -(-max_seq_len // config.nsa_select_block_size) * config.nsa_select_block_size  # whole blocks
-        lengths = {"raw": config.nsa_block_size, "cmp": n_cmp, "slc": slc}
+        lengths = {"raw": config.nsa_block_size + self.REWIND, "cmp": n_cmp, "slc": slc}
         if config.nsa_separate_kv:
-            lengths["win"] = min(config.nsa_window, max_seq_len)
+            lengths["win"] = min(config.nsa_window + self.REWIND, max_seq_len)
+        self.rewind = self.REWIND
         for name, length in lengths.items():
             for kind in ("k", "v"):
                 buf = torch.zeros(batch_size, KV, length, D, dtype=dtype, device=device)

@@ -264,16 +264,25 @@ def export_refusal(config: ModelConfig) -> str | None:
     return None
 
 
-def remote_config(config: ModelConfig, dtype: torch.dtype) -> dict:
-    """config.json of an export that carries its modeling code (remote_code.py): the ModelConfig whole, and what
-    tools read without loading the model (vocabulary, context, layers, width)."""
+def standard_fields(config: ModelConfig, dtype: torch.dtype) -> dict:
+    """The fields of config.json that transformers' decoders share and tools read without loading the model."""
     return {
-        "architectures": ["LongctxForCausalLM"], "model_type": "longctx", "auto_map": AUTO_MAP,
-        "longctx_model": config.to_dict(), "vocab_size": config.vocab_size, "hidden_size": config.dim,
+        "vocab_size": config.vocab_size, "hidden_size": config.dim, "intermediate_size": config.ffn_dim,
         "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-        "max_position_embeddings": config.context_length, "tie_word_embeddings": config.tie_embeddings,
-        "dtype": str(dtype).removeprefix("torch."), "torch_dtype": str(dtype).removeprefix("torch."),
+        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim,
+        "max_position_embeddings": config.context_length, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})},
+        "tie_word_embeddings": config.tie_embeddings, "dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),  # the name before transformers 5
     }
+
+
+def remote_config(config: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json of an export that carries its modeling code (remote_code.py): the ModelConfig whole, and the
+    standard fields (`standard_fields`) mirrored from it."""
+    return {"architectures": ["LongctxForCausalLM"], "model_type": "longctx", "auto_map": AUTO_MAP,
+            "longctx_model": config.to_dict(), **standard_fields(config, dtype), "use_cache": True}
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -286,16 +295,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
                             if config.attention_type in REMOTE_TYPES else ""))
     model_type = "qwen3" if config.qk_norm else "llama"
     hf_config = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": config.vocab_size, "hidden_size": config.dim, "intermediate_size": config.ffn_dim,
-        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": config.context_length, "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})},
-        "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "initializer_range": config.init_std, "dtype": str(dtype).removeprefix("torch."),
-        "torch_dtype": str(dtype).removeprefix("torch."),  # the name before transformers 5
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, **standard_fields(config, dtype),
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "initializer_range": config.init_std,
     }
     hf_config |= {"use_sliding_window": False} if model_type == "qwen3" else {"mlp_bias": False}
     return hf_config

@@ -16,8 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = "storage.remote_model"
 MODELING_FILE = "modeling_longctx.py"
-AUTO_MAP = {"AutoConfig": "modeling_longctx.LongctxConfig",
-            "AutoModelForCausalLM": "modeling_longctx.LongctxForCausalLM"}
+AUTO_MAP = {"AutoConfig": "modeling_longctx.LongctxConfig", "AutoModel": "modeling_longctx.LongctxModel",
+            "AutoModelForCausalLM": "modeling_longctx.LongctxForCausalLM",
+            "AutoModelForSequenceClassification": "modeling_longctx.LongctxForSequenceClassification"}
 PROJECT = tuple(sorted(path.stem for path in ROOT.iterdir()  # the project's top-level modules and packages
                        if (path.suffix == ".py" or (path / "__init__.py").is_file()) and not path.name.startswith(".")))
 _FROM = re.compile(r"^(\s*)from\s+((?:" + "|".join(PROJECT) + r")(?:\.\w+)*)\s+import\b", re.MULTILINE)

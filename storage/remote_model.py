@@ -1,36 +1,44 @@
 """The transformers classes of an export whose architecture has no Hugging Face equivalent (NSA): the project's
-own Transformer inside a `PreTrainedModel`, for `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`.
+own Transformer inside a `PreTrainedModel`, for `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`
+(also `AutoModel`: the final hidden states, and `AutoModelForSequenceClassification`).
 
 storage/remote_code.py writes this file into the export as modeling_longctx.py, beside the project's modules it
 imports (model.py, modeling/, nsa/), each with its imports made relative; nothing here is a second
 implementation. The weights are the Transformer's own, under `model.`; config.json holds its ModelConfig under
-"longctx_model".
+"longctx_model" (and the standard fields tools read, mirrored from it: `check_export` refuses a copy that disagrees).
 
     model = AutoModelForCausalLM.from_pretrained("runs/nsa/hf", trust_remote_code=True)
     model.generate(ids, max_new_tokens=20, do_sample=False)
 
 The standard arguments work as in transformers' own classes: `inputs_embeds`, `output_hidden_states` (the
 embeddings and each layer's output, the last after the final norm: n_layers + 1), `return_dict=False`, `labels`
-(the mean next-token loss), gradient checkpointing (`gradient_checkpointing_enable`, its kwargs passed to
-torch.utils.checkpoint), `resize_token_embeddings` (the inner ModelConfig follows). `generate` refuses up front a
-length beyond the context, and decodes through the project's own preallocated caches (`LongctxCache`: the
-compressed, selection and window keys of NSA; greedy, sampling and beam search). Padding on the right (training,
-scoring) needs nothing: a real token never reads a later one. Padding on the left becomes each row's first
-position (`mask_starts`, the model's `doc_start`): each row gives, and generates, what it gives alone (NSA counts
-the row's blocks from its first real token).
+(the mean next-token loss, or the sum over `num_items_in_batch`, as Trainer's gradient accumulation passes it),
+`position_ids` (restarts at 0 mark packed sequences, each read alone: DataCollatorWithFlattening), `use_cache` and
+`cache` (`LongctxCache`, a transformers Cache over the model's own preallocated caches: NSA's compressed, selection
+and window keys), gradient checkpointing, `resize_token_embeddings`. `generate` refuses up front a length beyond the
+context and decodes through that cache (greedy, sampling, beam search, assisted generation and prompt lookup,
+`inputs_embeds`). Padding on the right needs nothing: a real token never reads a later one. Padding on the left
+becomes each row's first position (`mask_starts`, the model's `doc_start`): each row gives, and generates, what it
+gives alone. `output_attentions` has no maps to give (no attention matrix is formed): a warning and ().
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
-from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers import Cache, GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.utils import logging
 
 from model import Transformer
 from modeling.attention import FullAttention
@@ -42,11 +50,14 @@ from storage.manifest import MANIFEST_NAME, verify_files
 
 register_attention("full", FullAttention)  # the classes themselves: their module paths differ inside an export
 register_attention("nsa", NativeSparseAttention)
+logger = logging.get_logger(__name__)
 
 
 # config.json's fields that tools read without loading the model -> the ModelConfig field each mirrors.
 MIRRORED = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
-            "num_attention_heads": "n_heads", "max_position_embeddings": "context_length",
+            "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "head_dim": "head_dim",
+            "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
+            "rope_scaling": "rope_scaling", "max_position_embeddings": "context_length",
             "tie_word_embeddings": "tie_embeddings"}
 
 
@@ -70,8 +81,10 @@ def check_export(path: Path) -> None:
     expected = {f"model.{name}": tuple(t.shape) for name, t in model.state_dict().items()}
     if model.config.tie_embeddings:
         expected.pop("model.lm_head.weight")
-    found = {}
-    for file in sorted(path.glob("*.safetensors")):
+    index, found = path / "model.safetensors.index.json", {}
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    for file in (path / name for name in names if (path / name).is_file()):  # a missing one: its tensors differ
         with safe_open(file, framework="pt") as f:
             found |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (no dict)
     if model.config.tie_embeddings:  # stored once, under the embedding's name, or under both
@@ -108,39 +121,116 @@ def mask_starts(attention_mask: Tensor | None, start: int, n_new: int) -> Tensor
     return padding_starts((~mask).sum(1), start, n_new)  # (B, n_new), from each row's leading pads
 
 
-class LongctxCache:
-    """What transformers' generate carries between steps (as `cache`): the model's own preallocated caches
-    (`Transformer.setup_kv_cache`, for `batch_size` rows of up to `max_length` tokens; NSA's hold the compressed,
-    selection and window keys) and how many tokens they hold. Beam search reorders their rows (`reorder_cache`)."""
+def position_starts(position_ids: Tensor | None, attention_mask: Tensor | None, start: int,
+                    n_new: int) -> Tensor | None:
+    """The first position each of the `n_new` tokens from `start` may attend to, from transformers' position_ids
+    (B or 1, n_new): None when they count on from `start` as the model does; where they restart at 0 (sequences
+    packed in a row, as DataCollatorWithFlattening lays them out), each token's sequence start (B, n_new), so that
+    each is read alone. Positions of pads (attention_mask 0) are not read. ValueError (one line) for any other
+    layout, which the model's RoPE (by position in the row) cannot honour."""
+    if position_ids is None:
+        return None
+    positions = position_ids.to(torch.long)  # (B or 1, n_new)
+    real = torch.ones_like(positions, dtype=torch.bool) if attention_mask is None else \
+        attention_mask[:, start:start + n_new].bool()
+    counted = torch.arange(start, start + n_new, device=positions.device)
+    if bool(((positions == counted) | ~real).all()):
+        return None
+    previous = torch.cat([positions.new_full((positions.shape[0], 1), -1), positions[:, :-1]], 1)
+    if start or not bool(((positions == 0) | (positions == previous + 1) | ~real).all()):
+        raise ValueError("position_ids must count up by one from the cache's length (or 0), restarting at 0 only "
+                         "where a packed sequence starts and only without a cache: the model rotates each token by "
+                         "its position in the row")
+    index = torch.arange(n_new, device=positions.device).expand_as(positions)
+    return torch.where((positions == 0) & real, index, 0).cummax(1).values  # (B, n_new)
+
+
+def first_positions(*starts: Tensor | None) -> Tensor | None:
+    """The latest of several first positions a token may attend to (each (B, n_new) or None)."""
+    given = [s for s in starts if s is not None]
+    return None if not given else given[0] if len(given) == 1 else torch.maximum(*torch.broadcast_tensors(*given))
+
+
+def _release(model: weakref.ref, owner: object) -> None:
+    """Free the model's cache buffers when the LongctxCache that set them up is gone (and no later one took them)."""
+    if (alive := model()) is not None and getattr(alive, "cache_owner", None) is owner:
+        alive.clear_kv_cache()
+
+
+class LongctxCache(Cache):
+    """What a forward with use_cache, and generate, carry between steps (`cache`): the model's own preallocated
+    caches (`Transformer.setup_kv_cache`, for `batch_size` rows of up to `max_length` tokens; NSA's hold the
+    compressed, selection and window keys) and how many tokens they hold. One model holds one: a new LongctxCache
+    starts it again, and the last one's buffers are freed with it. Beam search reorders its rows, assisted
+    generation crops its last tokens."""
 
     def __init__(self, model: Transformer, batch_size: int, max_length: int) -> None:
+        super().__init__(layers=[])
         model.setup_kv_cache(batch_size, max_length)
-        self.model, self.length = model, 0
+        self.model, self.length, self.rows, self.max_length = model, 0, batch_size, max_length
+        model.cache_owner = owner = object()  # the buffers are this cache's until another is made
+        weakref.finalize(self, _release, weakref.ref(model), owner)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_length
+
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self.model.reorder_kv_cache(beam_idx)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last -tokens_to_remove tokens (<= 0, as transformers passes it): the next ones overwrite them.
+        ValueError beyond what every layer's cache can rewind (NSA's rings: NSACache.REWIND tokens)."""
+        n = -tokens_to_remove
+        limit = min(getattr(block.attn.cache, "rewind", n) for block in self.model.layers)
+        if not 0 <= n <= limit:
+            raise ValueError(f"this cache forgets 0 to {limit} of its last tokens (crop(-n)), not {n}")
+        self.length = max(0, self.length - n)
 
-class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
+    def reset(self) -> None:
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+
+class LongctxPreTrainedModel(PreTrainedModel):
+    """What the export's classes share: the project's Transformer as `model` (the weights' `model.` names), the
+    checked load, the attention the model runs, and the preparation of a forward's inputs (`_inputs`)."""
+
     config_class = LongctxConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True  # each Block: its gradient_checkpointing flag and function
     _no_split_modules = ["Block"]
-    _tied_weights_keys = {"model.lm_head.weight": "model.embed_tokens.weight"}  # when tie_word_embeddings
 
     def __init__(self, config: LongctxConfig) -> None:
         super().__init__(config)
         self.model = Transformer(ModelConfig.from_dict(config.longctx_model))
-        self._generation_length: int | None = None  # set by generate: the length its cache is set up for
+        self.add_heads(config)
         self.post_init()
+
+    def add_heads(self, config: LongctxConfig) -> None:
+        """The modules a class adds on the Transformer (none: the causal LM's head is its own lm_head)."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | Path, *args: object,
-                        **kwargs: object) -> LongctxForCausalLM:
+                        **kwargs: object) -> LongctxPreTrainedModel:
         """transformers' from_pretrained, after `check_export` of a local directory (its manifest, its config.json
         against its weights): a damaged or edited export is refused in one line before anything is built."""
         if Path(str(pretrained_model_name_or_path)).is_dir():
@@ -159,10 +249,12 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
         return "eager"
 
     def _init_weights(self, module: torch.nn.Module) -> None:
-        """The RoPE tables (not stored: rebuilt on first use). Every weight comes from the checkpoint, whose names
-        and shapes the project checked when it wrote them; transformers reports any it lacks."""
+        """The RoPE tables (not stored: rebuilt on first use) and a head the checkpoint lacks (a classifier's
+        score); every other weight comes from the checkpoint, whose names and shapes check_export checked."""
         if isinstance(module, RotaryEmbedding):
             module.init_weights()
+        elif isinstance(module, torch.nn.Linear) and module is getattr(self, "score", None):
+            torch.nn.init.normal_(module.weight, std=self.model.config.init_std)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_tokens
@@ -170,6 +262,58 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: torch.nn.Module) -> None:
         self.model.embed_tokens = value
         self.model._tie_weights()
+
+    def _inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None, attention_mask: Tensor | None,
+                position_ids: Tensor | None, cache: Cache | None, use_cache: bool | None,
+                output_attentions: bool | None) -> tuple[LongctxCache | None, int | None, Tensor | None]:
+        """(the cache the tokens continue, or None; its length, the tokens' first position; each token's first
+        position to attend to, or None) from a forward's arguments. An empty transformers Cache (DynamicCache()) or
+        use_cache=True gives a new LongctxCache; a cache holding another model's tokens is refused."""
+        rows, n_new = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if output_attentions:
+            logger.warning_once("output_attentions: this model forms no attention matrix (NSA reads blocks, and "
+                                "the attention runs fused); attentions is an empty tuple")
+        if cache is not None and not isinstance(cache, LongctxCache):
+            if cache.get_seq_length() > 0:
+                raise ValueError(f"a {type(cache).__name__} holding {cache.get_seq_length()} tokens cannot continue "
+                                 "here: this model decodes through its own cache (LongctxCache); pass the cache its "
+                                 "forward returned, or none")
+            cache = None
+            use_cache = True
+        if cache is None and use_cache:
+            cache = LongctxCache(self.model, rows, self.model.config.context_length)
+        start = None if cache is None else cache.length
+        doc_start = first_positions(mask_starts(attention_mask, start or 0, n_new),
+                                    position_starts(position_ids, attention_mask, start or 0, n_new))
+        return cache, start, doc_start
+
+
+class LongctxModel(LongctxPreTrainedModel):
+    """AutoModel: the final hidden states (after the last norm), as transformers' base models give them."""
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, inputs_embeds: Tensor | None = None, cache: Cache | None = None,
+                use_cache: bool | None = None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None,
+                **kwargs: object) -> BaseModelOutputWithPast | tuple:
+        """input_ids (B, T) or inputs_embeds (B, T, C) -> last_hidden_state (B, T, C); the other arguments as
+        LongctxForCausalLM.forward's."""
+        cache = kwargs.get("past_key_values") if cache is None else cache  # its name before transformers 5.x
+        cache, start, doc_start = self._inputs(input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                                               use_cache, output_attentions)
+        layers: list[Tensor] | None = [] if (output_hidden_states or self.config.output_hidden_states) else None
+        hidden = self.model.hidden_states(input_ids, start, inputs_embeds, layers, doc_start)
+        if cache is not None:
+            cache.length += hidden.shape[1]
+        result = BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache, attentions=() if output_attentions
+                                         else None, hidden_states=None if layers is None else tuple(layers))
+        return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()
+
+
+class LongctxForCausalLM(LongctxPreTrainedModel, GenerationMixin):
+    """AutoModelForCausalLM: logits, the next-token loss, generate."""
+
+    _tied_weights_keys = {"model.lm_head.weight": "model.embed_tokens.weight"}  # when tie_word_embeddings
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.model.lm_head
@@ -184,58 +328,103 @@ class LongctxForCausalLM(PreTrainedModel, GenerationMixin):
         vocab = embedding.weight.shape[0]
         self.model.config = dataclasses.replace(self.model.config, vocab_size=vocab)
         self.config.longctx_model = {**self.config.longctx_model, "vocab_size": vocab}
+        self.config.vocab_size = vocab
         return embedding
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                labels: Tensor | None = None, inputs_embeds: Tensor | None = None,
-                output_hidden_states: bool | None = None, return_dict: bool | None = None,
-                cache: LongctxCache | None = None, **kwargs: object) -> CausalLMOutputWithPast | tuple:
-        """input_ids (B, T), or their embeddings inputs_embeds (B, T, C) -> logits (B, T, V) float32; with labels
-        (B, T), unshifted as transformers passes them (-100 ignored), the mean next-token loss (and no logits where
-        the model's chunked loss ran); with output_hidden_states, n_layers + 1 hidden states (B, T, C). With `cache`
-        (generate's, without gradients) the tokens continue the sequence it holds and are appended to it."""
-        start = None if cache is None else cache.length
-        n_new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        doc_start = mask_starts(attention_mask, start or 0, n_new)
-        hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        layers: list[Tensor] | None = [] if hidden else None
+                position_ids: Tensor | None = None, labels: Tensor | None = None, inputs_embeds: Tensor | None = None,
+                cache: Cache | None = None, use_cache: bool | None = None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, return_dict: bool | None = None,
+                num_items_in_batch: Tensor | int | None = None, **kwargs: object) -> CausalLMOutputWithPast | tuple:
+        """input_ids (B, T), or their embeddings inputs_embeds (B, T, C) -> logits (B, T, V) in the model's dtype;
+        with labels (B, T), unshifted as transformers passes them (-100 ignored), the next-token loss: the mean, or
+        the sum over `num_items_in_batch` (Trainer's count over the accumulated batches); with output_hidden_states,
+        n_layers + 1 hidden states (B, T, C). With a `cache` (or use_cache=True: a new one, returned; decoding runs
+        without gradients) the tokens continue the sequence it holds and are appended to it; `position_ids` that
+        restart at 0 read each packed sequence alone."""
+        cache = kwargs.get("past_key_values") if cache is None else cache  # its name before transformers 5.x
+        cache, start, doc_start = self._inputs(input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                                               use_cache, output_attentions)
+        layers: list[Tensor] | None = [] if (output_hidden_states or self.config.output_hidden_states) else None
+        normalizer = None if labels is None or num_items_in_batch is None else num_items_in_batch
         out = self.model(input_ids, labels=labels, start_pos=start, inputs_embeds=inputs_embeds, layer_outputs=layers,
-                         doc_start=doc_start)
+                         doc_start=doc_start, loss_normalizer=normalizer)
         if cache is not None:
             cache.length += (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        result = CausalLMOutputWithPast(loss=out.loss, logits=None if out.logits is None else out.logits.float(),
-                                        hidden_states=None if layers is None else tuple(layers), cache=cache)
+        result = CausalLMOutputWithPast(loss=out.loss, logits=out.logits, cache=cache,
+                                        attentions=() if output_attentions else None,
+                                        hidden_states=None if layers is None else tuple(layers))
         return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # generate carries a LongctxCache, made by prepare_inputs_for_generation
+        return False  # generate carries a LongctxCache (_prepare_cache_for_generation)
+
+    def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict,
+                                      generation_mode: object, batch_size: int, max_cache_length: int) -> None:
+        """generate's cache: a LongctxCache for every row it runs (beams, returned sequences) and the length it
+        runs to; an empty transformers Cache given is replaced by one (a filled one is refused by forward)."""
+        given = model_kwargs.get("cache")
+        if generation_config.use_cache is False or isinstance(given, LongctxCache) or \
+                given is not None and given.get_seq_length() > 0:
+            return
+        rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
+        length = min(max_cache_length + 2, self.model.config.context_length)  # + a draft's last token
+        model_kwargs["cache"] = LongctxCache(self.model, rows, length)
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, cache: LongctxCache | None = None,
-                                      use_cache: bool | None = None, **kwargs: object) -> dict:
-        """The tokens the model has not read yet: all of them at the first step (the cache then set up for the rows
-        and the length `generate` runs to), the new ones after; everything at every step with use_cache=False."""
-        if use_cache is not False and cache is None:
-            cache = LongctxCache(self.model, input_ids.shape[0], self._generation_length or input_ids.shape[1])
-        new = input_ids if cache is None else input_ids[:, cache.length:]
-        return {"input_ids": new, "attention_mask": kwargs.get("attention_mask"), "cache": cache}
+                                      inputs_embeds: Tensor | None = None, **kwargs: object) -> dict:
+        """The tokens the model has not read yet: all of them at the first step (the prompt's embeddings when
+        generate was given inputs_embeds, which input_ids then leave out), the new ones after; everything at every
+        step without a cache (use_cache=False)."""
+        mask, prompt = kwargs.get("attention_mask"), 0 if inputs_embeds is None else inputs_embeds.shape[1]
+        if inputs_embeds is not None and (cache is None or cache.length == 0):
+            embeds = inputs_embeds if cache is not None or input_ids.shape[1] == 0 else \
+                torch.cat([inputs_embeds, self.model.embed_tokens(input_ids)], 1)
+            return {"inputs_embeds": embeds, "attention_mask": mask, "cache": cache}
+        new = input_ids if cache is None else input_ids[:, cache.length - prompt:]
+        return {"input_ids": new, "attention_mask": mask, "cache": cache}
 
     def generate(self, inputs: Tensor | None = None, generation_config: GenerationConfig | None = None,
                  **kwargs: object) -> Tensor:
         """GenerationMixin.generate, refused up front (ValueError naming the lengths) when the prompt and the tokens
         to generate exceed the model's context."""
-        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         config = generation_config or self.generation_config
         new = kwargs.get("max_new_tokens", config.max_new_tokens)
-        total = None if prompt is None else (prompt.shape[-1] + new if new is not None
+        length = None if prompt is None else prompt.shape[1]
+        total = None if length is None else (length + new if new is not None
                                              else kwargs.get("max_length", config.max_length))
         context = self.model.config.context_length
         if total is not None and total > context:
-            raise ValueError(f"the prompt of {prompt.shape[-1]} tokens and the tokens to generate make {total}, past "
+            raise ValueError(f"the prompt of {length} tokens and the tokens to generate make {total}, past "
                              f"the model's context of {context}: shorten the prompt or max_new_tokens")
-        self._generation_length = min(total or context, context)  # what the cache holds at most
-        try:
-            return super().generate(inputs, generation_config, **kwargs)
-        finally:
-            self._generation_length = None
-            self.model.clear_kv_cache()
+        return super().generate(inputs, generation_config, **kwargs)  # its cache's buffers go with the cache
+
+
+class LongctxForSequenceClassification(LongctxPreTrainedModel):
+    """AutoModelForSequenceClassification: a linear score (config.num_labels) of each row's last real token's final
+    hidden state, as transformers' decoder classifiers (Qwen3's) compute it."""
+
+    def add_heads(self, config: LongctxConfig) -> None:
+        self.score = torch.nn.Linear(self.model.config.dim, config.num_labels, bias=False)
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, labels: Tensor | None = None, inputs_embeds: Tensor | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                **kwargs: object) -> SequenceClassifierOutputWithPast | tuple:
+        """-> logits (B, num_labels) of each row's last real token (attention_mask's last 1, else the last token
+        that is not config.pad_token_id, else the last); with labels, transformers' classification loss."""
+        _, _, doc_start = self._inputs(input_ids, inputs_embeds, attention_mask, position_ids, None, False, None)
+        layers: list[Tensor] | None = [] if (output_hidden_states or self.config.output_hidden_states) else None
+        hidden = self.model.hidden_states(input_ids, None, inputs_embeds, layers, doc_start)  # (B, T, C)
+        real = attention_mask.bool() if attention_mask is not None else input_ids != self.config.pad_token_id \
+            if input_ids is not None and self.config.pad_token_id is not None else None
+        index = torch.arange(hidden.shape[1], device=hidden.device)
+        last = (index * real).argmax(-1) if real is not None else torch.full_like(hidden[:, 0, 0], -1, dtype=torch.long)
+        pooled = self.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (B, num_labels)
+        loss = None if labels is None else self.loss_function(logits=pooled, labels=labels, pooled_logits=pooled,
+                                                               config=self.config)
+        result = SequenceClassifierOutputWithPast(loss=loss, logits=pooled,
+                                                  hidden_states=None if layers is None else tuple(layers))
+        return result if (return_dict if return_dict is not None else self.config.return_dict) else result.to_tuple()

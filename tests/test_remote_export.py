@@ -290,3 +290,154 @@ def test_a_damaged_or_edited_export_is_refused_before_transformers_builds_it(nsa
         assert "\n" not in message and str(copy) in message, message
         assert {"flipped": "is damaged: model.safetensors", "vocab": "vocab_size 1000 disagrees with longctx_model's",
                 "type": "the weights do not fit config.json's longctx_model"}[case] in message, message
+
+
+# ---- the paths a Qwen3 user takes (the same calls on a Qwen3 of the same geometry where one exists) --------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny full-attention model of the NSA fixture's geometry, exported as a native Qwen3 directory."""
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig.from_preset("tiny", context_length=128, qk_norm=True)).eval()
+    path = tmp_path_factory.mktemp("qwen3") / "hf"
+    export_hf_checkpoint(model, path)
+    return path
+
+
+def rows_padded_right(vocab: int, lengths: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(2, vocab, (n,), generator=g)} for n in lengths]
+
+
+def collate_right(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    longest = max(len(row["input_ids"]) for row in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(batch):
+        ids[i, :len(row["input_ids"])], mask[i, :len(row["input_ids"])] = row["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_trainer_with_gradient_accumulation_gives_the_loss_and_gradients_of_the_whole_batch(nsa_export, tmp_path):
+    """Trainer passes num_items_in_batch (the forward takes loss kwargs) and skips its own division: one SGD step
+    of 4 rows of different lengths at accumulation 1, 2 and 4 gives the same logged loss and the same update
+    (relative 1e-5), as a Qwen3 does."""
+    from transformers import Trainer, TrainingArguments
+
+    path, model = nsa_export
+    rows = rows_padded_right(model.config.vocab_size, (70, 21, 90, 35))
+    losses, updates = [], []
+    for accumulation in (1, 2, 4):
+        theirs = load(path)
+        before = {name: p.detach().clone() for name, p in theirs.named_parameters()}
+        args = TrainingArguments(output_dir=str(tmp_path / f"ga{accumulation}"), use_cpu=True, report_to="none",
+                                 per_device_train_batch_size=4 // accumulation, max_steps=1, optim="sgd",
+                                 gradient_accumulation_steps=accumulation, learning_rate=1.0, weight_decay=0.0,
+                                 lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="no",
+                                 remove_unused_columns=False, dataloader_drop_last=False)
+        args.train_sampling_strategy = "sequential"  # the same four rows in every run
+        result = Trainer(model=theirs, args=args, train_dataset=rows, data_collator=collate_right).train()
+        losses.append(result.training_loss)
+        updates.append(torch.cat([(p.detach() - before[name]).flatten() for name, p in theirs.named_parameters()]))
+    for loss, update in zip(losses[1:], updates[1:], strict=True):
+        assert loss == pytest.approx(losses[0], rel=1e-5)
+        torch.testing.assert_close(update, updates[0], rtol=0, atol=1e-5 * updates[0].abs().max().item())
+
+
+def test_a_manual_decoding_loop_equals_one_forward(nsa_export):
+    """forward(use_cache=True) returns its cache, and a loop feeding it one token at a time gives one forward's
+    logits (relative 1e-5); an empty DynamicCache (also under its old name past_key_values) becomes the model's own;
+    a cropped cache continues exactly; a cache holding another model's tokens is refused."""
+    from transformers import DynamicCache
+
+    path, model = nsa_export
+    theirs = load(path).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 90))
+    with torch.no_grad():
+        whole = theirs(ids).logits
+        scale = whole.abs().max().item()
+        for first in ({"use_cache": True}, {"cache": DynamicCache()}, {"past_key_values": DynamicCache()}):
+            out = theirs(ids[:, :50], **first)
+            steps = [out.logits]
+            for i in range(50, 90):
+                out = theirs(ids[:, i:i + 1], cache=out.cache)
+                steps.append(out.logits)
+            torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=0, atol=1e-5 * scale)
+        out = theirs(ids[:, :70], use_cache=True)  # 70 read, the last 7 forgotten: what speculative decoding does
+        out.cache.crop(-7)
+        torch.testing.assert_close(theirs(ids[:, 63:90], cache=out.cache).logits, whole[:, 63:90], rtol=0,
+                                   atol=1e-5 * scale)
+        filled = DynamicCache()
+        filled.update(torch.zeros(2, 2, 3, 16), torch.zeros(2, 2, 3, 16), 0)
+        with pytest.raises(ValueError, match="a DynamicCache holding 3 tokens cannot continue here"):
+            theirs(ids[:, :5], cache=filled)
+
+
+def test_assisted_generation_and_prompt_lookup_equal_greedy(nsa_export, qwen3_export):
+    """Assisted generation (another copy as the assistant; the export as a Qwen3's assistant) and prompt lookup
+    give greedy's tokens; generate(inputs_embeds=...) gives what generate(input_ids) generates after the prompt."""
+    path, model = nsa_export
+    theirs, helper = load(path).eval(), load(path).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40))
+    greedy = theirs.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert theirs.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=helper).tolist() == \
+        greedy.tolist()
+    assert theirs.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3).tolist() == \
+        greedy.tolist()
+    embeds = theirs.get_input_embeddings()(prompt)
+    assert theirs.generate(inputs_embeds=embeds, max_new_tokens=12, do_sample=False).tolist() == \
+        greedy[:, 40:].tolist()
+    qwen3 = transformers.AutoModelForCausalLM.from_pretrained(qwen3_export).eval()
+    assert qwen3.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=helper).tolist() == \
+        qwen3.generate(prompt, max_new_tokens=12, do_sample=False).tolist()
+
+
+def test_position_ids_that_restart_read_each_packed_sequence_alone(nsa_export):
+    """DataCollatorWithFlattening packs rows into one by restarting position_ids: each sequence's logits are what
+    it gives alone (relative 1e-5), as a Qwen3 gives them under flash-attention (its sdpa and eager paths, the only
+    ones on a CPU, read across them); positions that neither count on nor restart are refused in one line."""
+    from transformers import DataCollatorWithFlattening
+
+    path, model = nsa_export
+    theirs = load(path).eval()
+    rows = rows_padded_right(model.config.vocab_size, (70, 21, 35))
+    packed = DataCollatorWithFlattening(return_position_ids=True)([{"input_ids": r["input_ids"].tolist()}
+                                                                   for r in rows])
+    with torch.no_grad():
+        logits = theirs(packed["input_ids"], position_ids=packed["position_ids"]).logits[0]
+        for row, start in zip(rows, (0, 70, 91), strict=True):
+            alone = theirs(row["input_ids"][None]).logits[0]
+            torch.testing.assert_close(logits[start:start + len(row["input_ids"])], alone, rtol=0,
+                                       atol=1e-5 * alone.abs().max().item())
+        with pytest.raises(ValueError, match="position_ids must count up by one"):
+            theirs(packed["input_ids"], position_ids=packed["position_ids"] + 5)
+
+
+def test_the_base_model_the_classifier_and_the_standard_config_fields(nsa_export, qwen3_export, tmp_path):
+    """AutoModel gives the final hidden states; AutoModelForSequenceClassification scores each row's last real
+    token (a new head, the rest the export's weights); config.json carries the fields tools read, as a Qwen3's;
+    output_attentions gives (); a bf16 model returns bf16 logits, as Qwen3 does."""
+    path, model = nsa_export
+    ids = torch.randint(0, model.config.vocab_size, (2, 30))
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    with torch.no_grad():
+        base = transformers.AutoModel.from_pretrained(path, trust_remote_code=True).eval()
+        torch.testing.assert_close(base(ids).last_hidden_state, model.hidden_states(ids), rtol=0, atol=0)
+        classifier = transformers.AutoModelForSequenceClassification.from_pretrained(
+            path, trust_remote_code=True, num_labels=3).eval()
+        scores = classifier(ids, attention_mask=mask).logits
+        hidden = model.hidden_states(ids)
+        expected = classifier.score(torch.stack([hidden[0, 29], hidden[1, 19]]))
+        torch.testing.assert_close(scores, expected, rtol=0, atol=1e-6)
+        assert classifier(ids, attention_mask=mask, labels=torch.tensor([0, 2])).loss.isfinite()
+    ours, qwen3 = (json.loads((p / "config.json").read_text()) for p in (path, qwen3_export))
+    standard = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
+                "max_position_embeddings", "tie_word_embeddings")
+    assert {k: ours[k] for k in standard} == {k: qwen3[k] for k in standard} and ours["use_cache"] is True
+    theirs = load(path).eval()
+    assert theirs(ids, output_attentions=True).attentions == ()  # with a warning (transformers' logger)
+    half = transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.bfloat16)
+    assert half(ids).logits.dtype == torch.bfloat16

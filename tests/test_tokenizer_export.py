@@ -197,3 +197,13 @@ def test_pipeline_generates_and_stops_at_eos(data_dir: Path, tmp_path: Path):
     out = generate("def f(x):", max_new_tokens=20, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
     prompt = ours.encode("def f(x):")
     assert out[:len(prompt)] == prompt and out[len(prompt):] == [ours.eos_id]
+
+
+def test_the_nsa_export_s_tokenizer_loads_without_its_code(data_dir: Path, tmp_path: Path):
+    """An NSA export's config.json names code (auto_map), which AutoTokenizer would ask to run: with
+    trust_remote_code=False, or as PreTrainedTokenizerFast (which reads no config), it loads, and encodes as ours."""
+    tiny_run(data_dir, tmp_path / "run", "--attention_type", "nsa")
+    ours, hf, text = Tokenizer(data_dir / "tokenizer.model"), tmp_path / "run" / "hf", "def f(x):\n    return 1"
+    for loaded in (transformers.AutoTokenizer.from_pretrained(hf, trust_remote_code=False),
+                   transformers.PreTrainedTokenizerFast.from_pretrained(hf)):
+        assert loaded(text)["input_ids"] == ours.encode(text)
