@@ -30,7 +30,7 @@ from modeling.config import ComputeConfig
 from storage.weights import Stored, load_model, stored
 from text.synthetic import PromptBuilder
 from text.tokenizer import check_vocab, model_tokenizer
-from training.cli import Parser, check_writable, numbered
+from training.cli import PLUGIN_HELP, Parser, check_writable, load_plugins, numbered
 
 # ---- command line -------------------------------------------------------------------------------------------------
 
@@ -95,12 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, help="prompts (or loss windows) per forward (default: 10)")
     p.add_argument("--seed", type=int, help="of the prompts, documents and loss windows drawn (default: 0)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--plugin", action="append", metavar="MODULE", help=PLUGIN_HELP)
     p.add_argument("--out_dir", help="where eval.json and the plots go (default: RUN_DIR/eval-CHECKPOINT for a "
                                      "run's checkpoint, else eval/CHECKPOINT)")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
+    load_plugins(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

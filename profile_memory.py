@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed._tools.fake_collectives  # noqa: F401  (fake c10d collectives: FSDP under FakeTensorMode)
 
-from training.cli import check_writable
+from training.cli import check_writable, load_plugins
 from training.estimate import StepConfig, _quiet, estimate, measure, plot, report_text, warm_up_step
 from training.fit import check_fit
 from training.modes import settle_mode
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    load_plugins(argv)
     parser = build_parser()
     cfg, args, given = parse_options(parser, argv)
     if args["gpu_memory"] is not None and not 0 < args["gpu_memory"] < math.inf:

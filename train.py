@@ -14,17 +14,20 @@ The run itself is training/trainer.py; this file is its command line.
 
 from __future__ import annotations
 
+from training.cli import load_plugins
 from training.options import parse_run
 from training.parallel import init_runtime
 from training.trainer import one_line_errors, run_command
 
 
 def main(argv: list[str] | None = None) -> dict:
+    load_plugins(argv)
     cfg, given = parse_run(argv)
     return run_command(cfg, init_runtime(cfg.context_parallel), given=given)
 
 
 if __name__ == "__main__":
+    load_plugins(None)
     options, given_options = parse_run()
     with one_line_errors(options.verbose):
         run_command(options, init_runtime(options.context_parallel), given=given_options)

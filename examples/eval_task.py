@@ -5,6 +5,7 @@ registry line; nothing else in the repository names it.
     from evaluation.registry import register_task
     register_task("induction", "examples.eval_task:InductionTask")   # the one registry line
     # then: eval.py CHECKPOINT --tasks induction --lengths 256 512
+    # or, without editing anything: eval.py CHECKPOINT --plugin examples.eval_task --tasks induction
 
 A document of T tokens is T/2 random ids (from 8, past the special ones, to the vocabulary's end) repeated once. A
 model that copies from its context predicts the second half almost perfectly; one that does not stays near chance.
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from evaluation.registry import EvalTask, Setting
+from evaluation.registry import EvalTask, Setting, register_task
 from model import Transformer
 
 
@@ -65,3 +66,8 @@ class InductionTask(EvalTask):
 
     def meaning(self, result: dict) -> str:
         return f"=> {max(result['accuracy']):.0%} at best: how much the model copies from its context"
+
+
+def register() -> None:
+    """What `--plugin examples.eval_task` calls: the one registry line."""
+    register_task("induction", InductionTask)

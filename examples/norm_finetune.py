@@ -3,6 +3,7 @@ train the RMSNorm gains alone (a few hundred parameters of the tiny preset) on a
 
     from training.options import register_finetune
     register_finetune("norms", "examples.norm_finetune:NormsOnly")    # then train.py --finetune norms --init_from ...
+    # or, without editing anything: python train.py --plugin examples.norm_finetune --finetune norms ...
 
 What it delivers is a whole model (its base plus the trained gains), exported like a full fine-tune.
 """
@@ -15,7 +16,7 @@ from model import Transformer
 from modeling.layers import RMSNorm
 from storage.hf import ExportInfo
 from storage.weights import export_model
-from training.options import TrainConfig
+from training.options import TrainConfig, register_finetune
 
 
 class NormsOnly:
@@ -40,3 +41,8 @@ class NormsOnly:
 
     def export(self, model: Transformer, out_dir: Path, info: ExportInfo) -> list[Path]:
         return export_model(model, out_dir, info=info)
+
+
+def register() -> None:
+    """What `--plugin examples.norm_finetune` calls: the one registry line."""
+    register_finetune("norms", NormsOnly)

@@ -4,6 +4,7 @@ one registry line; nothing else in the repository names it.
 
     from modeling.config import register_attention
     register_attention("swa", "examples.sliding_window_attention:SlidingWindowAttention")   # the one registry line
+    # or, without editing anything: python train.py --plugin examples.sliding_window_attention --attention_type swa
 
 Its option lives in `ModelConfig.attention_options` ({"window": int}, default 16). Training runs SDPA with an
 explicit (T, T) band mask: fine for a test model, not for long sequences.
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from modeling.attention import FullAttention, attention_flops, projection_flops
-from modeling.config import ComputeConfig, ModelConfig
+from modeling.config import ComputeConfig, ModelConfig, register_attention
 
 DEFAULT_WINDOW = 16
 
@@ -69,3 +70,8 @@ class SlidingWindowAttention(FullAttention):
     def memory_stand_in(cls, config: ModelConfig, compute: ComputeConfig, batch_size: int, seq_len: int,
                         dtype: torch.dtype, device: str) -> AbstractContextManager[str]:
         return nullcontext("sliding-window attention: runs as in training (its (T, T) band mask included)")
+
+
+def register() -> None:
+    """What `--plugin examples.sliding_window_attention` calls: the one registry line."""
+    register_attention("swa", SlidingWindowAttention)

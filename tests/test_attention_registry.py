@@ -76,3 +76,36 @@ def test_mfu_flops_come_from_the_attention_type(swa):
     short, long = (attention_class("swa").flops_per_token(ModelConfig.from_preset("tiny", attention_type="swa"), t)
                    for t in (1024, 4096))
     assert short == long  # a sliding window: cost per token independent of T
+
+
+def test_plugins_register_types_modes_and_tasks_from_the_command_line(data_dir, tmp_path, capsys):
+    """--plugin MODULE imports a module and calls its register(), before the options are read: train.py trains an
+    attention type the repository does not register, profile_memory.py estimates it, eval.py runs a task of
+    another plugin on the result; a module that cannot be imported, or has no register(), is one line."""
+    import eval as eval_cli
+    import profile_memory
+    import train
+    from evaluation import registry
+    from modeling import config
+    from training import options
+
+    registries = (config.ATTENTION_TYPES, registry.EVAL_TASKS, options.FINETUNE_MODES)
+    before = [set(r) for r in registries]
+    swa = ["--plugin", "examples.sliding_window_attention"]
+    try:
+        train.main([*swa, "--attention_type", "swa", "--model_size", "tiny", "--context_length", "32", "--batch_size",
+                    "2", "--max_steps", "1", "--sample_tokens", "0", "--data_dir", str(data_dir), "--out_dir",
+                    str(tmp_path / "run")])
+        profile_memory.main([*swa, "--attention_type", "swa", "--model_size", "tiny", "--context_length", "64"])
+        assert "swa" in capsys.readouterr().out
+        result = eval_cli.main([str(tmp_path / "run" / "model"), *swa, "--plugin", "examples.eval_task", "--tasks",
+                                "induction", "--lengths", "16", "--samples", "2"])
+        assert "induction" in result
+    finally:  # what the plugins registered goes again
+        for names, kept in zip(registries, before, strict=True):
+            for name in set(names) - kept:
+                del names[name]
+    for plugin, message in (("no.such.module", "cannot import it"), ("examples", "has no register() to call")):
+        with pytest.raises(SystemExit) as refusal:
+            train.main(["--plugin", plugin])
+        assert refusal.value.code == 2 and message in capsys.readouterr().err

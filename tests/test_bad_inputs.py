@@ -977,7 +977,8 @@ def test_options_that_depend_on_the_data_are_checked_against_it(four_checkpoints
     assert "--document_mask: no window of" in err and "holds the end of a document" in err
 
 
-EVAL_ACT_ALONE = ("help", "checkpoint", "tasks", "harness", "tokenizer", "context_length", "device", "out_dir")
+EVAL_ACT_ALONE = ("help", "checkpoint", "tasks", "harness", "tokenizer", "context_length", "device", "out_dir",
+                  "plugin")
 DATA_ACT_ALONE = ("help", "input", "tokenizer", "out_dir", "shard_tokens", "overwrite", "validation_fraction",
                   "vocab_size", "model_prefix", "max_train_mb")
 PROFILER_ACT_ALONE = ("help", "world_size", "gpu_memory", "json", "plot")

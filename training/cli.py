@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -51,6 +53,34 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         exit_with_error(f"{self.prog}: error: {message} (see --help)")
+
+
+PLUGIN_HELP = ("a module (a dotted name importable from here, or a .py file) whose register() adds attention types, "
+               "fine-tuning modes or evaluation tasks, as examples/ does; repeatable, and needed again on resume")
+
+
+def load_plugins(argv: typing.Sequence[str] | None) -> None:
+    """Import each `--plugin MODULE` of `argv` (default: the command line) and call its register(), before any
+    parser is built: what it registers is then among the names every option and check accepts. A module that
+    cannot be imported, or has no register(), is one line (exit_with_error)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    names = [args[i + 1] for i, word in enumerate(args[:-1]) if word == "--plugin"] + \
+        [word.split("=", 1)[1] for word in args if word.startswith("--plugin=")]
+    for name in names:
+        try:
+            if name.endswith(".py"):
+                spec = importlib.util.spec_from_file_location(Path(name).stem, name)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            else:
+                module = importlib.import_module(name)
+        except (ImportError, OSError) as e:
+            exit_with_error(f"error: --plugin {name}: cannot import it ({e}); pass a dotted module name importable "
+                            "from here, or a .py file")
+        if not callable(getattr(module, "register", None)):
+            exit_with_error(f"error: --plugin {name}: the module has no register() to call; define one that calls "
+                            "register_attention, register_finetune or register_task")
+        module.register()
 
 
 def json_object(text: str) -> dict:

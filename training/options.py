@@ -30,7 +30,7 @@ from modeling.objective import FIELDS as OBJECTIVE_FIELDS
 from modeling.objective import SCORE_LOSS_OPTIONS, SCORE_LOSS_TARGETS, Objective
 from modeling.shard import balanced_spans
 from text.synthetic import RECALL_TASKS, SYNTHETIC_TASKS
-from training.cli import Parser, json_object, numbered
+from training.cli import PLUGIN_HELP, Parser, json_object, numbered
 from training.quantize import QUANTIZED
 from training.tracking import TRACKERS
 
@@ -337,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="JSON or TOML file of TrainConfig fields (command-line options win)")
+    parser.add_argument("--plugin", action="append", metavar="MODULE", help=PLUGIN_HELP)
     for f in dataclasses.fields(TrainConfig):
         kind = _field_type(f.name)
         kwargs: dict = {"help": field_help(f)}
@@ -418,7 +419,7 @@ def parse_options(parser: argparse.ArgumentParser, argv: list[str] | None = None
     plus those a tool added (profile_memory.py); bad options exit with a usage error naming the option."""
     args = vars(parser.parse_args(argv))
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    own = {k: v for k, v in args.items() if k not in names and k != "config"}
+    own = {k: v for k, v in args.items() if k not in names and k not in ("config", "plugin")}  # plugin: loaded
     try:
         recipe = load_config_file(args["config"]) if "config" in args else {}
         values = merged_options(recipe, {k: v for k, v in args.items() if k in names}, args.get("config"))
