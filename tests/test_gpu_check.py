@@ -14,13 +14,36 @@ import gpu_check
 def test_the_plan_on_an_80_gb_gpu_skips_only_the_140_gb_headline(tmp_path: Path):
     info = {"cuda": True, "gpu": "NVIDIA H100 80GB HBM3", "memory": 80 * 10**9, "torch": "2.13", "triton": "3.9"}
     lines: list[str] = []
-    text = gpu_check.report(info, gpu_check.SECTIONS, dry_run=True, work=tmp_path, log=lines.append)
-    assert lines == ["kernels: would run", "bench: would run", "loss: would run", "context: would run",
-                     "documents: would run", "estimate: would run", "train: would run",
-                     "headline: skipped (needs 140 GB of GPU memory, this GPU has 80 GB)"]
+    text, _ = gpu_check.report(info, gpu_check.SECTIONS, dry_run=True, work=tmp_path, log=lines.append)
+    assert lines == ["kernels: would run", "bench: would run", "context: would run", "documents: would run",
+                     "headline: skipped (needs 140 GB of GPU memory, this GPU has 80 GB)", "loss: would run",
+                     "estimate: would run", "train: would run"]
     assert text.count("## ") == 8 and "profile_memory.py --model_size 1.7B --context_length 32768" in text
-    no_triton = gpu_check.report({**info, "triton": None}, gpu_check.SECTIONS[:1], True, tmp_path, lines.append)
+    no_triton, _ = gpu_check.report({**info, "triton": None}, gpu_check.SECTIONS[:1], True, tmp_path, lines.append)
     assert "Skipped: Triton is not installed" in no_triton
+
+
+def test_a_budget_runs_the_most_telling_sections_that_fit_and_says_what_it_left(tmp_path: Path, monkeypatch):
+    """--budget 540 on an H200: the sections run in order while their expected time fits what is left (each capped
+    at it), the rest are skipped with the reason; the report opens with one table, and OUT.json holds a record per
+    section."""
+    info = {"cuda": True, "gpu": "NVIDIA H200", "memory": 141 * 10**9, "torch": "2.13", "triton": "3.9"}
+    caps = []
+
+    def fake_run(section: gpu_check.Section, work: Path, timeout_s: float) -> tuple[str, float]:
+        caps.append((section.name, timeout_s))
+        return "ran", float(section.expected_s)
+
+    monkeypatch.setattr(gpu_check, "run_section", fake_run)
+    monkeypatch.setattr(gpu_check, "machine", lambda: info)
+    gpu_check.main(["--budget", "540", "--out", str(tmp_path / "report.md")])
+    assert [name for name, _ in caps] == ["kernels", "bench", "context", "documents", "headline"]
+    assert caps[0][1] == 540 and caps[-1][1] == 540 - sum(s.expected_s for s in gpu_check.SECTIONS[:4])
+    record = json.loads((tmp_path / "report.json").read_text())
+    assert [r["section"] for r in record["sections"] if r["skipped"]] == ["loss", "estimate", "train"]
+    assert "over the budget: expected about 60 s, 0 s of it left" in record["sections"][5]["skipped"]
+    text = (tmp_path / "report.md").read_text()
+    assert "| section | ran | seconds | expected |" in text and "| headline | yes | 180.0 | 180 |" in text
 
 
 def test_without_a_gpu_every_section_is_skipped_and_the_exit_code_says_so(tmp_path: Path):
