@@ -6,6 +6,7 @@ data, a model, another run) is deleted or rewritten before the new thing is know
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
 from pathlib import Path
@@ -303,10 +304,14 @@ def test_a_directory_names_the_files_it_does_not_read(data_dir, tmp_path, capsys
     (corpus / "sub" / "c.csv").write_text("x\n1\n")
     (corpus / "sub" / "d.json").write_text("{}")
     (corpus / "README").write_text("no suffix")
+    (corpus / "gone.txt").symlink_to(tmp_path / "moved.txt")  # a dangling link: named, never dropped silently
+    os.mkfifo(corpus / "pipe.txt")
     data.main(["prepare", "--input", str(corpus), "--tokenizer", str(data_dir / "tokenizer.model"), "--out_dir",
                str(tmp_path / "o"), "--validation_fraction", "0"])
     err = capsys.readouterr().err
     assert f"{corpus}: skipped 4 files of other formats (2 .json, 1 .csv, 1 no suffix)" in err
+    assert (f"{corpus}: skipped 2 entries that are not files to read: {corpus / 'gone.txt'} (a link to "
+            f"{tmp_path / 'moved.txt'}, which does not exist), {corpus / 'pipe.txt'} (not a regular file)") in err
     assert json.loads((tmp_path / "o" / "index.json").read_text())["num_documents"] == 1
 
 
