@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 from transformers import Cache, GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.generation.utils import GenerationMode
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
@@ -121,26 +122,30 @@ def mask_starts(attention_mask: Tensor | None, start: int, n_new: int) -> Tensor
     return padding_starts((~mask).sum(1), start, n_new)  # (B, n_new), from each row's leading pads
 
 
-def position_starts(position_ids: Tensor | None, attention_mask: Tensor | None, start: int,
-                    n_new: int) -> Tensor | None:
-    """The first position each of the `n_new` tokens from `start` may attend to, from transformers' position_ids
-    (B or 1, n_new): None when they count on from `start` as the model does; where they restart at 0 (sequences
-    packed in a row, as DataCollatorWithFlattening lays them out), each token's sequence start (B, n_new), so that
-    each is read alone. Positions of pads (attention_mask 0) are not read. ValueError (one line) for any other
-    layout, which the model's RoPE (by position in the row) cannot honour."""
+def position_starts(position_ids: Tensor | None, attention_mask: Tensor | None, start: int, rows: int,
+                    cached: bool) -> Tensor | None:
+    """The first position each of the tokens from `start` may attend to, from transformers' position_ids (B or 1,
+    n_new): None when they count on as the model does (from `start`, or from each row's first real token after
+    left padding, as transformers computes them from the attention_mask); where they restart at 0 (sequences packed
+    in a row, as DataCollatorWithFlattening lays them out, and without a cache: `cached`), each token's sequence
+    start (B, n_new), so that each is read alone. Positions of pads (attention_mask 0) are not read. ValueError (one
+    line) for any other layout, which the model's RoPE (by position in the row) cannot honour."""
     if position_ids is None:
         return None
-    positions = position_ids.to(torch.long)  # (B or 1, n_new)
-    real = torch.ones_like(positions, dtype=torch.bool) if attention_mask is None else \
-        attention_mask[:, start:start + n_new].bool()
-    counted = torch.arange(start, start + n_new, device=positions.device)
+    positions = position_ids.to(torch.long).expand(rows, -1)  # (B, n_new)
+    n_new = positions.shape[1]
+    real, pads = torch.ones_like(positions, dtype=torch.bool), torch.zeros(rows, 1, dtype=torch.long)
+    if attention_mask is not None:
+        real = attention_mask[:, start:start + n_new].bool()
+        pads = (attention_mask.cumsum(1) == 0).sum(1, keepdim=True).to(positions.device)  # (B, 1) leading pads
+    counted = torch.arange(start, start + n_new, device=positions.device) - pads  # (B, n_new)
     if bool(((positions == counted) | ~real).all()):
         return None
-    previous = torch.cat([positions.new_full((positions.shape[0], 1), -1), positions[:, :-1]], 1)
-    if start or not bool(((positions == 0) | (positions == previous + 1) | ~real).all()):
-        raise ValueError("position_ids must count up by one from the cache's length (or 0), restarting at 0 only "
-                         "where a packed sequence starts and only without a cache: the model rotates each token by "
-                         "its position in the row")
+    previous = torch.cat([positions.new_full((rows, 1), -1), positions[:, :-1]], 1)
+    if cached or not bool(((positions == 0) | (positions == previous + 1) | ~real).all()):
+        raise ValueError("position_ids must count up by one from the cache's length (or each row's first real "
+                         "token), restarting at 0 only where a packed sequence starts and only without a cache: the "
+                         "model rotates each token by its position in the row")
     index = torch.arange(n_new, device=positions.device).expand_as(positions)
     return torch.where((positions == 0) & real, index, 0).cummax(1).values  # (B, n_new)
 
@@ -168,8 +173,9 @@ class LongctxCache(Cache):
         super().__init__(layers=[])
         model.setup_kv_cache(batch_size, max_length)
         self.model, self.length, self.rows, self.max_length = model, 0, batch_size, max_length
-        model.cache_owner = owner = object()  # the buffers are this cache's until another is made
-        weakref.finalize(self, _release, weakref.ref(model), owner)
+        model.cache_owner = self.owner = object()  # the buffers are this cache's until another is made
+        self.ids_offset = 0  # prompt tokens generate gave as embeddings, absent from its input_ids
+        weakref.finalize(self, _release, weakref.ref(model), self.owner)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -191,6 +197,13 @@ class LongctxCache(Cache):
 
     def reset(self) -> None:
         self.length = 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("LongctxCache keeps its rows as set up; generate's beams and returned sequences "
+                                  "are rows from the start (the modes that repeat rows later are not supported)")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        raise NotImplementedError("LongctxCache keeps its rows as set up (reorder_cache reorders them)")
 
     @property
     def batch_size(self) -> int:
@@ -218,6 +231,7 @@ class LongctxPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True  # each Block: its gradient_checkpointing flag and function
     _no_split_modules = ["Block"]
+    _tied_weights_keys = {"model.lm_head.weight": "model.embed_tokens.weight"}  # when tie_word_embeddings
 
     def __init__(self, config: LongctxConfig) -> None:
         super().__init__(config)
@@ -273,6 +287,10 @@ class LongctxPreTrainedModel(PreTrainedModel):
         if output_attentions:
             logger.warning_once("output_attentions: this model forms no attention matrix (NSA reads blocks, and "
                                 "the attention runs fused); attentions is an empty tuple")
+        if isinstance(cache, LongctxCache) and getattr(cache.model, "cache_owner", None) is not cache.owner:
+            raise ValueError("this cache's buffers were taken by a newer one (another use_cache=True forward or a "
+                             "generate on this model, which holds one at a time): pass the newest cache, or start "
+                             "again")
         if cache is not None and not isinstance(cache, LongctxCache):
             if cache.get_seq_length() > 0:
                 raise ValueError(f"a {type(cache).__name__} holding {cache.get_seq_length()} tokens cannot continue "
@@ -284,7 +302,7 @@ class LongctxPreTrainedModel(PreTrainedModel):
             cache = LongctxCache(self.model, rows, self.model.config.context_length)
         start = None if cache is None else cache.length
         doc_start = first_positions(mask_starts(attention_mask, start or 0, n_new),
-                                    position_starts(position_ids, attention_mask, start or 0, n_new))
+                                    position_starts(position_ids, attention_mask, start or 0, rows, cache is not None))
         return cache, start, doc_start
 
 
@@ -312,8 +330,6 @@ class LongctxModel(LongctxPreTrainedModel):
 
 class LongctxForCausalLM(LongctxPreTrainedModel, GenerationMixin):
     """AutoModelForCausalLM: logits, the next-token loss, generate."""
-
-    _tied_weights_keys = {"model.lm_head.weight": "model.embed_tokens.weight"}  # when tie_word_embeddings
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.model.lm_head
@@ -369,20 +385,28 @@ class LongctxForCausalLM(LongctxPreTrainedModel, GenerationMixin):
                 given is not None and given.get_seq_length() > 0:
             return
         rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
-        length = min(max_cache_length + 2, self.model.config.context_length)  # + a draft's last token
+        drafts = generation_config.is_assistant or generation_mode == GenerationMode.ASSISTED_GENERATION
+        context = self.model.config.context_length  # drafts may run past max_length, an assistant's calls grow
+        length = context if drafts else min(max_cache_length + 2, context)
         model_kwargs["cache"] = LongctxCache(self.model, rows, length)
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, cache: LongctxCache | None = None,
                                       inputs_embeds: Tensor | None = None, **kwargs: object) -> dict:
         """The tokens the model has not read yet: all of them at the first step (the prompt's embeddings when
-        generate was given inputs_embeds, which input_ids then leave out), the new ones after; everything at every
-        step without a cache (use_cache=False)."""
-        mask, prompt = kwargs.get("attention_mask"), 0 if inputs_embeds is None else inputs_embeds.shape[1]
+        generate was given inputs_embeds), the new ones after (input_ids then lack the embedded prompt: the cache's
+        ids_offset); all of input_ids when they are a chunk of a prefill in chunks (fewer than the cache holds);
+        everything at every step without a cache (use_cache=False)."""
+        mask = kwargs.get("attention_mask")
         if inputs_embeds is not None and (cache is None or cache.length == 0):
+            if cache is not None and input_ids.shape[1] == 0:
+                cache.ids_offset = inputs_embeds.shape[1]
             embeds = inputs_embeds if cache is not None or input_ids.shape[1] == 0 else \
                 torch.cat([inputs_embeds, self.model.embed_tokens(input_ids)], 1)
             return {"inputs_embeds": embeds, "attention_mask": mask, "cache": cache}
-        new = input_ids if cache is None else input_ids[:, cache.length - prompt:]
+        if cache is None:
+            return {"input_ids": input_ids, "attention_mask": mask, "cache": None}
+        seen = cache.length - cache.ids_offset  # of input_ids
+        new = input_ids[:, seen:] if input_ids.shape[1] > seen else input_ids
         return {"input_ids": new, "attention_mask": mask, "cache": cache}
 
     def generate(self, inputs: Tensor | None = None, generation_config: GenerationConfig | None = None,
@@ -396,9 +420,11 @@ class LongctxForCausalLM(LongctxPreTrainedModel, GenerationMixin):
         total = None if length is None else (length + new if new is not None
                                              else kwargs.get("max_length", config.max_length))
         context = self.model.config.context_length
-        if total is not None and total > context:
-            raise ValueError(f"the prompt of {length} tokens and the tokens to generate make {total}, past "
-                             f"the model's context of {context}: shorten the prompt or max_new_tokens")
+        lookup = kwargs.get("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens) or 0  # drafts past the end
+        if total is not None and total + lookup > context:
+            raise ValueError(f"the prompt of {length} tokens and the tokens to generate make {total}"
+                             + (f" (+ {lookup} drafted by prompt lookup)" if lookup else "") + f", past the model's "
+                             f"context of {context}: shorten the prompt or max_new_tokens")
         return super().generate(inputs, generation_config, **kwargs)  # its cache's buffers go with the cache
 
 
@@ -418,10 +444,18 @@ class LongctxForSequenceClassification(LongctxPreTrainedModel):
         _, _, doc_start = self._inputs(input_ids, inputs_embeds, attention_mask, position_ids, None, False, None)
         layers: list[Tensor] | None = [] if (output_hidden_states or self.config.output_hidden_states) else None
         hidden = self.model.hidden_states(input_ids, None, inputs_embeds, layers, doc_start)  # (B, T, C)
-        real = attention_mask.bool() if attention_mask is not None else input_ids != self.config.pad_token_id \
-            if input_ids is not None and self.config.pad_token_id is not None else None
+        pad = getattr(self.config, "pad_token_id", None)
+        if attention_mask is not None:
+            real = attention_mask.bool()
+        elif input_ids is not None and pad is not None:
+            real = input_ids != pad
+        elif hidden.shape[0] == 1:
+            real = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        else:
+            raise ValueError("rows of a batch end where their padding starts: pass attention_mask, or set "
+                             "config.pad_token_id (as transformers' classifiers require for batches over 1)")
         index = torch.arange(hidden.shape[1], device=hidden.device)
-        last = (index * real).argmax(-1) if real is not None else torch.full_like(hidden[:, 0, 0], -1, dtype=torch.long)
+        last = (index * real).argmax(-1)  # (B,) each row's last real token
         pooled = self.score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])  # (B, num_labels)
         loss = None if labels is None else self.loss_function(logits=pooled, labels=labels, pooled_logits=pooled,
                                                                config=self.config)

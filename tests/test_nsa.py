@@ -387,7 +387,7 @@ def test_decode_equals_prefill(separate, compressor):
     config = nsa_config(nsa_separate_kv=separate, nsa_compressor=compressor)
     compute = ComputeConfig(attention_query_chunk=16)
     layer, rope = make_layer(config, compute=compute)
-    T = 90  # beyond w = 32 (window ring wraps) and several compressed / selection blocks
+    T = 200  # beyond w + REWIND = 96 (the window and compression rings wrap) and several compressed / selection blocks
     x = torch.randn(2, T, config.dim, dtype=torch.float64)
     full = run_layer(layer, rope, x)
     layer.setup_cache(2, T, torch.float64, "cpu")

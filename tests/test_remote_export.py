@@ -441,3 +441,38 @@ def test_the_base_model_the_classifier_and_the_standard_config_fields(nsa_export
     assert theirs(ids, output_attentions=True).attentions == ()  # with a warning (transformers' logger)
     half = transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.bfloat16)
     assert half(ids).logits.dtype == torch.bfloat16
+
+
+def test_generate_s_other_modes_and_position_layouts_read_as_transformers_writes_them(nsa_export):
+    """Prefill in chunks, input_ids beside inputs_embeds, position_ids of one row for a batch, and the positions
+    transformers computes for a left-padded batch in a decoding loop all give what the plain call gives; a cache
+    whose buffers a newer one took is refused instead of read."""
+    path, model = nsa_export
+    theirs = load(path).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 30))
+    greedy = theirs.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert theirs.generate(prompt, max_new_tokens=6, do_sample=False, prefill_chunk_size=8).tolist() == \
+        greedy.tolist()
+    embeds = theirs.get_input_embeddings()(prompt)
+    assert theirs.generate(prompt, inputs_embeds=embeds, max_new_tokens=6, do_sample=False).tolist() == \
+        greedy.tolist()
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1 padded on the left
+    positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # as transformers computes them
+    with torch.no_grad():
+        plain = theirs(ids).logits
+        torch.testing.assert_close(theirs(ids, position_ids=torch.arange(40)[None]).logits, plain, rtol=0, atol=0)
+        whole = theirs(ids, attention_mask=mask).logits
+        out = theirs(ids[:, :30], attention_mask=mask[:, :30], position_ids=positions[:, :30], use_cache=True)
+        steps = [out.logits]
+        for i in range(30, 40):
+            out = theirs(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], position_ids=positions[:, i:i + 1],
+                         cache=out.cache)
+            steps.append(out.logits)
+        torch.testing.assert_close(torch.cat(steps, 1)[:, 3:], whole[:, 3:], rtol=0,
+                                   atol=1e-5 * whole.abs().max().item())
+        first = theirs(ids[:, :10], use_cache=True).cache
+        theirs(ids[:, :10], use_cache=True)  # a newer cache takes the model's buffers
+        with pytest.raises(ValueError, match="this cache's buffers were taken by a newer one"):
+            theirs(ids[:, 10:11], cache=first)
