@@ -476,3 +476,16 @@ def test_generate_s_other_modes_and_position_layouts_read_as_transformers_writes
         theirs(ids[:, :10], use_cache=True)  # a newer cache takes the model's buffers
         with pytest.raises(ValueError, match="this cache's buffers were taken by a newer one"):
             theirs(ids[:, 10:11], cache=first)
+
+
+@pytest.mark.slow
+def test_torch_compile_breaks_the_graph_only_at_nsa_s_kernels(nsa_export):
+    """Under torch.compile the export's forward breaks its graph only at NSA's sparse attention (its kernels are
+    opaque to the compiler; once a layer and query chunk), nowhere in the wrapper or the model around it."""
+    path, model = nsa_export
+    theirs = load(path).eval()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(theirs)(torch.randint(0, model.config.vocab_size, (1, 64)))
+    reasons = [str(r.reason) for r in explained.break_reasons]
+    assert explained.graph_break_count >= model.config.n_layers, reasons
+    assert all("sparse_attention" in reason for reason in reasons), reasons
