@@ -116,16 +116,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig,
 
 def continued_npt_options(cfg: TrainConfig, npt_cfg: NPTConfig, given: frozenset[str], rt: Runtime) -> NPTConfig:
     """For --resume: the equivalence options the run recorded (npt_config.json, which config.json's "npt" repeats),
-    but those given, each given one that differs announced."""
+    but those given (each one that differs from the checkpoint's is announced and recorded: resume.task_changes)."""
     out_dir = Path(cfg.out_dir) if cfg.out_dir != "auto" else default_out_dir(resolve_config(cfg, rt.device,
                                                                                            lambda m: None))
     recorded = json.loads((out_dir / "npt_config.json").read_text()) if (out_dir / "npt_config.json").is_file() \
         else {}
     names = {f.name for f in dataclasses.fields(NPTConfig)}
-    for name in sorted(names & given & set(recorded)):
-        if getattr(npt_cfg, name) != recorded[name] and rt.rank == 0:
-            print(f"--{name} {getattr(npt_cfg, name)} takes effect from the resumed step (the run was trained with "
-                  f"{recorded[name]})")
     return dataclasses.replace(npt_cfg, **{k: v for k, v in recorded.items() if k in names and k not in given})
 
 

@@ -460,6 +460,12 @@ def test_the_equivalence_entry_resumes_with_the_options_it_recorded(data_dir, tm
     recorded = json.loads((tmp_path / "config.json").read_text())
     assert (recorded["train"]["lr"], recorded["train"]["warmup_steps"]) == (0.01, 0)
     assert (recorded["npt"]["mse_weight"], recorded["npt"]["kl_weight"]) == (2, 0.5)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 2, "resumed_with": {"max_steps": [2, 3], "kl_weight": [1.0, 0.5]}} in rows  # announced, recorded
+    text = (tmp_path / "config.json").read_text()  # config.json cut short: the run's npt_config.json holds them
+    (tmp_path / "config.json").write_text(text[: len(text) // 2])
+    main(["--out_dir", str(tmp_path), "--resume", "--max_steps", "4"])
+    assert json.loads((tmp_path / "config.json").read_text())["npt"]["kl_weight"] == 0.5
 
 
 # ---- paths and directories --------------------------------------------------------------------------------------

@@ -92,6 +92,14 @@ def same_value(name: str, value: object, recorded: object) -> bool:
     return value == recorded
 
 
+def task_changes(saved: dict, now: dict) -> dict:
+    """{option: [the checkpoint's value, this run's]} of a task's own options (its state's sections, such as
+    train_npt.py's "npt": what the checkpoint's train_state recorded, `saved`, against this run's, `now`)."""
+    return {name: [saved[section][name], value] for section, options in now.items() if isinstance(options, dict)
+            for name, value in options.items()
+            if isinstance(saved.get(section), dict) and name in saved[section] and saved[section][name] != value}
+
+
 def resume_changes(cfg: TrainConfig, saved: dict) -> dict:
     """{option: [the checkpoint's value, this run's]} of every option of `cfg` that differs from the options the
     checkpoint saved (`saved`: its record), but those about one invocation (NOT_CONTINUED). What cannot change

@@ -81,7 +81,7 @@ from training.options import (
     resolve_config,
 )
 from training.parallel import Runtime, apply_fsdp, context_shard, init_sharded_weights
-from training.resume import absolute_paths, continue_options, record, resume_changes
+from training.resume import absolute_paths, continue_options, record, resume_changes, task_changes
 from training.run_directory import RunLock, check_run_directory, clear_unstarted, run_record, start_timeline
 from training.tracking import check_tracker, tracking
 
@@ -362,6 +362,8 @@ def prepare_run(cfg: TrainConfig, rt: Runtime, task: Task) -> Run:
     if rt.device.type == "cuda" and cfg.max_memory:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.max_memory * GiB / device_memory), rt.device)
     run.task_state = task.start(model, cfg) if task.start else {}
+    if resume_from:  # a task's own options too (train_npt.py's weights)
+        changed |= task_changes(read_train_state(resume_from), run.task_state)
     if cfg.eval_interval:
         run.val_windows = validation_windows(cfg.data_dir, cfg.context_length, cfg.eval_tokens, cfg.seed,
                                              rt.data_rank, rt.data_ranks)
