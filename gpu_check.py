@@ -60,8 +60,8 @@ class Section:
     commands: Callable[[Path], list[list[str]]]
     needs: Callable[[dict], str | None]
     summarise: Callable[[list[str], Path], str]
-    expected_s: int  # on one H100 or H200, Triton's compilation included: what --budget plans with (a guess until
-    timeout_s: int = 600  # a run's report replaces it)
+    expected_s: int  # on one H100 or H200 with compilation: --budget's plan (a guess until a run measures it)
+    timeout_s: int = 600
 
 
 def machine() -> dict:
@@ -229,13 +229,18 @@ def run_section(section: Section, work: Path, timeout_s: float) -> tuple[str, fl
     start, outputs = time.perf_counter(), []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real kernels
     for command in section.commands(work):
-        left = max(1.0, timeout_s - (time.perf_counter() - start))
+        left = timeout_s - (time.perf_counter() - start)
+        if left < 1:
+            outputs.append("(not run: the section's time was spent)")
+            continue
         try:
             proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
             outputs.append(proc.stdout + proc.stderr + ("" if proc.returncode == 0 else
                                                         f"\n(exit code {proc.returncode})"))
-        except subprocess.TimeoutExpired as e:
-            outputs.append(f"{e.stdout or ''}\n(timed out after {left:.0f} s)")
+        except subprocess.TimeoutExpired as e:  # its output arrives as bytes, whatever text= says
+            told = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                           for part in (e.stdout, e.stderr))
+            outputs.append(f"{told}\n(timed out after {left:.0f} s)")
     return section.summarise(outputs, work), time.perf_counter() - start
 
 
@@ -292,6 +297,9 @@ def main(argv: list[str] | None = None) -> str:
     out = Path(args.out)
     if out.is_dir():
         parser.error(f"--out {out} is a directory; name the report file (e.g. {out / 'gpu_check.md'})")
+    if out.suffix == ".json":
+        parser.error(f"--out {out}: the Markdown report's name (its record goes beside it as .json); e.g. "
+                     f"{out.with_suffix('.md')}")
     if args.budget is not None and not 0 < args.budget < math.inf:
         parser.error(f"--budget must be a positive number of seconds, got {args.budget}")
     try:
@@ -304,11 +312,11 @@ def main(argv: list[str] | None = None) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         text, records = report(info, sections, args.dry_run, Path(tmp), budget_s=args.budget)
     out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"machine": info, "budget_s": args.budget, "sections": records},
-                                                   indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"machine": info, "budget_s": args.budget, "dry_run": args.dry_run,
+                                                    "sections": records}, indent=1))
     print(f"wrote {out} and {out.with_suffix('.json')}")
-    if not args.dry_run and all(section.needs(info) for section in sections):
-        raise SystemExit(f"gpu_check: nothing was checked ({sections[0].needs(info)}); see {out}")
+    if not args.dry_run and all(record["skipped"] for record in records):
+        raise SystemExit(f"gpu_check: nothing was checked ({records[0]['skipped']}); see {out}")
     return text
 
 

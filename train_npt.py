@@ -36,6 +36,7 @@ from modeling.objective import FIELDS as OBJECTIVE_FIELDS
 from npt.adapters import ADAPTERS_NAME, save_adapters
 from npt.convert import np_blocks, np_parameters
 from npt.equivalence import equivalence_loss
+from training.cli import load_plugins
 from training.options import (
     TrainConfig,
     build_parser,
@@ -86,6 +87,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[TrainConfig, NPTConfig,
         kwargs = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
         group.add_argument(f"--{f.name}", help=field_help(f), **kwargs)
     args = vars(parser.parse_args(argv))  # only what was given (the parser's default is SUPPRESS)
+    args.pop("plugin", None)  # loaded by main
     try:
         source = args.pop("config", None)
         given = merged_options(load_config_file(source, TrainConfig, NPTConfig) if source else {}, args, source)
@@ -159,6 +161,7 @@ def equivalence_task(npt_cfg: NPTConfig) -> Task:
 def main(argv: list[str] | None = None) -> dict:
     """Parse the options, run (or resume, with the options it recorded) equivalence training; returns the last
     step's metrics."""
+    load_plugins(argv)
     cfg, npt_cfg, given = parse_config(argv)
     if cfg.context_parallel > 1:
         raise ValueError("train_npt.py trains on whole sequences: its equivalence loss compares a sequence's "

@@ -40,7 +40,7 @@ def attention_class(name: str) -> type:
     """The class registered as attention type `name` (imported on first use)."""
     if name not in ATTENTION_TYPES:
         raise ValueError(f"unknown attention_type {name!r}; registered: {sorted(ATTENTION_TYPES)} (add one with "
-                         "config.register_attention)")
+                         "config.register_attention, or on the command line --plugin MODULE)")
     return registered(ATTENTION_TYPES, name)
 
 

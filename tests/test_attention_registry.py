@@ -88,6 +88,7 @@ def test_plugins_register_types_modes_and_tasks_from_the_command_line(data_dir, 
     from evaluation import registry
     from modeling import config
     from training import options
+    from training.cli import load_plugins
 
     registries = (config.ATTENTION_TYPES, registry.EVAL_TASKS, options.FINETUNE_MODES)
     before = [set(r) for r in registries]
@@ -105,7 +106,19 @@ def test_plugins_register_types_modes_and_tasks_from_the_command_line(data_dir, 
         for names, kept in zip(registries, before, strict=True):
             for name in set(names) - kept:
                 del names[name]
-    for plugin, message in (("no.such.module", "cannot import it"), ("examples", "has no register() to call")):
+    file = tmp_path / "my_plugin.py"  # a file, with a dataclass (which looks its module up in sys.modules)
+    file.write_text("import dataclasses\n\n\n@dataclasses.dataclass\nclass Options:\n    window: int = 8\n\n\n"
+                    "def register() -> None:\n    from training.options import register_finetune\n\n"
+                    "    register_finetune('norms2', 'examples.norm_finetune:NormsOnly')\n")
+    try:
+        load_plugins(["--model_size", "tiny", "--plugin", str(file)])
+        assert "norms2" in options.FINETUNE_MODES
+    finally:
+        options.FINETUNE_MODES.pop("norms2", None)
+    broken = tmp_path / "broken.py"
+    broken.write_text("def register() -> None:\n    raise RuntimeError('no GPU here')\n")
+    for plugin, message in (("no.such.module", "cannot import it"), ("examples", "has no register() to call"),
+                            (str(broken), "its register() failed (RuntimeError: no GPU here)")):
         with pytest.raises(SystemExit) as refusal:
             train.main(["--plugin", plugin])
         assert refusal.value.code == 2 and message in capsys.readouterr().err

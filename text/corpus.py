@@ -56,8 +56,9 @@ def find_input_files(paths: Iterable[str | os.PathLike], log: Callable[[str], No
                     f"records in .jsonl or .parquet, or text in {' '.join(TEXT_SUFFIXES)}; name a text file to read "
                     "it as one document")
             if unread := sorted(p for p in path.rglob("*") if not p.is_file() and not p.is_dir()):
-                named = ", ".join(f"{p} (a link to {os.readlink(p)}, which does not exist)" if p.is_symlink()
-                                  else f"{p} (not a regular file)" for p in unread[:3])
+                named = ", ".join(f"{p} (a link to {os.readlink(p)}, which does not exist)"
+                                  if p.is_symlink() and not p.exists() else f"{p} (not a regular file)"
+                                  for p in unread[:3])
                 log(f"{path}: skipped {len(unread)} entries that are not files to read: {named}"
                     + (f" and {len(unread) - 3} more" if len(unread) > 3 else ""))
         elif not path.is_file():

@@ -66,21 +66,27 @@ def load_plugins(argv: typing.Sequence[str] | None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     names = [args[i + 1] for i, word in enumerate(args[:-1]) if word == "--plugin"] + \
         [word.split("=", 1)[1] for word in args if word.startswith("--plugin=")]
+    if names and "" not in sys.path and str(Path.cwd()) not in sys.path:  # dotted names from the working
+        sys.path.append(str(Path.cwd()))  # directory, as python -m finds them
     for name in names:
         try:
             if name.endswith(".py"):
-                spec = importlib.util.spec_from_file_location(Path(name).stem, name)
+                spec = importlib.util.spec_from_file_location(f"plugin_{Path(name).stem}", name)
                 module = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = module  # as an import would (dataclasses look the module up there)
                 spec.loader.exec_module(module)
             else:
                 module = importlib.import_module(name)
-        except (ImportError, OSError) as e:
+        except (ImportError, OSError, ValueError, TypeError) as e:
             exit_with_error(f"error: --plugin {name}: cannot import it ({e}); pass a dotted module name importable "
-                            "from here, or a .py file")
+                            "from the working directory, or a .py file")
         if not callable(getattr(module, "register", None)):
             exit_with_error(f"error: --plugin {name}: the module has no register() to call; define one that calls "
                             "register_attention, register_finetune or register_task")
-        module.register()
+        try:
+            module.register()
+        except Exception as e:  # noqa: BLE001 (whatever the plugin raises: one line naming it)
+            exit_with_error(f"error: --plugin {name}: its register() failed ({type(e).__name__}: {e})")
 
 
 def json_object(text: str) -> dict:

@@ -68,7 +68,7 @@ def finetune_class(name: str) -> type:
     """The class registered as fine-tuning mode `name` (imported on first use)."""
     if name not in FINETUNE_MODES:
         raise ValueError(f"--finetune must be one of {sorted(FINETUNE_MODES)} (add one with "
-                         f"training.options.register_finetune), got {name!r}")
+                         f"training.options.register_finetune, or --plugin MODULE), got {name!r}")
     return registered(FINETUNE_MODES, name)
 
 
@@ -226,7 +226,8 @@ class TrainConfig:
                    "tracker": [None, *TRACKERS], "nsa_score_loss_target": list(SCORE_LOSS_TARGETS)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                plugin = " (one from outside the repository: --plugin MODULE)" if name == "attention_type" else ""
+                raise ValueError(f"--{name} must be one of {allowed}{plugin}, got {getattr(self, name)!r}")
         for name, low in MINIMUM.items():
             value = getattr(self, name)
             if value is not None and value < low:
