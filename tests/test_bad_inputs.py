@@ -590,7 +590,8 @@ def test_no_entry_writes_inside_a_model_a_checkpoint_or_a_run(four_checkpoints, 
     for script, option, directory in OUTPUTS:
         for place in (run, run / "model", run / "step-4", run / "step-9", run / "model" / "x", run / "step-2" / "x",
                       run / "adapter", run / "step-3.tmp"):
-            target = place if directory else place / {"--model_prefix": "tok", "--plot": "x.png"}.get(option, "x.json")
+            target = place if directory else place / {"--model_prefix": "tok", "--plot": "x.png", "--out": "x.md"}.get(
+                option, "x.json")
             argv = [*arguments.get(f"{script} {option}", arguments.get(script, [])), option, str(target)]
             main = runpy.run_path(str(Path(__file__).resolve().parent.parent / script))["main"]
             with pytest.raises((SystemExit, ValueError, FileExistsError)) as refusal:
