@@ -14,8 +14,11 @@ target (every key, every query); their last column is the step's time over `nsa`
         # a smoke run of this script without a GPU (Triton's interpreter; times meaningless)
 
 Times are medians over --repeats runs after two warm-up runs; peak memory is torch.cuda.max_memory_allocated
-growth over the step (weights and input excluded). "fwd" is the forward without gradients (inference: NSA's Triton
-path then runs eight query chunks, `nsa.attention._query_chunk`), "fwd+bwd" a training step (one chunk).
+growth over the step (weights and input excluded). U (Triton layers): the distinct blocks a tile of queries
+selected, over n, averaged over tiles (`union_sizes`): the forward and dQ kernels' work per tile is U x n blocks, so
+U reads the times (on random weights it grows with T; a trained model's queries agree more). "fwd" is the forward
+without gradients (inference: NSA's Triton path then runs eight query chunks, `nsa.attention._query_chunk`),
+"fwd+bwd" a training step (one chunk).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -56,6 +59,26 @@ def training_step(run: Callable, x: torch.Tensor) -> None:
     with collect_aux_losses() as aux:
         loss = run(x).float().square().mean()
     sum(aux, loss).backward()
+
+
+@contextlib.contextmanager
+def union_sizes() -> Iterator[list[float]]:
+    """Inside: each selection of the Triton path (`TritonSelection`) appends U, the mean over its query tiles of the
+    distinct blocks the tile's queries selected, over n: the forward and dQ kernels walk each tile's union, so their
+    work is U times that of one query's n blocks (the cost model's input; 1 when a tile's queries agree)."""
+    from nsa import triton_path
+
+    found, init = [], triton_path.TritonSelection.__init__
+
+    def recording(self: triton_path.TritonSelection, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        found.append((self.count.float().mean() / self.n).item())
+
+    triton_path.TritonSelection.__init__ = recording
+    try:
+        yield found
+    finally:
+        triton_path.TritonSelection.__init__ = init
 
 
 def timed(step: Callable[[], None], device: torch.device, repeats: int) -> tuple[float, int]:
@@ -102,8 +125,9 @@ def main() -> None:
     print(f"one layer, B=1, dim={args.dim}, heads={args.heads}, kv_heads={args.kv_heads}, head_dim={args.head_dim}, "
           f"{dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}; NSA l=32 d=16 l'=64 n=16 "
           f"w=512, query chunk {args.query_chunk}; median of {args.repeats}")
-    print("| T | layer | fwd ms | fwd+bwd ms | peak MiB | SDPA fwd / this | SDPA fwd+bwd / this | fwd+bwd / nsa's |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| T | layer | fwd ms | fwd+bwd ms | peak MiB | SDPA fwd / this | SDPA fwd+bwd / this | fwd+bwd / nsa's "
+          "| U |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for T in args.seq_lens:
         sdpa = nsa = None
         for impl in args.impls:
@@ -114,12 +138,18 @@ def main() -> None:
                 with torch.no_grad():
                     fwd, _ = timed(lambda run=run, x=x: run(x), device, args.repeats)
                 both, peak = timed(lambda run=run, x=x: training_step(run, x), device, args.repeats)
+                union = "-"
+                if impl in TRITON_IMPLS:  # the training step's selection (one query chunk), outside the timing
+                    with union_sizes() as sizes:
+                        training_step(run, x)
+                    union = f"{sizes[0]:.1f}" if sizes else "-"
             del run, x
             sdpa = (fwd, both) if impl == "sdpa" else sdpa
             nsa = both if impl == "nsa" else nsa
             ratios = f"{sdpa[0] / fwd:.2f}x | {sdpa[1] / both:.2f}x" if sdpa else "- | -"
             ratios += f" | {both / nsa:.2f}" if nsa and impl.startswith("nsa") else " | -"
-            print(f"| {T} | {impl} | {fwd * 1e3:.1f} | {both * 1e3:.1f} | {peak / 2**20:.0f} | {ratios} |", flush=True)
+            print(f"| {T} | {impl} | {fwd * 1e3:.1f} | {both * 1e3:.1f} | {peak / 2**20:.0f} | {ratios} | {union} |",
+                  flush=True)
     if args.profile:
         print(PROFILE_MARK.format(T=args.profile))
         print(top_kernels(build("nsa", args, device, dtype), args.profile, args.dim, device, dtype))

@@ -54,6 +54,12 @@ _PAIR_ROWS = 64  # query rows per step of the selection kernels (whole queries o
 _RANGE_BLOCK = 64  # rows per program and keys per step of the range and importance kernels
 
 
+def queries_per_tile(G: int) -> int:
+    """Queries of a tile of the selection kernels (whole queries of G rows each, _PAIR_ROWS rows): the forward and
+    dQ walk the union of the blocks a tile's queries selected."""
+    return max(1, _PAIR_ROWS // G)
+
+
 def _launch(kernel: str, grid: tuple[int, ...], *args: object, acc: torch.dtype, **meta: object) -> None:
     """nsa.triton_kernels.<kernel>[grid](*args, **meta) accumulating in `acc`, except on fake tensors: their outputs
     are allocated and nothing runs (nor is Triton imported), so FakeTensorMode measures the memory of this path on
@@ -171,7 +177,7 @@ class TritonSelection:
         self.blocks = blocks._replace(start=blocks.start.contiguous(), end=blocks.end.contiguous())  # (R, NB)
         self.n_blocks = blocks.start.shape[1]  # blocks a query of this call can select
         self.tables = (KV, self.n_blocks if blocks.start.shape[0] > 1 else 0)  # (KV, the tables' row stride)
-        qb = max(1, _PAIR_ROWS // G)  # whole queries of G rows per tile: 16 x 4 = 64 rows at G = 4
+        qb = queries_per_tile(G)  # whole queries of G rows per tile: 16 x 4 = 64 rows at G = 4
         self.used = idx <= blocks.own[:, None, :, None]  # (B, KV, Q, n): a slot after the own block is unused
         self.union, self.count = _union_by_tile(idx, self.used, qb)
         self.meta = dict(G=G, D=D, L_SEL=blocks.size, QB=qb, BLOCK_R=_tile(qb * G), BLOCK_D=_tile(D), **_precision(q))

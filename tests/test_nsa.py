@@ -965,3 +965,27 @@ def test_tiny_nsa_model_trains():
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
     assert all(math.isfinite(v) for v in losses)
+
+
+def test_the_benchmark_s_u_counts_the_blocks_a_tile_of_queries_walks():
+    """benchmarks/bench_nsa_gpu.py's U (the cost model's input): a tile's distinct selected blocks over n, read
+    from the Triton path's own union: 1 when a tile's queries agree, qb when they share none."""
+    pytest.importorskip("triton")
+    import runpy
+
+    from nsa.triton_path import BlockTable, TritonSelection, queries_per_tile
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "bench_nsa_gpu.py"))
+    G, n, l_sel = 4, 2, 4
+    qb = queries_per_tile(G)
+    Q = qb  # one tile, every query in the last block (all blocks before it usable)
+    q_start = 2 * qb * n * l_sel
+    blocks = BlockTable.uniform(q_start, Q, l_sel, torch.device("cpu"))
+    q = torch.randn(1, 1, G * Q, 8)
+    kv = torch.randn(1, 1, q_start + Q, 8)
+    agree = torch.tensor([0, 1]).expand(1, 1, Q, n)
+    disjoint = torch.arange(Q * n).view(1, 1, Q, n)
+    with bench["union_sizes"]() as sizes:
+        for idx in (agree, disjoint):
+            TritonSelection(q, kv, kv, blocks, idx.contiguous(), q_start, 1.0)
+    assert sizes == [1.0, float(qb)]
